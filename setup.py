@@ -1,0 +1,71 @@
+"""verl_mcore: RL post-training (PPO, GRPO, ...) on megatron-core as an HPC batch system.
+
+The CUDA extension (csrc/) is built only when both a CUDA toolkit and a CUDA build of torch are
+present; otherwise the package installs pure-Python and `verl_mcore.ops` uses its torch reference.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.6",
+    "megatron-core==0.16.1",
+    "pyarrow>=14",
+    "pyyaml>=6",
+    "numpy>=1.24",
+    "transformers>=4.45",
+    "safetensors>=0.4",
+    "tqdm>=4.60",
+    # megatron-core's dist_checkpointing imports psutil without declaring it.
+    "psutil>=5.9",
+]
+EXTRAS = {
+    "gpu": ["vllm", "transformer-engine[pytorch]", "flash-attn"],
+    "mpi": ["mpi4py>=3.1"],
+    "track": ["tensorboard", "wandb"],
+    "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7"],
+}
+
+
+def cuda_extensions():
+    """The csrc/ extension, or [] with one clear message when CUDA is not available."""
+    if os.environ.get("VERL_MCORE_NO_CUDA_EXT") == "1":
+        print("verl_mcore: VERL_MCORE_NO_CUDA_EXT=1, not building the CUDA extension")
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("verl_mcore: torch not importable at build time; CUDA extension skipped")
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        print("verl_mcore: no CUDA build of torch or no CUDA toolkit; CUDA extension skipped "
+              "(verl_mcore.ops falls back to its torch reference)")
+        return [], {}
+    sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith((".cu", ".cpp")))
+    if not sources:
+        return [], {}
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    ext = CUDAExtension(
+        name="verl_mcore._C",
+        sources=sources,
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_extensions()
+
+setup(
+    name="verl_mcore",
+    version="0.1.0",
+    description="RL post-training for LLMs on megatron-core, launched by Slurm/torchrun/mpirun",
+    packages=find_packages(include=["verl_mcore", "verl_mcore.*", "tools", "tools.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    include_package_data=True,
+)
