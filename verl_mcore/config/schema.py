@@ -1,0 +1,266 @@
+"""The config schema: one tree of typed dataclasses. YAML is only an input format.
+
+Batch sizes, in one place (verl's conventions, which RLHF users already know):
+  data.train_batch_size        prompts per training step, global (all ranks together)
+  rollout.n                    responses sampled per prompt -> samples per step = prompts × n
+  actor.ppo_mini_batch_size    prompts per optimizer step, global: each step's samples are cut into
+                               train_batch_size / ppo_mini_batch_size mini-batches per PPO epoch
+  actor.micro_batch_size_per_gpu  samples per forward/backward on one rank (padded path), or
+  actor.max_tokens_per_microbatch tokens per forward/backward on one rank (packed path; when set
+                               it replaces micro_batch_size_per_gpu and micro-batches are formed by
+                               this token budget, balanced across ranks)
+Every "per_gpu" size is per data-parallel rank; everything else is global.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass
+class ModelConfig:
+    # Hugging Face directory (or hub id when online): converted on the fly and sharded straight
+    # into each rank's TP/PP slice. Exactly one of path / checkpoint is the weight source; with
+    # both, `checkpoint` (a dist checkpoint from tools/convert_hf) supplies the weights and
+    # `path` the HF config and tokenizer.
+    path: Optional[str] = None
+    checkpoint: Optional[str] = None
+    tokenizer: Optional[str] = None  # defaults to `path`
+    trust_remote_code: bool = False
+    # Pad the vocabulary to a multiple of this × TP (Megatron's make-vocab-size-divisible-by).
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class ParallelConfig:
+    """Training layout. DP is derived: world / (TP × PP × CP)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class LogprobCheckConfig:
+    """After each weight update, compare engine and trainer log-probs of a few sampled sequences."""
+
+    enable: bool = True
+    num_sequences: int = 4
+    max_abs_diff: float = 0.5  # the run stops above this (max over tokens)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["native", "vllm"] = "native"
+    tensor_parallel_size: int = 1  # TP_g, generation layout; must divide training TP
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    seed: int = 0
+    # Generation engine memory: fraction of the free GPU memory for the KV cache (GPU only).
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 256  # sequences decoded together; finished slots are refilled
+    keep_weights_buffer: bool = False  # keep the generation weight buffer between steps
+    logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
+    # Validation sampling
+    val_n: int = 1
+    val_temperature: float = 0.0  # 0: greedy
+
+
+@dataclass
+class CustomClassConfig:
+    path: Optional[str] = None  # a Python file
+    name: Optional[str] = None  # the class or function in it
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    # What to do with a prompt longer than max_prompt_length (in tokens, after the chat template).
+    truncation: Literal["error", "filter", "truncate_left", "truncate_right"] = "error"
+    on_bad_row: Literal["error", "skip"] = "error"
+    apply_chat_template: bool = True
+    train_batch_size: int = 8  # prompts per step, global
+    val_batch_size: Optional[int] = None  # default: all validation prompts in one batch
+    shuffle: bool = True
+    seed: int = 1
+    custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
+
+
+@dataclass
+class RewardSourceConfig:
+    name: str = "rule"
+    weight: float = 1.0
+    type: Literal["rule", "custom", "reward_model"] = "rule"
+    path: Optional[str] = None  # custom: Python file; reward_model: HF or dist checkpoint
+    function: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    # One user function replacing the built-in dispatch (score(data_source, response, gt, extra)).
+    custom_fn: CustomClassConfig = field(default_factory=CustomClassConfig)
+    custom_fn_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Route by a column: value -> scorer name (a built-in data_source or a source name).
+    route_by: Optional[str] = None
+    routes: dict[str, str] = field(default_factory=dict)
+    default_route: Optional[str] = None
+    # Weighted sum of several sources; empty: one rule-based source.
+    sources: list[RewardSourceConfig] = field(default_factory=list)
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    fallback_score: float = 0.0
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal[
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
+    ] = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    whiten_advantages: bool = True  # GAE: masked whitening over the batch's valid tokens
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = "k1"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_warmup_steps: int = 0
+
+
+@dataclass
+class ActorConfig:
+    dtype: Dtype = "bf16"
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step, global
+    micro_batch_size_per_gpu: int = 2  # samples per forward/backward per rank (padded path)
+    max_tokens_per_microbatch: Optional[int] = None  # token budget per rank (packed path)
+    ppo_epochs: int = 1
+    policy_loss: Literal["ppo", "gspo", "reinforce", "gpg"] = "ppo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    recompute_activations: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ReferenceConfig:
+    dtype: Dtype = "bf16"
+    offload_params: bool = False  # keep parameters in host memory between uses
+
+
+@dataclass
+class CriticConfig:
+    dtype: Dtype = "fp32"
+    ppo_mini_batch_size: Optional[int] = None  # default: actor's
+    micro_batch_size_per_gpu: int = 2
+    max_tokens_per_microbatch: Optional[int] = None
+    ppo_epochs: Optional[int] = None  # default: actor's
+    cliprange_value: float = 0.5
+    warmup_steps: int = 0  # steps that update only the critic
+    recompute_activations: bool = False
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  # steps; 0: only at the end and on preemption
+    keep_last: int = 2
+    resume: Literal["auto", "never"] = "auto"
+    load_path: Optional[str] = None  # resume from this checkpoint instead of the newest
+    async_save: bool = False
+    save_optimizer: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 1
+    run_dir: str = "runs/default"
+    project: str = "verl_mcore"
+    experiment_name: str = "default"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    val_every: int = 0  # steps; 0: no validation
+    val_before_train: bool = False
+    seed: int = 42
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    collective_timeout_s: float = 1800.0
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @classmethod
+    def load(cls, path: Optional[str] = None, overrides: Optional[list[str]] = None) -> "Config":
+        """YAML file (optional) + `a.b.c=value` overrides -> a type-checked Config.
+
+        Cross-field checks that need the world size or the model shape are in
+        `verl_mcore.config.validate`; this only checks keys, types and single fields.
+        """
+        from verl_mcore.config.loading import apply_override, from_dict, load_yaml, parse_override
+
+        tree = load_yaml(path) if path else {}
+        for text in overrides or []:
+            keys, value = parse_override(text)
+            apply_override(tree, keys, value)
+        return from_dict(cls, tree)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        from verl_mcore.config.loading import to_dict
+
+        return yaml.safe_dump(to_dict(self), sort_keys=False, default_flow_style=None)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
