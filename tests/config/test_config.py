@@ -1,0 +1,143 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from verl_mcore.config import Config, ConfigError, ModelShape, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*overrides: str) -> Config:
+    base = ["model.path=/m", "data.train_files=[a.parquet]"]
+    return Config.load(None, base + list(overrides))
+
+
+def test_overrides_parse_yaml_values():
+    cfg = Config.load(None, ["trainer.logger=[console,jsonl]", "actor.optim.lr=1e-5",
+                             "rollout.n=8", "actor.use_kl_loss=true", "model.path=null",
+                             "data.train_files=x.parquet"])
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.actor.optim.lr == pytest.approx(1e-5)
+    assert cfg.rollout.n == 8 and cfg.actor.use_kl_loss is True and cfg.model.path is None
+    assert cfg.data.train_files == ["x.parquet"]
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  total_steps: 7\nrollout:\n  n: 2\n")
+    cfg = Config.load(str(f), ["rollout.n=4"])
+    assert cfg.trainer.total_steps == 7 and cfg.rollout.n == 4
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.totl_steps=3", "did you mean trainer.total_steps?"),
+    ("actor.lr=1", "did you mean actor.optim.lr?"),
+    ("tensor_model_parallel_size=2", "did you mean parallel.tensor_model_parallel_size?"),
+    ("rollout.tensor_parallel_sze=2", "did you mean rollout.tensor_parallel_size?"),
+])
+def test_unknown_key_names_closest(override, expected):
+    with pytest.raises(ConfigError, match="unknown config key") as e:
+        Config.load(None, [override])
+    assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("trainer.total_steps=abc", "trainer.total_steps: expected int, got 'abc'"),
+    ("trainer.total_steps=1.5", "trainer.total_steps: expected int, got 1.5"),
+    ("actor.use_kl_loss=maybe", "actor.use_kl_loss: expected bool"),
+    ("algorithm.adv_estimator=grpoo", "did you mean 'grpo'"),
+    ("trainer.logger=5", "trainer.logger: expected list[str], got 5"),
+    ("actor.optim=3", "actor.optim: expected a mapping"),
+])
+def test_wrong_type_names_key_type_value(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, [override])
+    assert fragment in str(e.value)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="a.b.c=value"):
+        Config.load(None, ["trainer.total_steps"])
+
+
+def test_yaml_round_trip():
+    cfg = _cfg("rollout.n=3", "reward.routes={math: lighteval/MATH}")
+    again = Config.load(None, [])
+    from verl_mcore.config.loading import from_dict
+    again = from_dict(Config, yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("world, overrides, fragments", [
+    (6, ["parallel.tensor_model_parallel_size=4"], ["world size 6 is not divisible by TP×PP×CP"]),
+    (8, ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=4"],
+     ["rollout.tensor_parallel_size=4 must divide parallel.tensor_model_parallel_size=2"]),
+    (4, ["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"],
+     ["data.train_batch_size=6 is not divisible by actor.ppo_mini_batch_size=4"]),
+    (4, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=2",
+         "actor.micro_batch_size_per_gpu=3"], ["actor.micro_batch_size_per_gpu=3"]),
+    (1, ["data.max_prompt_length=0"], ["data.max_prompt_length=0 must be positive"]),
+    (1, ["rollout.n=1", "algorithm.adv_estimator=grpo"], ["set rollout.n >= 2"]),
+    (1, ["actor.max_tokens_per_microbatch=100", "data.max_prompt_length=64",
+         "data.max_response_length=64"], ["actor.max_tokens_per_microbatch=100 is smaller"]),
+    (1, ["trainer.logger=[console,graphite]"], ["unknown tracker(s) ['graphite']"]),
+    (1, ["rollout.engine=vllm"], ["pip install vllm"]),
+])
+def test_cross_field_checks_name_fields(world, overrides, fragments):
+    cfg = _cfg("rollout.n=2", *overrides)
+    try:
+        import vllm  # noqa: F401
+        if "rollout.engine=vllm" in overrides:
+            pytest.skip("vllm is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world)
+    for fragment in fragments:
+        assert fragment in str(e.value)
+
+
+def test_model_shape_checks():
+    shape = ModelShape(num_attention_heads=12, num_key_value_heads=2, num_layers=6,
+                       vocab_size=100, hidden_size=96)
+    cfg = _cfg("rollout.n=2", "parallel.tensor_model_parallel_size=8",
+               "parallel.pipeline_model_parallel_size=4", "data.train_batch_size=1",
+               "actor.ppo_mini_batch_size=1", "actor.micro_batch_size_per_gpu=1")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 32, shape)
+    msg = str(e.value)
+    assert "12 attention heads, not divisible by parallel.tensor_model_parallel_size=8" in msg
+    assert "6 layers, not divisible by PP×VPP = 4" in msg
+
+
+def test_valid_config_passes():
+    cfg = _cfg("rollout.n=4", "parallel.tensor_model_parallel_size=2",
+               "parallel.pipeline_model_parallel_size=2", "rollout.tensor_parallel_size=2",
+               "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+               "actor.micro_batch_size_per_gpu=2")
+    validate(cfg, 8)
+
+
+def _run_train(*args):
+    return subprocess.run([sys.executable, "-m", "verl_mcore.train", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_print_config_and_typo():
+    ok = _run_train("--config", "configs/quickstart.yaml", "--print-config", "rollout.n=3")
+    assert ok.returncode == 0, ok.stderr
+    printed = yaml.safe_load(ok.stdout)
+    assert printed["rollout"]["n"] == 3 and printed["algorithm"]["adv_estimator"] == "grpo"
+    bad = _run_train("--config", "configs/quickstart.yaml", "trainer.totl_steps=3")
+    assert bad.returncode != 0
+    assert "trainer.total_steps" in bad.stderr
+
+
+def test_every_shipped_config_loads():
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        Config.load(str(path), [])

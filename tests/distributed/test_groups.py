@@ -1,0 +1,59 @@
+import pytest
+
+from tests.multiproc import run_on_ranks
+from verl_mcore.distributed.groups import GroupLayout
+
+
+def test_layout_arithmetic_tp4_pp2_gen2():
+    lay = GroupLayout(world_size=16, tp=4, pp=2, tp_gen=2)
+    assert lay.dp == 2 and lay.dp_gen == 8
+    assert lay.tp_groups()[1] == [4, 5, 6, 7]
+    assert lay.pp_groups()[0] == [0, 8]
+    assert lay.dp_groups()[0] == [0, 4] and lay.dp_groups()[4] == [8, 12]
+    assert lay.gen_tp_groups()[2] == [4, 5]
+    # micro-DP: inside training TP group [4..7], ranks holding the same TP_g slice
+    assert [4, 6] in lay.micro_dp_groups() and [5, 7] in lay.micro_dp_groups()
+    assert lay.coords(13) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1, "tp_gen": 1, "dp_gen": 6}
+    # every rank is in exactly one group of each kind
+    for groups in (lay.tp_groups(), lay.pp_groups(), lay.dp_groups(), lay.gen_tp_groups(),
+                   lay.gen_dp_groups(), lay.micro_dp_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(16))
+
+
+def _build(rank, world_size, tp, pp, tp_gen):
+    import torch
+    import torch.distributed as dist
+
+    from verl_mcore.config import Config
+    from verl_mcore.distributed import cpu_compat
+    from verl_mcore.distributed.groups import build_groups, destroy_groups
+
+    cpu_compat.install()
+    cfg = Config.load(None, [f"parallel.tensor_model_parallel_size={tp}",
+                             f"parallel.pipeline_model_parallel_size={pp}",
+                             f"rollout.tensor_parallel_size={tp_gen}"])
+    g = build_groups(cfg)
+    out = {}
+    for name, group in [("tp", g.train.tp), ("pp", g.train.pp), ("dp", g.train.dp),
+                        ("gen_tp", g.gen_tp), ("gen_dp", g.gen_dp), ("micro_dp", g.micro_dp)]:
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, rank, group=group)
+        out[name] = members
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=g.gen_tp)
+    out["gen_tp_sum"] = t.item()
+    destroy_groups()
+    return out
+
+
+@pytest.mark.distributed
+def test_build_groups_matches_layout_on_4_ranks():
+    results = run_on_ranks(_build, 4, args=(2, 2, 1), timeout=180)
+    lay = GroupLayout(4, tp=2, pp=2, tp_gen=1)
+    for rank, r in enumerate(results):
+        assert r["tp"] in lay.tp_groups() and rank in r["tp"]
+        assert r["pp"] in lay.pp_groups() and rank in r["pp"]
+        assert r["dp"] == [rank]
+        assert r["gen_tp"] == [rank] and r["gen_dp"] == [0, 1, 2, 3]
+        assert r["micro_dp"] in lay.micro_dp_groups() and len(r["micro_dp"]) == 2
+        assert r["gen_tp_sum"] == rank

@@ -1,0 +1,70 @@
+"""Entry point, run on every rank: `python -m verl_mcore.train --config FILE [a.b=c ...]`.
+
+config -> launch environment -> torch.distributed -> process groups -> Trainer -> fit.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from verl_mcore.config import Config, ConfigError, ModelShape, validate
+
+log = logging.getLogger("verl_mcore.train")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m verl_mcore.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the fully resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
+                        help="config overrides, values parsed as YAML (lists: key=[a,b])")
+    return parser.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    return Config.load(args.config, args.overrides)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+
+    from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
+
+    info = detect_launch()
+    setup_logging(info.rank)
+    try:
+        shape = ModelShape.from_hf_dir(cfg.model.path) if cfg.model.path else None
+        validate(cfg, info.world_size, shape)
+    except ConfigError as e:
+        # Every rank reaches the same verdict from the same inputs; rank 0 says it once.
+        if info.rank == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        return 2
+    init_distributed(info, cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    if info.rank == 0:
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
+            f.write(cfg.to_yaml())
+    try:
+        from verl_mcore.trainer import Trainer
+    except ImportError:
+        log.error("verl_mcore.trainer is not implemented yet (issue 8): this build can load and "
+                  "validate configs (--print-config) and set up process groups, not train")
+        return 3
+    return Trainer(cfg, launch=info).fit()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
