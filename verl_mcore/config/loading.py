@@ -115,7 +115,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected one of {_type_name(tp)}, got {value!r}{hint}")
     if origin is list:
         (item,) = get_args(tp)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and item is str:
+        if isinstance(value, str) and item is str:
             value = [value]  # `data.train_files=a.parquet` means a one-element list
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")

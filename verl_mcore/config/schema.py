@@ -259,7 +259,7 @@ class Config:
 
         from verl_mcore.config.loading import to_dict
 
-        return yaml.safe_dump(to_dict(self), sort_keys=False, default_flow_style=None)
+        return yaml.safe_dump(to_dict(self), sort_keys=False, default_flow_style=False)
 
     @property
     def uses_critic(self) -> bool:
