@@ -1,0 +1,60 @@
+"""PreemptionGuard: a signal on one rank stops every rank after the same step."""
+import os
+import signal
+
+import pytest
+
+from tests.multiproc import run_on_ranks
+from verl_mcore.distributed.preemption import EXIT_PREEMPTED, MARKER_ENV, PreemptionGuard
+
+
+def _run_steps(rank, world_size, signal_rank, signal_step, signum, total_steps):
+    """Each rank runs steps; `signal_rank` signals itself during `signal_step`."""
+    guard = PreemptionGuard().install()
+    try:
+        stopped_at = None
+        for step in range(total_steps):
+            if rank == signal_rank and step == signal_step:
+                os.kill(os.getpid(), signum)  # delivered like Slurm's: the process keeps running
+            if guard.should_stop():
+                stopped_at = step
+                break
+        return {"stopped_at": stopped_at, "received": guard.received}
+    finally:
+        guard.uninstall()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("signal_rank, signum", [(2, signal.SIGUSR1), (0, signal.SIGTERM)])
+def test_one_signalled_rank_stops_all_at_same_step(signal_rank, signum):
+    results = run_on_ranks(_run_steps, 4, args=(signal_rank, 3, signum, 10), timeout=60)
+    assert [r["stopped_at"] for r in results] == [3, 3, 3, 3]
+    for rank, r in enumerate(results):
+        assert r["received"] == (signum if rank == signal_rank else None)
+
+
+@pytest.mark.distributed
+def test_no_signal_never_stops():
+    results = run_on_ranks(_run_steps, 4, args=(-1, 0, signal.SIGUSR1, 5), timeout=60)
+    assert [r["stopped_at"] for r in results] == [None] * 4
+
+
+def test_single_process_flag_and_marker(tmp_path, monkeypatch):
+    marker = tmp_path / "preempted"
+    monkeypatch.setenv(MARKER_ENV, str(marker))
+    guard = PreemptionGuard().install()
+    try:
+        assert not guard.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert guard.requested and guard.should_stop() and guard.should_stop()
+    finally:
+        guard.uninstall()
+    assert guard.preempted_exit(step=7, rank=0) == EXIT_PREEMPTED
+    assert marker.read_text() == "7\n"
+    # Handlers restored: SIGUSR1 is back to its previous disposition.
+    assert signal.getsignal(signal.SIGUSR1) is not guard._handle
+
+
+def test_exit_code_is_not_a_common_one():
+    # 1/2: Python, 3: train.py without trainer, 124: timeout, 126/127: shell, >128: signals.
+    assert EXIT_PREEMPTED not in {0, 1, 2, 3, 124, 126, 127, 255} and EXIT_PREEMPTED < 126

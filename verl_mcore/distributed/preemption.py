@@ -1,0 +1,126 @@
+"""Stop cleanly when the scheduler says time is up: SIGUSR1 / SIGTERM -> checkpoint -> requeue.
+
+Slurm warns a job before its time limit with the signal named in `#SBATCH --signal` (our scripts
+use USR1), and preempts or cancels it with SIGTERM followed, KillWait seconds later, by SIGKILL.
+The trainer's side of the protocol:
+
+    guard = PreemptionGuard().install()          # once, on every rank, before the loop
+    for step in ...:
+        trainer.step()
+        if guard.should_stop():                  # collective: every rank calls it every step
+            save_checkpoint(step)
+            return guard.preempted_exit(step)    # EXIT_PREEMPTED; sys.exit() it from main
+
+The signal handler only sets a flag: doing work inside a Python signal handler would run it at an
+arbitrary bytecode, possibly in the middle of a collective. `should_stop()` all-reduces the flags
+(MAX) so that one rank receiving the signal is enough and all ranks stop after the *same* step;
+a rank that acted on its own flag would leave the others waiting in the next step's collectives.
+
+The launcher (scripts/slurm/launch.sh) turns EXIT_PREEMPTED into `scontrol requeue`; on the
+rerun `checkpoint.resume=auto` picks up the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Iterable, Optional
+
+log = logging.getLogger(__name__)
+
+# "Preempted, checkpoint written: requeue me." 75 is EX_TEMPFAIL in BSD sysexits.h ("temporary
+# failure; the user is invited to retry"), which is exactly the meaning. It is not produced by
+# Python (1 for an uncaught exception, 2 for usage errors), by our train.py (2 config error,
+# 3 no trainer), by torchrun (1), by the shell (126, 127, 128+N for signal N, e.g. 143 for
+# SIGTERM, 137 for SIGKILL), by `timeout` (124) or by srun (which passes task codes through and
+# uses 1 / 253 / 255 for its own failures). scripts/slurm/launch.sh repeats this number.
+EXIT_PREEMPTED = 75
+
+# torchrun replaces a worker's exit code by its own (1), so the code alone cannot reach the batch
+# script in torchrun mode. When the launcher sets this variable to a path, rank 0 also writes
+# that file ("<step>\n") just before exiting with EXIT_PREEMPTED.
+MARKER_ENV = "VERL_MCORE_PREEMPT_MARKER"
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionGuard:
+    """Signal flag + a cross-rank agreement on when to stop.
+
+    `group`: the process group to agree over (None: the default group, i.e. all ranks; it must
+    contain every rank, since all must stop together). Without torch.distributed initialised the
+    local flag decides alone (single-process runs).
+    """
+
+    def __init__(self, group=None, signals: Iterable[int] = DEFAULT_SIGNALS):
+        self.group = group
+        self.signals = tuple(signals)
+        self.received: Optional[int] = None  # the first signal number seen on this rank
+        self._previous: dict[int, object] = {}
+        self._stop_agreed = False
+
+    def install(self) -> "PreemptionGuard":
+        """Install the handlers (main thread only, as Python requires); returns self."""
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        # Only record: the trainer acts at the next step boundary.
+        if self.received is None:
+            self.received = signum
+
+    @property
+    def requested(self) -> bool:
+        """This rank's flag (no communication). Use should_stop() for the decision."""
+        return self.received is not None
+
+    def should_stop(self) -> bool:
+        """True on every rank if any rank received a signal. Collective: call on all ranks.
+
+        One all-reduce of a single integer over `group`; once true it stays true without
+        communicating again (all ranks saw the same result, so they stay in step).
+        """
+        if self._stop_agreed:
+            return True
+        local = 1 if self.requested else 0
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            import torch
+
+            device = "cpu"
+            if dist.get_backend(self.group) == "nccl":
+                device = f"cuda:{torch.cuda.current_device()}"
+            flag = torch.tensor([local], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            local = int(flag.item())
+        self._stop_agreed = bool(local)
+        if self._stop_agreed:
+            name = signal.Signals(self.received).name if self.received else "a signal on another rank"
+            log.warning("preemption requested (%s): stopping at this step boundary", name)
+        return self._stop_agreed
+
+    def preempted_exit(self, step: int, rank: Optional[int] = None) -> int:
+        """Call after the checkpoint is complete; returns EXIT_PREEMPTED for sys.exit().
+
+        Writes the launcher's marker file (rank 0 only) when MARKER_ENV is set.
+        """
+        path = os.environ.get(MARKER_ENV)
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if path and rank == 0:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{step}\n")
+            os.replace(tmp, path)  # the launcher never sees a half-written marker
+        log.warning("checkpoint of step %d written; exiting with %d (EXIT_PREEMPTED) to be requeued",
+                    step, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
