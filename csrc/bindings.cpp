@@ -1,0 +1,142 @@
+// torch binding of the csrc/ kernels: checks arguments, allocates outputs, launches on the stream
+// the caller passes (verl_mcore.ops passes torch.cuda.current_stream().cuda_stream). The only file
+// of csrc/ that includes torch, and only its device-generic headers, so that CI machines with a CPU
+// build of torch can compile it too (the .cu files include no torch at all).
+#include <c10/core/DeviceGuard.h>
+#include <cuda_runtime.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+#include <tuple>
+
+#include "kernels.h"
+
+namespace {
+
+using at::Tensor;
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "verl_mcore._C.", what, ": CUDA error: ", cudaGetErrorString(err));
+}
+
+void check_on_device(const Tensor& t, const char* name, const Tensor& like, const char* op) {
+  TORCH_CHECK(t.is_cuda(), "verl_mcore._C.", op, ": ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == like.device(), "verl_mcore._C.", op, ": ", name, " is on ", t.device(),
+              " but the other inputs are on ", like.device());
+}
+
+cudaStream_t to_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)); }
+
+verl_mcore::LogitsDtype logits_dtype(const Tensor& logits, const char* op) {
+  switch (logits.scalar_type()) {
+    case at::kFloat: return verl_mcore::LogitsDtype::kFloat32;
+    case at::kBFloat16: return verl_mcore::LogitsDtype::kBFloat16;
+    case at::kHalf: return verl_mcore::LogitsDtype::kFloat16;
+    default:
+      TORCH_CHECK(false, "verl_mcore._C.", op, ": logits must be float32, bfloat16 or float16, got ",
+                  logits.scalar_type());
+  }
+}
+
+// rewards, values: float32 [batch, T]; mask: bool/uint8 or float32 [batch, T].
+// Returns (advantages, returns), float32 [batch, T].
+std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, double gamma, double lam, int64_t stream) {
+  TORCH_CHECK(rewards.dim() == 2, "verl_mcore._C.gae: rewards must be [batch, T], got shape ", rewards.sizes());
+  TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
+              "verl_mcore._C.gae: rewards ", rewards.sizes(), ", values ", values.sizes(), " and mask ",
+              mask.sizes(), " must have the same shape");
+  check_on_device(rewards, "rewards", rewards, "gae");
+  check_on_device(values, "values", rewards, "gae");
+  check_on_device(mask, "mask", rewards, "gae");
+  TORCH_CHECK(rewards.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "verl_mcore._C.gae: rewards and values must be float32");
+  verl_mcore::MaskDtype mask_dtype;
+  if (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte) {
+    mask_dtype = verl_mcore::MaskDtype::kBool;
+  } else {
+    TORCH_CHECK(mask.scalar_type() == at::kFloat, "verl_mcore._C.gae: mask must be bool, uint8 or float32, got ",
+                mask.scalar_type());
+    mask_dtype = verl_mcore::MaskDtype::kFloat32;
+  }
+  const c10::DeviceGuard guard(rewards.device());
+  rewards = rewards.contiguous();
+  values = values.contiguous();
+  mask = mask.contiguous();
+  const int64_t B = rewards.size(0), T = rewards.size(1);
+  Tensor adv = at::empty_like(rewards);
+  Tensor ret = at::empty_like(rewards);
+  const size_t ws_bytes = verl_mcore::gae_workspace_bytes(B, T);
+  Tensor ws;
+  if (ws_bytes > 0) ws = at::zeros({int64_t(ws_bytes)}, rewards.options().dtype(at::kByte));
+  check_cuda(verl_mcore::gae_launch(rewards.data_ptr<float>(), values.data_ptr<float>(), mask.data_ptr(), mask_dtype,
+                                    adv.data_ptr<float>(), ret.data_ptr<float>(), B, T, float(gamma), float(lam),
+                                    ws_bytes > 0 ? ws.data_ptr() : nullptr, to_stream(stream)),
+             "gae");
+  return {adv, ret};
+}
+
+Tensor rows_with_unit_stride(const Tensor& logits) {
+  return logits.stride(1) == 1 ? logits : logits.contiguous();
+}
+
+// logits: [tokens, V_local]; target: int64 [tokens]. Returns float32 [tokens, 4] local statistics
+// (see csrc/kernels.h).
+Tensor lpe_forward(Tensor logits, Tensor target, int64_t vocab_start, double inv_temp, int64_t stream) {
+  TORCH_CHECK(logits.dim() == 2, "verl_mcore._C.lpe_forward: logits must be [tokens, V_local], got ", logits.sizes());
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "verl_mcore._C.lpe_forward: target must be [",
+              logits.size(0), "], got ", target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong, "verl_mcore._C.lpe_forward: target must be int64");
+  check_on_device(logits, "logits", logits, "lpe_forward");
+  check_on_device(target, "target", logits, "lpe_forward");
+  const auto dtype = logits_dtype(logits, "lpe_forward");
+  const c10::DeviceGuard guard(logits.device());
+  logits = rows_with_unit_stride(logits);
+  target = target.contiguous();
+  Tensor stats = at::empty({logits.size(0), 4}, logits.options().dtype(at::kFloat));
+  check_cuda(verl_mcore::lpe_forward_launch(logits.data_ptr(), dtype, logits.stride(0), target.data_ptr<int64_t>(),
+                                            logits.size(0), logits.size(1), vocab_start, float(inv_temp),
+                                            stats.data_ptr<float>(), to_stream(stream)),
+             "lpe_forward");
+  return stats;
+}
+
+// Returns grad_logits [tokens, V_local] in the logits' dtype. logZ, Ez, g_logp, g_ent: float32 [tokens].
+Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double inv_temp, Tensor logZ, Tensor Ez,
+                    Tensor g_logp, Tensor g_ent, int64_t stream) {
+  TORCH_CHECK(logits.dim() == 2, "verl_mcore._C.lpe_backward: logits must be [tokens, V_local], got ", logits.sizes());
+  const int64_t N = logits.size(0);
+  const char* names[] = {"target", "logZ", "Ez", "g_logp", "g_ent"};
+  Tensor* per_token[] = {&target, &logZ, &Ez, &g_logp, &g_ent};
+  for (int i = 0; i < 5; ++i) {
+    TORCH_CHECK(per_token[i]->dim() == 1 && per_token[i]->size(0) == N, "verl_mcore._C.lpe_backward: ", names[i],
+                " must be [", N, "], got ", per_token[i]->sizes());
+    check_on_device(*per_token[i], names[i], logits, "lpe_backward");
+    TORCH_CHECK(per_token[i]->scalar_type() == (i == 0 ? at::kLong : at::kFloat),
+                "verl_mcore._C.lpe_backward: ", names[i], " must be ", i == 0 ? "int64" : "float32");
+    *per_token[i] = per_token[i]->contiguous();
+  }
+  check_on_device(logits, "logits", logits, "lpe_backward");
+  const auto dtype = logits_dtype(logits, "lpe_backward");
+  const c10::DeviceGuard guard(logits.device());
+  logits = rows_with_unit_stride(logits);
+  Tensor grad = at::empty({N, logits.size(1)}, logits.options());
+  check_cuda(verl_mcore::lpe_backward_launch(logits.data_ptr(), dtype, logits.stride(0), target.data_ptr<int64_t>(),
+                                             N, logits.size(1), vocab_start, float(inv_temp), logZ.data_ptr<float>(),
+                                             Ez.data_ptr<float>(), g_logp.data_ptr<float>(), g_ent.data_ptr<float>(),
+                                             grad.data_ptr(), grad.stride(0), to_stream(stream)),
+             "lpe_backward");
+  return grad;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "verl_mcore CUDA kernels (csrc/); use them through verl_mcore.ops";
+  m.def("gae", &gae, "batched masked GAE: (rewards, values, mask, gamma, lam, stream) -> (advantages, returns)");
+  m.def("lpe_forward", &lpe_forward, "local log-prob/entropy statistics of vocab-parallel logits");
+  m.def("lpe_backward", &lpe_backward, "grad-logits of log-prob and entropy from saved statistics");
+}

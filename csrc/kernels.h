@@ -1,0 +1,50 @@
+// Launchers for the verl_mcore CUDA kernels.
+//
+// The .cu files include only CUDA headers (no torch), so CI machines with nvcc but a CPU build of
+// torch can compile them; csrc/bindings.cpp is the one file that talks to torch. Every launcher
+// enqueues on `stream` and returns the launch's cudaError_t (cudaGetLastError after the launch).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace verl_mcore {
+
+// Element types of the logits (and of the grad-logits the backward writes).
+enum class LogitsDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Element types of the GAE mask: 1 byte (bool / uint8) or float32; nonzero means "valid token".
+enum class MaskDtype : int { kBool = 0, kFloat32 = 1 };
+
+// ---------------------------------------------------------------------------------------------
+// GAE. rewards, values, mask, advantages, returns: [batch, T], contiguous rows.
+// Reverse recurrence over valid positions (mask != 0); masked positions carry the next valid
+// value and advantage through and get advantage = return = 0.
+// `workspace` must hold gae_workspace_bytes(batch, T) bytes, zeroed before the launch
+// (look-back flags and the tile counter of the chunked scan; may be null when that is 0).
+size_t gae_workspace_bytes(int64_t batch, int64_t T);
+cudaError_t gae_launch(const float* rewards, const float* values, const void* mask, MaskDtype mask_dtype,
+                       float* advantages, float* returns, int64_t batch, int64_t T, float gamma, float lam,
+                       void* workspace, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Vocab-parallel log-prob + entropy, local (per-shard) statistics.
+// logits: [tokens, V_local] with row stride `row_stride` elements (unit column stride).
+// target: [tokens] int64 global vocabulary ids; this shard holds [vocab_start, vocab_start + V_local).
+// stats:  [tokens, 4] float32, per token in the temperature-scaled domain z = logits * inv_temp:
+//         (m = local max of z, s = sum exp(z - m), sd = sum exp(z - m) * (z - m), z_target or 0).
+cudaError_t lpe_forward_launch(const void* logits, LogitsDtype dtype, int64_t row_stride, const int64_t* target,
+                               int64_t tokens, int64_t vocab_local, int64_t vocab_start, float inv_temp,
+                               float* stats, cudaStream_t stream);
+
+// Backward: grad_logits[i, j] = inv_temp * (g_logp[i] * (1[j == target_i] - p_ij)
+//                                          - g_ent[i] * p_ij * (z_ij - Ez[i])),
+// p_ij = exp(z_ij - logZ[i]); logZ and Ez are the global (all shards) statistics, float32 [tokens].
+// grad_logits has the logits' dtype and row stride `grad_row_stride`.
+cudaError_t lpe_backward_launch(const void* logits, LogitsDtype dtype, int64_t row_stride, const int64_t* target,
+                                int64_t tokens, int64_t vocab_local, int64_t vocab_start, float inv_temp,
+                                const float* logZ, const float* Ez, const float* g_logp, const float* g_ent,
+                                void* grad_logits, int64_t grad_row_stride, cudaStream_t stream);
+
+}  // namespace verl_mcore
