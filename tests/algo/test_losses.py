@@ -1,0 +1,180 @@
+import math
+
+import pytest
+import torch
+
+from tests.algo import reference as ref
+from tests.algo.loss_inputs import AGG_MODES, loss_batch, run_loss
+from verl_mcore.algo.aggregation import LossDenominators, aggregate_loss, global_denominators
+from verl_mcore.algo.policy_loss import (
+    POLICY_LOSSES,
+    PolicyLossParams,
+    compute_policy_loss,
+    entropy_bonus,
+    ppo_loss,
+    should_compute_entropy,
+)
+from verl_mcore.algo.value_loss import value_loss
+
+SEEDS = [0, 1, 2]
+LO, HI, C = 0.2, 0.28, 3.0  # the clip settings run_loss uses
+
+
+def close(actual: torch.Tensor, expected: float, tol=1e-10):
+    assert math.isfinite(actual.item())
+    assert abs(actual.item() - expected) <= tol * max(1.0, abs(expected)), (actual.item(), expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregate_loss_matches_reference(seed, mode):
+    b = loss_batch(seed)
+    x = b["advantages"]
+    denoms = LossDenominators.of(b["mask"])
+    close(aggregate_loss(x, b["mask"], mode, denoms), ref.aggregate(ref.rows(x), b["mask"], mode, x.shape[1]))
+
+
+def test_denominators_count_only_rows_with_valid_tokens():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 0]])
+    d = global_denominators(mask)
+    assert (d.num_tokens, d.num_seqs, d.norm_len) == (3.0, 2.0, 3.0)
+    assert global_denominators(mask, norm_len=128).norm_len == 128.0
+    empty = torch.zeros(2, 4, dtype=torch.bool)
+    for mode in AGG_MODES:  # an empty mini-batch contributes 0, not NaN
+        assert aggregate_loss(torch.ones(2, 4), empty, mode, global_denominators(empty)).item() == 0.0
+
+
+def test_aggregate_loss_rejects_unknown_mode_and_shapes():
+    m = torch.ones(2, 3)
+    d = LossDenominators.of(m)
+    with pytest.raises(ValueError, match="unknown loss aggregation mode 'mean'"):
+        aggregate_loss(torch.ones(2, 3), m, "mean", d)
+    with pytest.raises(ValueError, match="same"):
+        aggregate_loss(torch.ones(2, 4), m, "token-mean", d)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_ppo_matches_reference(seed, mode):
+    b = loss_batch(seed)
+    m = b["mask"]
+    loss, diag = run_loss("ppo", b, b["log_prob"], LossDenominators.of(m), mode)
+    tok, clipped, lower = ref.ppo_tokens(b["log_prob"], b["old_log_prob"], b["advantages"], LO, HI, C)
+    close(loss, ref.aggregate(tok, m, mode, m.shape[1]))
+    close(diag["pg_clipfrac"], ref.token_mean(clipped, m))
+    close(diag["pg_clipfrac_lower"], ref.token_mean(lower, m))
+    log_ratio = (b["log_prob"] - b["old_log_prob"]).clamp(-20, 20)
+    close(diag["ppo_kl"], ref.token_mean(ref.rows(-log_ratio), m))
+    assert 0 < diag["pg_clipfrac"].item() < 1 and 0 < diag["pg_clipfrac_lower"].item() < 1, \
+        "the inputs must exercise both clips for this test to mean something"
+
+
+def test_ppo_dual_clip_and_log_ratio_clamp_by_hand():
+    # A < 0 with ratio e^25: unclipped loss = 2 * e^20 (clamped ratio), dual clip caps it at -A*c.
+    lp = torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-25.0, 0.0, -0.5, 0.5]], dtype=torch.float64)
+    a = torch.tensor([[-2.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    m = torch.ones(1, 4)
+    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=3.0)
+    loss, diag = ppo_loss(lp, old, a, m, LossDenominators.of(m), params)
+    # token 0: min(max(2 e^20, 2*1.3), 6) = 6; token 1: -1; token 2: ratio e^.5 clipped to 1.3 -> -1.3;
+    # token 3: ratio e^-.5 = 0.607 < 0.8, A > 0: max(-0.607, -0.8) = -0.607 (pessimistic, unclipped).
+    expected = (6.0 - 1.0 - 1.3 - math.exp(-0.5)) / 4
+    close(loss, expected, 1e-12)
+    assert diag["pg_clipfrac"].item() == 0.25  # token 2 (token 0's PPO term is the unclipped one)
+    assert diag["pg_clipfrac_lower"].item() == 0.25  # token 0
+    loss.backward()
+    # Only the unclipped token 1 and token 3 carry gradient -A * ratio / 4.
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -0.25, 0.0, -math.exp(-0.5) / 4]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_gspo_matches_reference_value_and_gradient(seed, mode):
+    b = loss_batch(seed)
+    m = b["mask"]
+    # Small log-ratio noise so that sequence ratios fall both inside and outside the clip range.
+    b["old_log_prob"] = b["log_prob"] + 0.15 * torch.randn(m.shape, generator=torch.Generator().manual_seed(seed),
+                                                           dtype=torch.float64)
+    lp = b["log_prob"].clone().requires_grad_(True)
+    loss, diag = run_loss("gspo", b, lp, LossDenominators.of(m), mode)
+    tok, clipped, dtok = ref.gspo_tokens(b["log_prob"], b["old_log_prob"], b["advantages"], m, LO, HI)
+    close(loss, ref.aggregate(tok, m, mode, m.shape[1]))
+    close(diag["pg_clipfrac"], ref.token_mean(clipped, m))
+    loss.backward()
+    w = ref.token_weights(m, mode, m.shape[1])
+    expected = [[w[i][t] * dtok[i][t] for t in range(m.shape[1])] for i in range(m.shape[0])]
+    torch.testing.assert_close(lp.grad, torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_reinforce_matches_reference(seed, mode):
+    b = loss_batch(seed)
+    m = b["mask"]
+    lp = b["log_prob"].clone().requires_grad_(True)
+    loss, diag = run_loss("reinforce", b, lp, LossDenominators.of(m), mode)
+    tok = ref.rows(-b["advantages"] * b["log_prob"])
+    close(loss, ref.aggregate(tok, m, mode, m.shape[1]))
+    assert diag["pg_clipfrac"].item() == 0 and diag["pg_clipfrac_lower"].item() == 0
+    loss.backward()
+    w = torch.tensor(ref.token_weights(m, mode, m.shape[1]), dtype=torch.float64)
+    torch.testing.assert_close(lp.grad, -b["advantages"] * w)
+
+
+def test_policy_loss_registry_and_param_checks():
+    assert set(POLICY_LOSSES) == {"ppo", "gspo", "reinforce", "gpg"}
+    m = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="unknown policy loss 'dpo'"):
+        compute_policy_loss("dpo", m, m, m, m, LossDenominators.of(m), PolicyLossParams())
+    with pytest.raises(ValueError, match="clip_ratio_c=1.0 must be > 1"):
+        PolicyLossParams(clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="loss_agg_mode='sum'"):
+        PolicyLossParams(agg_mode="sum")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_value_loss_matches_reference(seed, mode):
+    b = loss_batch(seed)
+    m = b["mask"]
+    loss, diag = run_loss("value", b, b["values"], LossDenominators.of(m), mode)
+    tok, clipped = ref.value_tokens(b["values"], b["old_values"], b["returns"], 0.2)
+    close(loss, ref.aggregate(tok, m, mode, m.shape[1]))
+    close(diag["vf_clipfrac"], ref.token_mean(clipped, m))
+    assert 0 < diag["vf_clipfrac"].item() < 1
+
+
+@pytest.mark.parametrize("name", ["ppo", "reinforce", "value", "kl_k1", "kl_abs", "kl_k2", "kl_k3"])
+def test_gradients_match_finite_differences(name):
+    b = loss_batch(4, batch=6, length=6)
+    key = "values" if name == "value" else "log_prob"
+    denoms = LossDenominators.of(b["mask"])
+
+    def f(x):
+        return run_loss(name, b, x, denoms, "seq-mean-token-mean")[0]
+
+    assert torch.autograd.gradcheck(f, (b[key].clone().requires_grad_(True),), eps=1e-7, atol=1e-6)
+
+
+def test_value_loss_rejects_negative_clip():
+    m = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="cliprange_value"):
+        value_loss(m, m, m, m, LossDenominators.of(m), clip_eps=-0.1)
+
+
+def test_entropy_bonus():
+    b = loss_batch(0)
+    m, ent = b["mask"], b["entropy"].clone().requires_grad_(True)
+    d = LossDenominators.of(m)
+    term, diag = entropy_bonus(ent, m, d, entropy_coeff=0.01, agg_mode="token-mean")
+    close(term, -0.01 * ref.token_mean(ref.rows(b["entropy"]), m))
+    close(diag["entropy"], ref.token_mean(ref.rows(b["entropy"]), m))
+    zero, diag0 = entropy_bonus(ent, m, d, entropy_coeff=0.0)
+    assert zero.item() == 0 and not zero.requires_grad and "entropy" in diag0
+    assert entropy_bonus(None, m, d, entropy_coeff=0.0)[1] == {}
+    with pytest.raises(ValueError, match="entropy_coeff=0.01 but no entropy"):
+        entropy_bonus(None, m, d, entropy_coeff=0.01)
+    assert should_compute_entropy(0.0, log_entropy=False) is False
+    assert should_compute_entropy(0.0, log_entropy=True) is True
+    assert should_compute_entropy(1e-3, log_entropy=False) is True
