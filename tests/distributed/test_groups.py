@@ -6,18 +6,30 @@ from verl_mcore.distributed.groups import GroupLayout
 
 def test_layout_arithmetic_tp4_pp2_gen2():
     lay = GroupLayout(world_size=16, tp=4, pp=2, tp_gen=2)
-    assert lay.dp == 2 and lay.dp_gen == 8
+    assert lay.dp == 2 and lay.dp_gen == 8 and lay.micro_dp == 2
     assert lay.tp_groups()[1] == [4, 5, 6, 7]
     assert lay.pp_groups()[0] == [0, 8]
     assert lay.dp_groups()[0] == [0, 4] and lay.dp_groups()[4] == [8, 12]
-    assert lay.gen_tp_groups()[2] == [4, 5]
-    # micro-DP: inside training TP group [4..7], ranks holding the same TP_g slice
-    assert [4, 6] in lay.micro_dp_groups() and [5, 7] in lay.micro_dp_groups()
-    assert lay.coords(13) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1, "tp_gen": 1, "dp_gen": 6}
+    # micro-DP: consecutive pairs inside a training TP group; their two TP_4 shards form a TP_2 shard
+    assert lay.micro_dp_groups()[2] == [4, 5] and lay.micro_dp_groups()[3] == [6, 7]
+    # a generation TP group takes one rank of each micro-DP group: TP_2 shards 0 and 1
+    assert [4, 6] in lay.gen_tp_groups() and [5, 7] in lay.gen_tp_groups()
+    assert lay.coords(13) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1, "tp_gen": 0, "micro_dp": 1,
+                              "dp_gen": 7}
     # every rank is in exactly one group of each kind
     for groups in (lay.tp_groups(), lay.pp_groups(), lay.dp_groups(), lay.gen_tp_groups(),
                    lay.gen_dp_groups(), lay.micro_dp_groups()):
         assert sorted(r for g in groups for r in g) == list(range(16))
+    # generation replicas: each gen TP group has members with tp_gen 0..TP_g-1 and one dp_gen
+    for g in lay.gen_tp_groups():
+        assert [lay.coords(r)["tp_gen"] for r in g] == list(range(lay.tp_gen))
+        assert len({lay.coords(r)["dp_gen"] for r in g}) == 1
+    assert sorted({lay.coords(r)["dp_gen"] for r in range(16)}) == list(range(8))
+
+
+def test_layout_gen_equals_train_tp():
+    lay = GroupLayout(world_size=4, tp=2, pp=1, tp_gen=2)
+    assert lay.gen_tp_groups() == lay.tp_groups() and lay.micro_dp_groups() == [[0], [1], [2], [3]]
 
 
 def _build(rank, world_size, tp, pp, tp_gen):
@@ -56,4 +68,5 @@ def test_build_groups_matches_layout_on_4_ranks():
         assert r["dp"] == [rank]
         assert r["gen_tp"] == [rank] and r["gen_dp"] == [0, 1, 2, 3]
         assert r["micro_dp"] in lay.micro_dp_groups() and len(r["micro_dp"]) == 2
+        assert r["micro_dp"] == lay.tp_groups()[rank // 2]
         assert r["gen_tp_sum"] == rank

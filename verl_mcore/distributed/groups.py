@@ -2,10 +2,12 @@
 
 Training layout: megatron-core `parallel_state` with TP × CP × (EP) × DP × PP in megatron's default
 order "tp-cp-ep-dp-pp", so a TP group is a run of consecutive ranks.
-Generation layout: TP_g = rollout.tensor_parallel_size, no PP, DP_g = world / TP_g. TP_g groups are
-runs of TP_g consecutive ranks, so each one lies inside one training TP group (TP_g divides TP_t),
-and the ranks of a training TP group that hold the same generation slice form a "micro-DP" group
-of size TP_t / TP_g (HybridFlow's repartition).
+Generation layout: TP_g = rollout.tensor_parallel_size, no PP, DP_g = world / TP_g, with TP_g
+dividing TP_t (k = TP_t / TP_g). Inside each training TP group, runs of k consecutive ranks are
+"micro-DP" groups: all-gathering their k training shards yields one contiguous TP_g shard (the
+same slice megatron would give that rank at TP_g). A generation TP group takes one rank from each
+micro-DP group (stride k), so its members hold the TP_g shards 0..TP_g-1 (HybridFlow's scheme;
+with PP > 1, the stages are first gathered within the pipeline group).
 """
 from __future__ import annotations
 
@@ -33,14 +35,22 @@ class GroupLayout:
     def dp_gen(self) -> int:
         return self.world_size // self.tp_gen
 
+    @property
+    def micro_dp(self) -> int:
+        return self.tp // self.tp_gen
+
     def coords(self, rank: int) -> dict[str, int]:
-        """Training coordinates of a global rank (megatron order tp-cp-dp-pp, tp fastest)."""
+        """Coordinates of a global rank: training (megatron order tp-cp-dp-pp, tp fastest) and
+        generation (tp_gen: its TP_g shard index; dp_gen: its generation replica)."""
         tp_rank = rank % self.tp
         cp_rank = (rank // self.tp) % self.cp
         dp_rank = (rank // (self.tp * self.cp)) % self.dp
         pp_rank = rank // (self.tp * self.cp * self.dp)
+        k = self.micro_dp
+        replica_in_tp_group = tp_rank % k
         return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank,
-                "tp_gen": rank % self.tp_gen, "dp_gen": rank // self.tp_gen}
+                "tp_gen": tp_rank // k, "micro_dp": replica_in_tp_group,
+                "dp_gen": (rank // self.tp) * k + replica_in_tp_group}
 
     def tp_groups(self) -> list[list[int]]:
         return [list(range(s, s + self.tp)) for s in range(0, self.world_size, self.tp)]
@@ -58,18 +68,18 @@ class GroupLayout:
         return groups
 
     def gen_tp_groups(self) -> list[list[int]]:
-        return [list(range(s, s + self.tp_gen)) for s in range(0, self.world_size, self.tp_gen)]
+        k = self.micro_dp
+        return [tp_group[j::k] for tp_group in self.tp_groups() for j in range(k)]
 
     def gen_dp_groups(self) -> list[list[int]]:
-        return [list(range(i, self.world_size, self.tp_gen)) for i in range(self.tp_gen)]
+        """Ranks holding the same TP_g shard: one per generation replica."""
+        return [[r for r in range(self.world_size) if self.coords(r)["tp_gen"] == g]
+                for g in range(self.tp_gen)]
 
     def micro_dp_groups(self) -> list[list[int]]:
-        """Within each training TP group: ranks whose TP_g rank is the same (size TP_t / TP_g)."""
-        out = []
-        for tp_group in self.tp_groups():
-            for j in range(self.tp_gen):
-                out.append(tp_group[j::self.tp_gen])
-        return out
+        """Runs of k = TP_t / TP_g consecutive ranks inside each training TP group."""
+        k = self.micro_dp
+        return [tp_group[i:i + k] for tp_group in self.tp_groups() for i in range(0, self.tp, k)]
 
 
 @dataclass(frozen=True)
