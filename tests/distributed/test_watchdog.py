@@ -1,0 +1,129 @@
+"""Watchdog: a hung collective ends every rank with its phase/operation/step within the timeout."""
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import free_port
+from verl_mcore.distributed.watchdog import (EXIT_COLLECTIVE_TIMEOUT, Watchdog,
+                                             process_group_timeout)
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 3.0
+
+
+def _hang_main() -> None:
+    """One rank of the hang program (run in a subprocess with RANK/WORLD_SIZE/MASTER_* set).
+
+    Rank 0 enters an all_reduce; rank 1 is stuck in another phase and never joins it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=process_group_timeout(TIMEOUT_S))
+    wd = Watchdog(TIMEOUT_S, rank=rank).start()
+    dist.barrier()  # both ranks are up: the clock starts now
+    print(f"entering {time.time():.3f}", flush=True)
+    with wd.phase("step", step=12):
+        if rank == 0:
+            with wd.phase("actor_update", op="all_reduce grads"):
+                dist.all_reduce(torch.ones(4))
+        else:
+            with wd.phase("compute_rewards", op="reward function"):
+                time.sleep(120)
+    print("finished without the watchdog", flush=True)
+
+
+@pytest.mark.distributed
+def test_hung_collective_reports_phase_on_every_rank():
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    code = "from tests.distributed.test_watchdog import _hang_main; _hang_main()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank outlived the watchdog by far (90 s)")
+        outs.append((p.returncode, out, err, time.time()))
+    expected = {0: "phase 'actor_update', operation 'all_reduce grads', step 12 inside step",
+                1: "phase 'compute_rewards', operation 'reward function', step 12 inside step"}
+    for rank, (rc, out, err, ended) in enumerate(outs):
+        assert rc == EXIT_COLLECTIVE_TIMEOUT, f"rank {rank}: exit {rc}\n{err}"
+        assert f"[rank {rank}] WATCHDOG" in err and expected[rank] in err, err
+        assert "finished without the watchdog" not in out
+        entered = float(out.split("entering ")[1].split()[0])
+        # Fires after the timeout, within a few polls of it (ended is an upper bound: rank 1 is
+        # collected after rank 0).
+        assert TIMEOUT_S <= ended - entered < TIMEOUT_S + 5, (rank, ended - entered)
+
+
+def _recorder():
+    fired = []
+    return fired, (lambda msg: fired.append((time.monotonic(), msg)))
+
+
+def test_progress_resets_and_idle_outside_phases():
+    fired, on_expire = _recorder()
+    wd = Watchdog(0.5, rank=3, on_expire=on_expire, poll_s=0.05, stream=io.StringIO(),
+                  dump_stacks=False).start()
+    try:
+        time.sleep(0.8)  # no phase: idle
+        assert not fired
+        with wd.phase("generate", step=4):
+            for _ in range(8):  # 0.8 s in one phase, but beating
+                time.sleep(0.1)
+                wd.beat()
+            for op in ["a", "b", "c", "d", "e", "f"]:
+                time.sleep(0.15)
+                wd.set_op(op)
+        assert not fired
+        start = time.monotonic()
+        with wd.phase("checkpoint", op="save", timeout_s=0.2):
+            time.sleep(0.6)
+        assert len(fired) == 1
+        assert fired[0][0] - start < 0.2 + 0.2
+        assert fired[0][1].startswith("[rank 3] WATCHDOG")
+        assert "phase 'checkpoint', operation 'save', step" not in fired[0][1]  # no step given
+        assert "phase 'checkpoint', operation 'save'" in fired[0][1]
+    finally:
+        wd.stop()
+
+
+def test_nested_phase_inherits_step_and_current():
+    wd = Watchdog(10, rank=0)
+    assert wd.current() is None
+    with wd.phase("step", step=7):
+        with wd.phase("actor_update", op="fwd_bwd"):
+            assert wd.current() == "phase 'actor_update', operation 'fwd_bwd', step 7"
+            wd.set_op("optimizer")
+            assert wd.current() == "phase 'actor_update', operation 'optimizer', step 7"
+        assert wd.current() == "phase 'step', step 7"
+    assert wd.current() is None
+
+
+def test_phase_left_by_exception_is_logged(caplog):
+    wd = Watchdog(10, rank=5)
+    with pytest.raises(RuntimeError):
+        with wd.phase("score", step=2, op="ref log-probs"):
+            raise RuntimeError("boom")
+    assert "rank 5: phase 'score', operation 'ref log-probs', step 2 raised RuntimeError: boom" \
+        in caplog.text
+    assert wd.current() is None
+
+
+def test_bad_timeout_and_pg_margin():
+    with pytest.raises(ValueError, match="collective_timeout_s"):
+        Watchdog(0)
+    assert process_group_timeout(30).total_seconds() > 30
