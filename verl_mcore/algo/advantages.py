@@ -89,7 +89,7 @@ def gae(
     Returns:
         `(advantages, returns)`, both `[batch, T]`, not whitened.
 
-    Exact definition (the CUDA kernel in `verl_mcore.ops` implements this, bit for bit in float64):
+    Exact definition (the CUDA kernel behind `verl_mcore.ops.gae` implements this same recurrence):
     each row is processed independently, from t = T-1 down to 0, with a carried state
     `(next_value, next_adv)` that starts at `(0, 0)` past the end of the row:
 
