@@ -1,0 +1,139 @@
+"""Build megatron-core GPTModels for the four roles from an `HFArch`.
+
+    arch = read_hf_arch(hf_dir)
+    config = transformer_config(arch, tp=2, pp=2, dtype="bf16")
+    model = build_gpt_model(arch, config, role="actor")        # this rank's TP/PP slice
+    load_hf_weights(model, arch, hf_dir, role="actor")          # hf_weights.py
+
+Roles: actor / reference get the LM head (tied to the embedding when config.json says so);
+critic / reward get a `ScalarHead` in place of the output layer: the model then returns
+[b, s, 1] values instead of [b, s, vocab] logits. A critic's head starts fresh (HF has none);
+a reward model's head is the `score` weight of an HF *ForSequenceClassification checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from verl_mcore.models.hf_config import DEFAULT_VOCAB_DIVISIBLE_BY, HFArch
+from verl_mcore.models.rope import install_rope
+from verl_mcore.models.weight_map import ROLES
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: str = "sdpa"):
+    """Decoder layer spec: megatron's TransformerEngine spec when CUDA and TE are there (or
+    `use_te=True`), else megatron's local spec with `core_attention` "sdpa" (ours) or "local"
+    (megatron's DotProductAttention, which materialises the [s, s] scores)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te is None:
+        use_te = torch.cuda.is_available() and have_transformer_engine()
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm,
+                                                    normalization="RMSNorm")
+    if core_attention == "sdpa":
+        from verl_mcore.models.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif core_attention != "local":
+        raise ValueError(f"gpt_layer_spec: core_attention must be 'sdpa' or 'local', "
+                         f"got {core_attention!r}")
+    return spec
+
+
+class ScalarHead(torch.nn.Module):
+    """Value / reward head in the output layer's place: [s, b, H] -> [s, b, n_out].
+
+    The weight [n_out, H] is replicated over TP (every rank computes the same values). With
+    sequence parallelism the input arrives split along s and is gathered first; the gather's
+    backward only splits the gradient (each rank already holds the full-sequence gradient), and
+    the weight's gradient is the same on every TP rank, so it needs no TP all-reduce.
+    """
+
+    def __init__(self, config, out_features: int = 1):
+        super().__init__()
+        self.sequence_parallel = config.sequence_parallel
+        weight = torch.empty(out_features, config.hidden_size, dtype=config.params_dtype)
+        if config.perform_initialization:
+            torch.nn.init.normal_(weight, mean=0.0, std=config.init_method_std)
+        else:
+            weight.zero_()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.weight = torch.nn.Parameter(weight.to(device))
+
+    def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
+        return F.linear(hidden_states, self.weight), None  # (output, bias) like a megatron linear
+
+
+def _stage_flags(pg_collection, pre_process, post_process) -> tuple[bool, bool]:
+    if pre_process is not None and post_process is not None:
+        return pre_process, post_process
+    if pg_collection is not None:
+        from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+        first, last = is_pp_first_stage(pg_collection.pp), is_pp_last_stage(pg_collection.pp)
+    else:
+        from megatron.core import parallel_state
+
+        first = parallel_state.is_pipeline_first_stage()
+        last = parallel_state.is_pipeline_last_stage()
+    return (first if pre_process is None else pre_process,
+            last if post_process is None else post_process)
+
+
+def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                    pg_collection=None, use_te: Optional[bool] = None,
+                    core_attention: str = "sdpa",
+                    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+                    vp_stage: Optional[int] = None):
+    """This rank's GPTModel for `role` (weights initialised randomly; load them afterwards).
+
+    `config` comes from `transformer_config(arch, ...)`; `pg_collection` (megatron
+    ProcessGroupCollection) selects non-default TP/PP groups, otherwise megatron's parallel_state
+    is used. The vocabulary is padded to `arch.padded_vocab_size(tp, vocab_divisible_by)`;
+    `model.vocab_size` is the padded size and logits beyond `arch.vocab_size` are padding.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    if role not in ROLES:
+        raise ValueError(f"build_gpt_model: unknown role {role!r}; expected one of {list(ROLES)}")
+    pre, post = _stage_flags(pg_collection, pre_process, post_process)
+    lm_head = role in ("actor", "reference")
+    kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(arch, use_te, core_attention),
+        vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size, vocab_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings and lm_head,
+        position_embedding_type="rope",
+        rotary_base=arch.rope.theta,
+        vp_stage=vp_stage,
+        **kwargs,
+    )
+    install_rope(model, arch.rope, arch.head_dim)
+    if post and not lm_head:
+        out = arch.num_labels if role == "reward" and arch.num_labels else 1
+        model.output_layer = ScalarHead(config, out)
+    return model

@@ -1,0 +1,127 @@
+"""Read Hugging Face safetensors one tensor (or one slice) at a time, and load them into a GPTModel.
+
+`load_hf_weights(model, arch, hf_dir, role)` fills this rank's TP/PP slice of a model built by
+`build_gpt_model` straight from the HF files: each parameter reads only its own rows/columns
+(safetensors `get_slice`), so no rank ever holds the whole model, and host memory stays near
+one layer's slice.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Sequence
+
+import torch
+from safetensors import safe_open
+
+from verl_mcore.models import weight_map as wm
+from verl_mcore.models.hf_config import HFArch
+
+
+class HFCheckpoint:
+    """The tensors of an HF model directory (model.safetensors or a sharded index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.hf_dir = os.fspath(hf_dir)
+        index = os.path.join(self.hf_dir, "model.safetensors.index.json")
+        single = os.path.join(self.hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {name: os.path.join(self.hf_dir, fn) for name, fn in weight_map.items()}
+        elif os.path.isfile(single):
+            with safe_open(single, "pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.hf_dir}: no model.safetensors or "
+                                    "model.safetensors.index.json (only safetensors are supported)")
+        self._meta: dict[str, tuple[list[int], str]] = {}
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def _file(self, name: str) -> str:
+        if name not in self.files:
+            raise KeyError(f"{self.hf_dir}: tensor {name!r} is not in the checkpoint")
+        return self.files[name]
+
+    def shape_dtype(self, name: str) -> tuple[list[int], torch.dtype]:
+        """Shape and dtype from the safetensors header (reads no data)."""
+        if not self._meta:
+            for path in sorted(set(self.files.values())):
+                with safe_open(path, "pt") as f:
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        self._meta[key] = (list(sl.get_shape()), sl.get_dtype())
+        shape, dtype = self._meta[name] if name in self._meta else (None, None)
+        if shape is None:
+            self._file(name)  # raises with the file name
+        return shape, _SAFETENSORS_DTYPES[dtype]
+
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: int = -1) -> torch.Tensor:
+        """Tensor `name`, or its [start, stop) range along `dim` (stop -1: to the end).
+
+        The file is opened per call so its memory map is released right after: host RSS stays
+        at the tensors actually held, not the pages of every shard touched so far.
+        """
+        with safe_open(self._file(name), "pt") as f:
+            if start == 0 and stop == -1:
+                return f.get_tensor(name)
+            sl = f.get_slice(name)
+            index = (slice(None),) * dim + (slice(start, None if stop == -1 else stop),)
+            return sl[index]
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}
+
+
+def _tp_info(model) -> tuple[int, int]:
+    tp_group = model.pg_collection.tp
+    return tp_group.rank(), tp_group.size()
+
+
+def named_canonical_parameters(model) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    """(canonical name, parameter) for a GPTModel stage: global layer indices, TE spelling."""
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            local = int(name.split(".")[2])
+            layer_number = model.decoder.layers[local].layer_number  # 1-based, global
+            yield wm.canonical_name(name, layer_number - 1), param
+        else:
+            yield name, param
+
+
+def load_hf_weights(model, arch: HFArch, hf_dir: str | os.PathLike, role: str = "actor",
+                    skip: Sequence[str] = ()) -> list[str]:
+    """Copy this rank's slice of the HF weights into `model`; returns the canonical names loaded.
+
+    A critic's value head has no HF source and keeps its fresh initialisation; so does any
+    canonical name in `skip`. Any other parameter without an HF source is an error.
+    """
+    ckpt = HFCheckpoint(hf_dir)
+    maps = {pm.mcore: pm for pm in wm.param_maps(arch, role)}
+    embedding = maps["embedding.word_embeddings.weight"]
+    tp_rank, tp_size = _tp_info(model)
+    padded = model.vocab_size
+    loaded = []
+    with torch.no_grad():
+        for name, param in named_canonical_parameters(model):
+            if name in skip or (name == "output_layer.weight" and role == "critic"):
+                continue
+            pm = maps.get(name)
+            if pm is None and name == "output_layer.weight" and arch.tie_embeddings:
+                pm = embedding  # the last stage's copy of the tied embedding (PP > 1)
+            if pm is None:
+                raise KeyError(f"load_hf_weights: no HF source for parameter {name!r} "
+                               f"(role {role}, model_type {arch.model_type}, {hf_dir})")
+            parts = [ckpt.read(hf_name, dim, start, stop).to(param.dtype)
+                     for hf_name, dim, start, stop in wm.hf_read_slices(pm, arch, tp_rank, tp_size,
+                                                                         padded)]
+            local = wm.build_tp_local(pm, arch, parts, tp_size, padded)
+            if local.shape != param.shape:
+                raise ValueError(f"load_hf_weights: {name!r} on TP rank {tp_rank}: HF gives "
+                                 f"{tuple(local.shape)}, the model has {tuple(param.shape)}")
+            param.copy_(local)
+            loaded.append(name)
+    return loaded

@@ -1,0 +1,313 @@
+"""The one place that maps Hugging Face weights to megatron-core weights and back.
+
+Used by the HF loader (`hf_weights.py`), the converter (`tools/convert_hf`) and rollout's weight
+export. Everything here is a pure function of names and tensors: no process groups, no files.
+
+Names. A megatron parameter has a *canonical* name: the GPTModel parameter name with the global
+layer index, spelled as with the TransformerEngine spec (which is also the dist-checkpoint key
+spelling megatron uses for the local spec), e.g. `decoder.layers.3.self_attention.linear_qkv.
+layer_norm_weight` for the local spec's `decoder.layers.3.input_layernorm.weight`.
+
+Layouts (H hidden, nh query heads, ng KV groups, hd head dim, r = nh / ng, F ffn, V vocab):
+- linear_qkv [ng * (r + 2) * hd, H]: per KV group g, its r query heads, then k_g, then v_g
+  (megatron's GQA interleaving). Its bias, when present, has the same row order.
+- linear_fc1 [2F, H]: gate rows then up rows; megatron computes silu(gate) * up.
+- word embeddings / output layer [V_pad, H]: HF rows then zero rows up to the padded size.
+
+TP slicing of the full (TP=1) tensor, for TP rank t of T:
+- "qkv": rows [t * n / T, (t + 1) * n / T) (whole KV groups, so contiguous);
+- "gate_up": the t-th row block of gate and of up, concatenated;
+- "row": columns [t * n / T, ...);  "vocab": rows of the padded matrix;  "replicated": all of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import torch
+
+from verl_mcore.models.hf_config import HFArch
+
+# Roles decide what the last stage's output layer is: the LM head (actor, reference), the HF
+# `score` head of a *ForSequenceClassification checkpoint (reward model), or a fresh value head
+# that has no HF counterpart (critic).
+ROLES = ("actor", "reference", "critic", "reward")
+
+_KINDS = ("replicated", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMap:
+    """One megatron tensor and the HF tensors it is made of.
+
+    `kind` names both how the HF tensors are combined and how the result is sliced over TP.
+    `hf` lists HF names in combination order ((q, k, v) or (gate, up)); `layer` is the global
+    layer index or None for embedding / final norm / head.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str
+    layer: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"ParamMap {self.mcore}: unknown kind {self.kind!r}")
+
+
+def layer_param_maps(arch: HFArch, layer: int) -> list[ParamMap]:
+    """The maps of one decoder layer (global index `layer`)."""
+    m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+    attn = h + "self_attn."
+    maps = [
+        ParamMap(m + "self_attention.linear_qkv.layer_norm_weight",
+                 (h + "input_layernorm.weight",), "replicated", layer),
+        ParamMap(m + "self_attention.linear_qkv.weight",
+                 (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                 "qkv", layer),
+    ]
+    if arch.qkv_bias:
+        maps.append(ParamMap(m + "self_attention.linear_qkv.bias",
+                             (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                             "qkv", layer))
+    if arch.qk_norm:
+        # One RMSNorm weight [hd] shared by all heads, so every TP rank holds all of it.
+        maps.append(ParamMap(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",),
+                             "replicated", layer))
+        maps.append(ParamMap(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",),
+                             "replicated", layer))
+    maps += [
+        ParamMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row", layer),
+        ParamMap(m + "mlp.linear_fc1.layer_norm_weight", (h + "post_attention_layernorm.weight",),
+                 "replicated", layer),
+        ParamMap(m + "mlp.linear_fc1.weight",
+                 (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", layer),
+        ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", layer),
+    ]
+    return maps
+
+
+def head_param_map(arch: HFArch, role: str) -> ParamMap | None:
+    """The output layer's map for a role; None when it has no HF source (critic, tied LM head)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}; expected one of {list(ROLES)}")
+    if role in ("actor", "reference"):
+        if arch.tie_embeddings:
+            return None
+        return ParamMap("output_layer.weight", ("lm_head.weight",), "vocab")
+    if role == "reward":
+        # The scalar head is tiny and the same on every TP rank.
+        return ParamMap("output_layer.weight", ("score.weight",), "replicated")
+    return None
+
+
+def param_maps(arch: HFArch, role: str = "actor", layers: Sequence[int] | None = None,
+               embedding: bool = True, head: bool = True) -> list[ParamMap]:
+    """All maps of a model (or of one pipeline stage: its `layers`, and embedding / final norm +
+    head only on the first / last stage)."""
+    maps = []
+    if embedding:
+        maps.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
+                             "vocab"))
+    for layer in range(arch.num_layers) if layers is None else layers:
+        maps += layer_param_maps(arch, layer)
+    if head:
+        maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",),
+                             "replicated"))
+        out = head_param_map(arch, role)
+        if out is not None:
+            maps.append(out)
+    return maps
+
+
+# --------------------------------------------------------------------------------------------
+# Names of GPTModel parameters <-> canonical names
+
+_LOCAL_TO_CANONICAL = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def canonical_name(param_name: str, global_layer: int | None = None) -> str:
+    """Canonical name of a GPTModel parameter (local or TE spec); `global_layer` replaces the
+    stage-local layer index when given (PP stages number their layers from 0)."""
+    match = _LAYER_RE.match(param_name)
+    if not match:
+        return param_name
+    index, rest = match.groups()
+    rest = _LOCAL_TO_CANONICAL.get(rest, rest)
+    return f"decoder.layers.{index if global_layer is None else global_layer}.{rest}"
+
+
+# --------------------------------------------------------------------------------------------
+# Combining HF tensors into megatron tensors and back (full tensors, TP = 1)
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """q [nh*hd, ...], k/v [ng*hd, ...] -> megatron's group-interleaved [ng*(r+2)*hd, ...]."""
+    rest = q.shape[1:]
+    qg = q.reshape(num_groups, -1, *rest)  # [ng, r*hd, ...]
+    kg = k.reshape(num_groups, -1, *rest)  # [ng, hd, ...]
+    vg = v.reshape(num_groups, -1, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_qkv: [ng*(r+2)*hd, ...] -> q [nh*hd, ...], k, v [ng*hd, ...]."""
+    rest = qkv.shape[1:]
+    r = num_heads // num_groups
+    grouped = qkv.reshape(num_groups, (r + 2) * head_dim, *rest)
+    q, k, v = torch.split(grouped, [r * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous())
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n, ...] -> [rows, ...] with zero rows appended (vocabulary padding)."""
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        raise ValueError(f"pad_rows: tensor has {t.shape[0]} rows, more than {rows}")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def hf_to_mcore(pm: ParamMap, arch: HFArch, hf: Sequence[torch.Tensor],
+                padded_vocab: int | None = None) -> torch.Tensor:
+    """Full megatron tensor from the HF tensors named by `pm.hf` (in that order)."""
+    if pm.kind == "qkv":
+        return fuse_qkv(*hf, num_groups=arch.num_kv_heads)
+    if pm.kind == "gate_up":
+        return torch.cat(list(hf))
+    if pm.kind == "vocab":
+        return pad_rows(hf[0], padded_vocab or arch.padded_vocab_size())
+    return hf[0]
+
+
+def mcore_to_hf(pm: ParamMap, arch: HFArch, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF tensors (by name) from a full megatron tensor; vocabulary padding is dropped."""
+    if pm.kind == "qkv":
+        return dict(zip(pm.hf, split_qkv(full, arch.num_heads, arch.num_kv_heads, arch.head_dim)))
+    if pm.kind == "gate_up":
+        gate, up = torch.chunk(full, 2)
+        return {pm.hf[0]: gate.contiguous(), pm.hf[1]: up.contiguous()}
+    if pm.kind == "vocab":
+        return {pm.hf[0]: full[: arch.vocab_size].contiguous()}
+    return {pm.hf[0]: full}
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallel slicing
+
+def tp_slice(pm: ParamMap, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's part of a full megatron tensor."""
+    if tp_size == 1 or pm.kind == "replicated":
+        return full
+    if pm.kind == "row":
+        return torch.chunk(full, tp_size, dim=1)[tp_rank]
+    if pm.kind == "gate_up":
+        gate, up = torch.chunk(full, 2)
+        return torch.cat([torch.chunk(gate, tp_size)[tp_rank], torch.chunk(up, tp_size)[tp_rank]])
+    _check_divisible(pm, full.shape[0], tp_size)
+    return torch.chunk(full, tp_size)[tp_rank]  # qkv (whole groups), vocab (padded rows)
+
+
+def tp_merge(pm: ParamMap, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of tp_slice: the full tensor from the shards of TP ranks 0..T-1."""
+    if len(shards) == 1 or pm.kind == "replicated":
+        return shards[0]
+    if pm.kind == "row":
+        return torch.cat(list(shards), dim=1)
+    if pm.kind == "gate_up":
+        halves = [torch.chunk(s, 2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(list(shards))
+
+
+def _check_divisible(pm: ParamMap, n: int, tp_size: int) -> None:
+    if n % tp_size:
+        raise ValueError(f"{pm.mcore}: dimension {n} does not divide by tensor parallel size "
+                         f"{tp_size}")
+
+
+def hf_read_slices(pm: ParamMap, arch: HFArch, tp_rank: int, tp_size: int,
+                   padded_vocab: int | None = None) -> list[tuple[str, int, int, int]]:
+    """Which part of each HF tensor TP rank `tp_rank` needs: (hf_name, dim, start, stop).
+
+    Reading only these (safetensors `get_slice`) and passing them to `build_tp_local` gives the
+    same tensor as `tp_slice(pm, hf_to_mcore(pm, ...), ...)` without materialising the whole.
+    A vocabulary slice may stop short of the local size (the padding rows are not in HF).
+    """
+    if tp_size == 1 or pm.kind == "replicated":
+        return [(name, 0, 0, -1) for name in pm.hf]
+    if pm.kind == "qkv":
+        _check_divisible(pm, arch.num_kv_heads, tp_size)
+        groups = arch.num_kv_heads // tp_size
+        g0, g1 = tp_rank * groups, (tp_rank + 1) * groups
+        r = arch.num_heads // arch.num_kv_heads
+        q_rows, kv_rows = r * arch.head_dim, arch.head_dim
+        return [(pm.hf[0], 0, g0 * q_rows, g1 * q_rows), (pm.hf[1], 0, g0 * kv_rows, g1 * kv_rows),
+                (pm.hf[2], 0, g0 * kv_rows, g1 * kv_rows)]
+    if pm.kind == "gate_up":
+        _check_divisible(pm, arch.ffn_hidden_size, tp_size)
+        n = arch.ffn_hidden_size // tp_size
+        return [(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in pm.hf]
+    if pm.kind == "row":
+        # o_proj [H, nh*hd] and down_proj [H, F]: split their input features.
+        cols = arch.num_heads * arch.head_dim if "o_proj" in pm.hf[0] else arch.ffn_hidden_size
+        _check_divisible(pm, cols, tp_size)
+        n = cols // tp_size
+        return [(pm.hf[0], 1, tp_rank * n, (tp_rank + 1) * n)]
+    if pm.kind == "vocab":
+        padded = padded_vocab or arch.padded_vocab_size(tp_size)
+        _check_divisible(pm, padded, tp_size)
+        n = padded // tp_size
+        start = tp_rank * n
+        return [(pm.hf[0], 0, min(start, arch.vocab_size), min(start + n, arch.vocab_size))]
+    raise ValueError(f"hf_read_slices: {pm.mcore} of kind {pm.kind!r} has no HF slice rule")
+
+
+def build_tp_local(pm: ParamMap, arch: HFArch, parts: Sequence[torch.Tensor], tp_size: int,
+                   padded_vocab: int | None = None) -> torch.Tensor:
+    """This rank's megatron tensor from the HF parts read per `hf_read_slices`."""
+    if pm.kind == "qkv":
+        return fuse_qkv(*parts, num_groups=arch.num_kv_heads // tp_size)
+    if pm.kind == "gate_up":
+        return torch.cat(list(parts))
+    if pm.kind == "vocab":
+        padded = padded_vocab or arch.padded_vocab_size(tp_size)
+        return pad_rows(parts[0], padded // tp_size)
+    return parts[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline stages
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int,
+                 first_stage_layers: int | None = None,
+                 last_stage_layers: int | None = None) -> range:
+    """Global layer indices held by pipeline stage `pp_rank` (no virtual pipeline).
+
+    Megatron's rule: the first / last stage hold `first_stage_layers` / `last_stage_layers`
+    when set; the remaining layers are split evenly over the other stages.
+    """
+    if pp_size == 1:
+        return range(num_layers)
+    fixed = {0: first_stage_layers, pp_size - 1: last_stage_layers}
+    middle_stages = [s for s in range(pp_size) if fixed.get(s) is None]
+    middle_layers = num_layers - sum(n for n in fixed.values() if n is not None)
+    if middle_stages:
+        if middle_layers % len(middle_stages):
+            raise ValueError(f"{middle_layers} layers do not split evenly over "
+                             f"{len(middle_stages)} pipeline stages")
+        per = middle_layers // len(middle_stages)
+    elif middle_layers:
+        raise ValueError(f"first + last stage layers leave {middle_layers} layers for no stage")
+    else:
+        per = 0
+    sizes = [fixed[s] if fixed.get(s) is not None else per for s in range(pp_size)]
+    start = sum(sizes[:pp_rank])
+    return range(start, start + sizes[pp_rank])
+
