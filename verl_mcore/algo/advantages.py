@@ -183,10 +183,11 @@ def masked_whiten(
     xv = x.to(dtype)
     valid = mask.bool()
     zero = xv.new_zeros(())
-    stats = torch.stack([valid.sum().to(dtype), torch.where(valid, xv, zero).sum()])
+    # Statistics in float64: token counts beyond 2**24 stay exact and large batches sum stably.
+    stats = torch.stack([valid.sum().double(), torch.where(valid, xv, zero).double().sum()])
     if group is not None:
         dist.all_reduce(stats, group=group)
-    n = int(round(stats[0].item()))
+    n = int(stats[0].item())
     if n < 2:
         where = f" over {dist.get_world_size(group)} ranks" if group is not None else ""
         raise ValueError(
@@ -194,11 +195,12 @@ def masked_whiten(
             "check the response mask (is every response empty?) or disable whitening"
         )
     mean = stats[1] / n
-    sq = torch.where(valid, (xv - mean) ** 2, zero).sum()
+    sq = torch.where(valid, (xv.double() - mean) ** 2, zero.double()).sum()
     if group is not None:
         dist.all_reduce(sq, group=group)
     var = sq / (n - 1)
-    out = (xv - mean) * torch.rsqrt(var + eps)
+    mean, inv_std = mean.to(dtype), torch.rsqrt(var + eps).to(dtype)
+    out = (xv - mean) * inv_std
     if not shift_mean:
         out = out + mean
     return torch.where(valid, out, zero)
