@@ -1,0 +1,235 @@
+"""Find data files and read each one into a pyarrow Table.
+
+Formats, recognised by their first bytes (the extension decides only for JSON Lines):
+  Parquet           `PAR1`                   pq.read_table, memory-mapped
+  Arrow IPC file    `ARROW1` (.arrow/.feather) memory-mapped, zero-copy
+  Arrow IPC stream  `0xFFFFFFFF` (.arrows, and the .arrow files of HF `datasets` caches)
+                                             memory-mapped, zero-copy
+  JSON Lines        .jsonl / .json, one object per line  pyarrow.json, block-wise
+
+No path goes through pandas or Python objects for the whole file. The one exception is the
+diagnosis of a JSON Lines file that pyarrow rejects: pyarrow's message gives a row number relative
+to an internal block, so the file is re-read line by line to find the real row, and under
+`on_bad_row=skip` the good rows are kept.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from verl_mcore.data.errors import BadRow, DataError
+
+DEFAULT_EXTENSIONS = (".parquet", ".arrow", ".arrows", ".feather", ".ipc", ".jsonl", ".json")
+_STREAM_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+@dataclass
+class FileRows:
+    """The readable rows of one file.
+
+    `row_numbers[i]` is the file row (0-based) of table row i; None means the identity (no row
+    was left out while reading).
+    """
+
+    path: str
+    table: pa.Table
+    row_numbers: Optional[np.ndarray] = None
+    bad_rows: list[BadRow] = field(default_factory=list)
+
+    def file_row(self, i: int) -> int:
+        return int(i if self.row_numbers is None else self.row_numbers[i])
+
+
+def resolve_files(spec: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+                  extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> list[str]:
+    """One file, a directory (its files with one of `extensions`, not recursive), a glob
+    (`data/**/*.parquet`), or a list of any of these -> the sorted, de-duplicated file list."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if not items:
+        raise DataError("data files", "no files given (data.train_files / data.val_files is empty)")
+    files: list[str] = []
+    for item in items:
+        item = os.fspath(item)
+        if any(ch in item for ch in "*?["):
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise DataError(item, "the pattern matches no file")
+        elif os.path.isdir(item):
+            found = sorted(os.path.join(item, n) for n in os.listdir(item)
+                           if n.lower().endswith(tuple(extensions))
+                           and os.path.isfile(os.path.join(item, n)))
+            if not found:
+                raise DataError(item, f"the directory holds no file ending in {', '.join(extensions)}")
+        elif os.path.isfile(item):
+            found = [item]
+        else:
+            raise DataError(item, "no such file or directory")
+        files.extend(f for f in found if f not in files)
+    return files
+
+
+def detect_format(path: str) -> str:
+    """'parquet' | 'arrow_file' | 'arrow_stream' | 'jsonl', from the magic bytes, else the name."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise DataError(path, f"cannot open the file: {e}") from e
+    if not head:
+        raise DataError(path, "the file is empty (0 bytes)")
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith(b"ARROW1"):
+        return "arrow_file"
+    if head.startswith(b"\xff\xff\xff\xff"):
+        return "arrow_stream"
+    if path.lower().endswith((".jsonl", ".json")):
+        if head.lstrip().startswith(b"["):
+            raise DataError(path, "a JSON array is not supported: write one JSON object per line "
+                                  "(JSON Lines)")
+        return "jsonl"
+    raise DataError(path, "not a Parquet, Arrow IPC (file or stream) or JSON Lines (.jsonl) file "
+                          f"(first bytes {head!r})")
+
+
+def read_file_rows(path: str, on_bad_row: str = "error") -> FileRows:
+    """Read one file of any supported format; every failure is a DataError naming the file."""
+    fmt = detect_format(path)
+    if fmt == "jsonl":
+        return _read_jsonl(path, on_bad_row)
+    readers = {"parquet": _read_parquet, "arrow_file": _read_arrow_file,
+               "arrow_stream": _read_arrow_stream}
+    try:
+        table = readers[fmt](path)
+    except DataError:
+        raise
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(path, f"cannot read it as {fmt.replace('_', ' ')} (truncated or corrupt?): "
+                              f"{e}") from e
+    return FileRows(path, table)
+
+
+def _read_parquet(path: str) -> pa.Table:
+    return pq.read_table(path, memory_map=True)
+
+
+def _read_arrow_file(path: str) -> pa.Table:
+    return ipc.open_file(pa.memory_map(path, "r")).read_all()
+
+
+def _read_arrow_stream(path: str) -> pa.Table:
+    source = pa.memory_map(path, "r")
+    table = ipc.open_stream(source).read_all()
+    # A stream cut exactly between two record batches reads without error; only the missing
+    # end-of-stream marker tells that rows were lost.
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - len(_STREAM_EOS)))
+        if f.read() != _STREAM_EOS:
+            raise DataError(path, "the Arrow stream has no end-of-stream marker: the file is "
+                                  "truncated (or its writer was not closed)")
+    return table
+
+
+def _read_jsonl(path: str, on_bad_row: str) -> FileRows:
+    try:
+        return FileRows(path, pa_json.read_json(path))
+    except pa.ArrowInvalid as e:
+        arrow_error = e
+    rows, row_numbers, bad = _scan_jsonl(path)
+    if not bad:
+        raise DataError(path, f"pyarrow cannot read this JSON Lines file: {arrow_error}")
+    if on_bad_row != "skip":
+        first = bad[0]
+        raise DataError(path, first.problem, first.row, first.column)
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise DataError(path, f"the rows left after skipping {len(bad)} bad ones still do not "
+                              f"form one table: {e}") from e
+    return FileRows(path, table, np.asarray(row_numbers, dtype=np.int64), bad)
+
+
+def _kinds(value, path: str) -> Iterable[tuple[str, str]]:
+    """(path, kind) for a JSON value and everything nested in it; null fits every kind."""
+    if value is None:
+        return
+    if isinstance(value, bool):
+        yield path, "bool"
+    elif isinstance(value, (int, float)):
+        yield path, "number"
+    elif isinstance(value, str):
+        yield path, "string"
+    elif isinstance(value, list):
+        yield path, "list"
+        for item in value:
+            yield from _kinds(item, path + "[]")
+    elif isinstance(value, dict):
+        yield path, "object"
+        for key, item in value.items():
+            yield from _kinds(item, f"{path}.{key}")
+
+
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def _scan_jsonl(path: str) -> tuple[list[dict], list[int], list[BadRow]]:
+    """Parse line by line; a row is bad if it is not a JSON object, or if some value in it has a
+    different kind (string / number / list / object / bool) from the one most rows have there —
+    what pyarrow refuses. Returns the good rows, their file row numbers, and the bad rows."""
+    parsed: list[tuple[int, int, object]] = []  # (row, line, value or exception)
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        row = 0
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                parsed.append((row, line_no, json.loads(line)))
+            except json.JSONDecodeError as e:
+                parsed.append((row, line_no, e))
+            row += 1
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for _, _, value in parsed:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                for p, kind in _kinds(item, key):
+                    counts[p][kind] += 1
+    usual = {p: c.most_common(1)[0][0] for p, c in counts.items()}
+    rows, row_numbers, bad = [], [], []
+    for row, line_no, value in parsed:
+        at = f"(line {line_no})"
+        if isinstance(value, json.JSONDecodeError):
+            bad.append(BadRow(path, row, None, f"invalid JSON {at}: {value.msg} at column "
+                                               f"{value.colno} (a truncated file?)"))
+            continue
+        if not isinstance(value, dict):
+            bad.append(BadRow(path, row, None, f"a row must be a JSON object {at}, got "
+                                               f"{type(value).__name__}"))
+            continue
+        problem = None
+        for key, item in value.items():
+            for p, kind in _kinds(item, key):
+                if kind != usual[p]:
+                    where_in = "" if p == key else f" at {p}"
+                    problem = BadRow(path, row, key, f"{_a(kind)}{where_in} {at} where the "
+                                                     f"other rows have {_a(usual[p])}")
+                    break
+            if problem:
+                break
+        if problem:
+            bad.append(problem)
+        else:
+            rows.append(value)
+            row_numbers.append(row)
+    return rows, row_numbers, bad
