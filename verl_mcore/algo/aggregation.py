@@ -34,8 +34,10 @@ the mini-batch gradient. Reduce logged losses and diagnostics over DP the same w
 Across micro-batches the rule is always SUM: a pipeline schedule that divides each micro-batch loss
 by the number of micro-batches must be compensated by the caller.
 
-Context parallelism (a sequence split over CP ranks) is not covered: n_i and N_seq would need a
-reduction over the CP group first.
+Layout: every row of `loss_mat`/`mask` is ONE sequence (padded `[batch, T]`). A packed (THD)
+micro-batch must be unpacked to rows before aggregation; passed as one packed row, the seq-mean
+modes would silently treat it as a single sequence. Context parallelism (a sequence split over CP
+ranks) is not covered: n_i and N_seq would need a reduction over the CP group first.
 """
 from __future__ import annotations
 
