@@ -1,0 +1,35 @@
+"""Load a megatron-core dist checkpoint (e.g. from `tools.convert_hf hf-to-mcore`) into a model.
+
+dist_checkpointing reshards at load: the checkpoint may have been written at any TP/PP.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+
+def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike, role: str = "actor",
+                         skip: Sequence[str] = ()) -> None:
+    """Fill `model` (this rank's TP/PP slice) from the dist checkpoint at `ckpt_dir`.
+
+    A critic starts from an actor checkpoint: its scalar head (`output_layer.weight`) is not
+    read and keeps its fresh initialisation. Keys in `skip` (sharded-state-dict keys) are not
+    read either. Anything else missing from the checkpoint is an error (megatron names the key).
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = os.fspath(ckpt_dir)
+    if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
+        raise FileNotFoundError(f"{ckpt_dir}: not a megatron dist checkpoint (no metadata.json)")
+    sharded = model.sharded_state_dict()
+    dropped = set(skip)
+    if role == "critic":
+        dropped.add("output_layer.weight")
+    for key in dropped:
+        sharded.pop(key, None)
+    state = dist_checkpointing.load(sharded, ckpt_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in dropped and not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise KeyError(f"load_dist_checkpoint({ckpt_dir}): parameters not loaded {missing}, "
+                       f"unexpected {unexpected}")
