@@ -130,6 +130,28 @@ def _probe(rank, world_size):
     keep = (y != 0).float()
     out["rng"]["checkpoint recompute replays dropout"] = torch.allclose(inp.grad, keep * w * 2.0)
     out["rng"]["dropout dropped something"] = 0 < keep.sum().item() < 64
+
+    # DDP buffer offload/reload (distributed/param_and_grad_buffer.py): uses synchronize() and
+    # keeps `param_data.cpu().pin_memory()` as the host copy before freeing param_data.
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from tests.distributed import tiny_gpt
+
+    config = tiny_gpt.make_config()
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        module=tiny_gpt.build_model(config),
+    )
+    before = {n: p.detach().clone() for n, p in ddp.named_parameters()}
+    ddp.offload_grad_buffers()
+    ddp.restore_grad_buffers()
+    for buffer in ddp.buffers:
+        buffer.offload_to_cpu(move_params=True, move_grads=True)
+        buffer.reload_from_cpu(move_params=True, move_grads=True)
+    out["ddp offload keeps params"] = all(
+        torch.equal(p.detach(), before[n]) for n, p in ddp.named_parameters()
+    )
     parallel_state.destroy_model_parallel()
     return out
 
@@ -176,3 +198,8 @@ def test_cuda_type_names_only_inside_patched_functions(probe):
 @cpu_only
 def test_rng_tracker_on_cpu_generator(probe):
     assert all(probe["rng"].values()), probe["rng"]
+
+
+@cpu_only
+def test_megatron_ddp_buffer_offload_roundtrip(probe):
+    assert probe["ddp offload keeps params"]
