@@ -1,0 +1,119 @@
+"""The dry-run planner: shapes, memory arithmetic, layout output, refusals with knob names."""
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_mcore import plan
+from verl_mcore.config import Config
+
+ROOT = Path(__file__).resolve().parents[2]
+PPO70B = str(ROOT / "configs" / "ppo_llama3_70b.yaml")
+
+
+def _cfg(*overrides, path=PPO70B):
+    return Config.load(path, list(overrides))
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("meta-llama-3-8b", 8.03), ("meta-llama-3-70b", 70.55), ("qwen2.5-1.5b", 1.54),
+    ("qwen2.5-3b", 3.09), ("qwen2.5-7b", 7.62), ("qwen2.5-32b", 32.76),
+])
+def test_known_shapes_match_published_parameter_counts(name, billions):
+    assert plan.total_params(plan.KNOWN_SHAPES[name]) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_shape_from_local_config_json_wins(tmp_path):
+    hf = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+          "model_type": "qwen2", "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    dims = plan.resolve_dims(str(tmp_path))
+    assert (dims.head_dim, dims.qkv_bias, dims.tie_word_embeddings) == (16, True, True)
+    assert plan.resolve_dims("Qwen/Qwen2.5-7B-Instruct") == plan.KNOWN_SHAPES["qwen2.5-7b"]
+    with pytest.raises(plan.ConfigError, match="not a known shape"):
+        plan.resolve_dims(str(tmp_path / "missing"))
+
+
+def test_sharding_arithmetic():
+    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    knobs = plan.Knobs(gpus_per_node=8)
+    cfg = _cfg()
+    full = plan.total_params(dims)
+    # TP=8 × PP=4: stage params sum to the padded model (embedding and output once each).
+    shards = sum(plan.stage_params(dims, 8, 4, s, 128) for s in range(4)) * 8
+    assert shards == pytest.approx(full, rel=1e-3)
+    a = plan.training_bytes(cfg, dims, 64, "actor", 0, knobs)
+    n = plan.stage_params(dims, 8, 4, 0, 128)
+    assert a["parameters"] == 2 * n and a["gradients"] == 4 * n
+    assert a["optimizer"] == pytest.approx(12 * n / 2, abs=1)  # distributed over DP=2
+    no_dist = plan.training_bytes(_cfg("parallel.use_distributed_optimizer=false"), dims, 64,
+                                  "actor", 0, knobs)
+    assert no_dist["optimizer"] == 12 * n
+    recompute = plan.training_bytes(_cfg("actor.recompute_activations=true"), dims, 64, "actor", 0, knobs)
+    assert recompute["activations"] < a["activations"] / 5
+    # 1F1B: the first stage keeps PP micro-batches in flight, the last one.
+    last = plan.training_bytes(cfg, dims, 64, "actor", 3, knobs)
+    assert a["activations"] == 4 * last["activations"] and "logits" in last and "logits" not in a
+    # Materialized attention scores only add memory.
+    mat = plan.training_bytes(cfg, dims, 64, "actor", 0, plan.Knobs(attention="materialized"))
+    assert mat["activations"] > a["activations"]
+
+
+def test_kv_cache_formula():
+    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    cfg = _cfg()  # 256 prompts × n=1 over DP_g=8 -> 32 sequences of 2048 tokens, TP_g=8 -> 1 KV head
+    g = plan.generation_bytes(cfg, dims, 64, plan.Knobs())
+    assert g["KV cache"] == 2 * 80 * 1 * 128 * 2 * 2048 * 32
+    assert g["generation weights"] == 2 * plan.stage_params(dims, 8, 1, 0, 128)
+
+
+def test_70b_layout_fits_and_prints_groups(capsys):
+    assert plan.main(["--config", PPO70B, "--nodes", "8", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "training TP=8 × PP=4 × CP=1 × DP=2; generation TP_g=8 × DP_g=8" in out
+    assert "PP groups         16 × 4: [0,16,32,48]" in out
+    assert "node7: ranks [56-63]  pp 3, dp 1, tp 0-7, dp_gen 7" in out
+    for phase in ("generate", "score", "actor_update", "critic_update"):
+        assert f"  {phase} " in out
+
+
+def test_70b_without_pipeline_is_refused_on_80gb_naming_the_fix(capsys):
+    args = ["--config", PPO70B, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+            "parallel.pipeline_model_parallel_size=1"]
+    assert plan.main(args + ["actor.recompute_activations=true",
+                             "critic.recompute_activations=true"]) == plan.EXIT_DOES_NOT_FIT
+    err = capsys.readouterr().err
+    assert "does not fit: actor_update, critic_update on 80 GiB GPUs" in err
+    assert "parallel.pipeline_model_parallel_size=2" in err.split("makes every phase fit:")[1]
+    # Without recompute no single knob is enough: pairs are proposed.
+    assert plan.main(args) == plan.EXIT_DOES_NOT_FIT
+    pairs = capsys.readouterr().err.split("these pairs make every phase fit:")[1].splitlines()[0]
+    assert "actor.recompute_activations=true critic.recompute_activations=true + " \
+           "parallel.pipeline_model_parallel_size=2" in pairs
+
+
+def test_indivisible_layout_is_a_config_error(capsys):
+    rc = plan.main(["--config", PPO70B, "--nodes", "8", "--gpus-per-node", "8",
+                    "parallel.pipeline_model_parallel_size=3"])
+    assert rc == plan.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "parallel.pipeline_model_parallel_size" in err and "80 layers" in err
+
+
+def test_host_memory_limit_and_json(capsys):
+    rc = plan.main(["--config", PPO70B, "--nodes", "8", "--gpus-per-node", "8",
+                    "--host-memory-gb", "256", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == plan.EXIT_DOES_NOT_FIT and "host" in err
+    data = json.loads(out)
+    assert data["does_not_fit"] == ["host"]
+    ph = data["memory"]["actor_update"]
+    assert ph["total"] == sum(ph["components"].values())
+
+
+@pytest.mark.parametrize("config, nodes", [("grpo_qwen2.5_7b_gsm8k.yaml", 1), ("ppo_7b.yaml", 1),
+                                           ("ppo_llama3_70b.yaml", 8)])
+def test_shipped_recipes_fit_80gb(config, nodes, capsys):
+    assert plan.main(["--config", str(ROOT / "configs" / config), "--nodes", str(nodes),
+                      "--gpus-per-node", "8", "--gpu-memory-gb", "80"]) == 0

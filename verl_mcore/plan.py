@@ -1,0 +1,654 @@
+"""Dry-run planner: layout and per-GPU memory of a config on an allocation, no GPU needed.
+
+    python -m verl_mcore.plan --config configs/ppo_llama3_70b.yaml --nodes 8 --gpus-per-node 8 \
+        [--gpu-memory-gb 80] [--host-memory-gb 1000] [--json] [a.b=c ...]
+
+It validates the config for the world size (the same `config.validate` the trainer runs), prints
+which global ranks form each TP / PP / DP / generation group and on which node they sit, and
+estimates the peak GPU memory of each phase of a step. Exit status: 0 fits, 2 invalid config
+(a size does not divide, ...), 3 a phase does not fit (the message names single knob changes
+that would make it fit, found by re-planning with each). Runs in seconds: it reads the model
+shape from `model.path`'s config.json, or from KNOWN_SHAPES when the path is a hub id.
+
+Memory model (bytes per GPU; P = parameters held by this rank; T = tokens of one micro-batch on
+this rank; t = TP, p = PP, d = DP, c = CP; b = bytes of the model dtype: 2 for bf16/fp16, 4 fp32).
+The estimate is for the pipeline stage with the highest total (usually the first).
+
+  parameters          b·P.  P per rank: every decoder layer of the stage (matrices / t, norms whole)
+                      plus the vocab-parallel embedding (first stage) and output layer (last
+                      stage; with tied embeddings and p = 1 they are one tensor). Vocabulary
+                      padded as megatron does (model.make_vocab_size_divisible_by × t).
+  gradients           4·P: megatron's DDP accumulates and reduces gradients in an fp32 buffer
+                      for bf16 models (the buffer is whole on every DP rank, also with the
+                      distributed optimizer).
+  optimizer           Adam m and v in fp32 (8·P) plus an fp32 master copy for 16-bit models
+                      (4·P): 12·P for bf16, 8·P for fp32; divided by d with
+                      parallel.use_distributed_optimizer (ZeRO-1).
+  activations         per layer and token, the tensors autograd keeps for backward (bf16):
+                        attention: 2·h/s (norm input, QKV input) + (a_l + 2·kv_l)·hd (q, k, v)
+                                   + a_l·hd (core-attention output) + 4·a_l (fp32 log-sum-exp)
+                        MLP (SwiGLU): 2·h/s (norm input, fc1 input) + 2·f/t (fc1 output)
+                                   + f/t (silu output) + f/t (fc2 input)
+                      with s = t under sequence parallelism (else 1), a_l = a/t, kv_l =
+                      max(kv/t, 1), f the FFN size. This is Korthikanti et al. 2022 (arXiv
+                      2205.05198) redone for SwiGLU, GQA, RMSNorm, no dropout and a flash /
+                      varlen core attention that keeps no [s, s] scores; `--attention
+                      materialized` adds 6·a_l·S bytes per token for sequences of length S
+                      (megatron's local attention: fp32 softmax output + bf16 probabilities).
+                      × layers of the stage × micro-batches in flight under 1F1B (p − stage,
+                      at most the number of micro-batches; × (1 + (p−1)/(p·vpp)) interleaved),
+                      divided by c. With *.recompute_activations (full recompute, one layer per
+                      checkpoint) only the layer inputs h/s per layer and token are kept, plus one
+                      layer's full activations while it is recomputed.
+                      T = max_tokens_per_microbatch (packed) or micro_batch_size_per_gpu ×
+                      (max_prompt_length + max_response_length) (padded).
+  logits              last stage, actor only: T·V/t bf16 logits kept for the fused log-prob /
+                      entropy op, plus their gradient of the same size in backward.
+  generation weights  the TP_g-only copy of the actor that the engine reads: 2·P_full/TP_g
+                      (none when TP_g = t and p = 1: the training parameters are used in place).
+  KV cache            2 (K, V) · layers · kv_g · hd · 2 bytes per token, kv_g = max(kv/TP_g, 1),
+                      for min(rollout.max_num_seqs, sequences per generation group) sequences of
+                      max_prompt_length + max_response_length tokens.
+  engine overhead     fp32 sampling logits of the decoding batch (×3: logits, probabilities,
+                      sorted copy for top-p) + one layer's activations for a prefill chunk of
+                      PREFILL_CHUNK_TOKENS tokens (logits only for each prompt's last token).
+  runtime             RUNTIME_OVERHEAD_GIB: CUDA context, NCCL buffers of all groups, cuBLAS
+                      workspaces. A guess to calibrate against measured peaks.
+A phase fits when its total is at most USABLE_FRACTION of the GPU (allocator fragmentation and
+temporaries not modelled above).
+
+Colocation policy (DESIGN.md): between phases the optimizer states and gradient buffers of the
+actor and critic live in pinned host memory; parameters of the actor, critic and reference stay
+on the GPU unless reference.offload_params. Phases: generate; score (forward-only log-probs and
+values); actor_update; critic_update (GAE only). Host memory per node = GPUs per node × what a
+GPU offloads. Reward models are not modelled yet.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from verl_mcore.config import Config, ConfigError, ModelShape, data_parallel_size, validate
+
+GiB = 1024 ** 3
+RUNTIME_OVERHEAD_GIB = 2.0
+USABLE_FRACTION = 0.92
+PREFILL_CHUNK_TOKENS = 8192
+EXIT_INVALID = 2
+EXIT_DOES_NOT_FIT = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Model shapes
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the memory model needs from an HF config (a superset of config.ModelShape)."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, where: str = "config.json") -> "ModelDims":
+        try:
+            heads = hf["num_attention_heads"]
+            return cls(
+                hidden_size=hf["hidden_size"],
+                ffn_hidden_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                vocab_size=hf["vocab_size"],
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{where}: missing field {e.args[0]} (model.path)") from None
+
+    def shape(self) -> ModelShape:
+        return ModelShape(self.num_attention_heads, self.num_key_value_heads, self.num_layers,
+                          self.vocab_size, self.hidden_size)
+
+
+# Published shapes (the models' config.json on the Hugging Face hub), for planning offline with
+# `model.path=<hub id>`. Keys are the lower-cased last path component without "-instruct".
+KNOWN_SHAPES: dict[str, ModelDims] = {
+    "meta-llama-3-8b": ModelDims(4096, 14336, 32, 32, 8, 128256, 128),
+    "meta-llama-3-70b": ModelDims(8192, 28672, 80, 64, 8, 128256, 128),
+    "qwen2.5-1.5b": ModelDims(1536, 8960, 28, 12, 2, 151936, 128, tie_word_embeddings=True,
+                              qkv_bias=True),
+    "qwen2.5-3b": ModelDims(2048, 11008, 36, 16, 2, 151936, 128, tie_word_embeddings=True,
+                            qkv_bias=True),
+    "qwen2.5-7b": ModelDims(3584, 18944, 28, 28, 4, 152064, 128, qkv_bias=True),
+    "qwen2.5-32b": ModelDims(5120, 27648, 64, 40, 8, 152064, 128, qkv_bias=True),
+}
+# Llama 3.1 has the Llama 3 shapes.
+KNOWN_SHAPES["llama-3.1-8b"] = KNOWN_SHAPES["meta-llama-3.1-8b"] = KNOWN_SHAPES["meta-llama-3-8b"]
+KNOWN_SHAPES["llama-3.1-70b"] = KNOWN_SHAPES["meta-llama-3.1-70b"] = KNOWN_SHAPES["meta-llama-3-70b"]
+
+
+def resolve_dims(model_path: Optional[str]) -> ModelDims:
+    """config.json of a local HF directory, else the KNOWN_SHAPES entry for a hub id."""
+    if not model_path:
+        raise ConfigError("the planner needs model.path (an HF directory or a known hub id)")
+    cfg_file = os.path.join(model_path, "config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            return ModelDims.from_hf_config(json.load(f), cfg_file)
+    key = os.path.basename(model_path.rstrip("/")).lower().removesuffix("-instruct")
+    if key in KNOWN_SHAPES:
+        return KNOWN_SHAPES[key]
+    raise ConfigError(f"model.path={model_path!r}: no config.json there and not a known shape "
+                      f"({', '.join(sorted(KNOWN_SHAPES))}); point model.path at a local HF "
+                      "directory (only its config.json is read)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory model (formulas in the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def padded_vocab(dims: ModelDims, tp: int, divisible_by: int) -> int:
+    multiple = divisible_by * tp
+    return math.ceil(dims.vocab_size / multiple) * multiple
+
+
+def layer_params(dims: ModelDims, tp: int) -> int:
+    """Parameters of one decoder layer on one TP rank."""
+    h, hd = dims.hidden_size, dims.head_dim
+    q = dims.num_attention_heads * hd // tp
+    kv = max(dims.num_key_value_heads // tp, 1) * hd
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if dims.qkv_bias else 0)
+    mlp = 3 * h * dims.ffn_hidden_size // tp
+    return attn + mlp + 2 * h  # two RMSNorm weights, replicated over TP
+
+
+def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int) -> int:
+    """Parameters held by one rank of pipeline stage `stage`."""
+    vocab_shard = padded_vocab(dims, tp, divisible_by) // tp * dims.hidden_size
+    n = dims.num_layers // pp * layer_params(dims, tp)
+    if stage == 0:
+        n += vocab_shard
+    if stage == pp - 1:
+        n += dims.hidden_size  # final norm
+        if not (dims.tie_word_embeddings and pp == 1):
+            n += vocab_shard
+    return n
+
+
+def total_params(dims: ModelDims) -> int:
+    """Unsharded, unpadded parameter count."""
+    return stage_params(dims, 1, 1, 0, 1)
+
+
+def role_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
+    """Parameters of `role` on one rank of `stage` in the training layout.
+
+    The critic has a [h, 1] value head instead of the output layer (whose size we drop).
+    """
+    p, div = cfg.parallel, cfg.model.make_vocab_size_divisible_by
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    n = stage_params(dims, tp, pp, stage, div)
+    if role == "critic" and stage == pp - 1 and not (dims.tie_word_embeddings and pp == 1):
+        n -= padded_vocab(dims, tp, div) // tp * dims.hidden_size - dims.hidden_size
+    return n
+
+
+def activation_bytes_per_token_layer(dims: ModelDims, tp: int, sequence_parallel: bool,
+                                     dtype_bytes: int = 2) -> int:
+    h, hd, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
+    s = tp if sequence_parallel else 1
+    a_l = dims.num_attention_heads // tp
+    kv_l = max(dims.num_key_value_heads // tp, 1)
+    attn = (2 * h // s + (a_l + 2 * kv_l) * hd + a_l * hd) * dtype_bytes + 4 * a_l
+    mlp = (2 * h // s + 4 * f // tp) * dtype_bytes
+    return attn + mlp
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Planner options that are not config fields."""
+
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: Optional[float] = None  # per node; None: not checked
+    attention: str = "flash"  # "flash" (varlen / TE) or "materialized" (megatron local spec)
+
+
+def _micro_tokens(cfg: Config, role: str) -> tuple[int, int]:
+    """(tokens per micro-batch on one rank, samples per micro-batch or 0 when packed)."""
+    r = getattr(cfg, role)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if r.max_tokens_per_microbatch:
+        return r.max_tokens_per_microbatch, 0
+    return r.micro_batch_size_per_gpu * seq, r.micro_batch_size_per_gpu
+
+
+def _num_microbatches(cfg: Config, role: str, dp: int) -> int:
+    r = getattr(cfg, role)
+    mini = (getattr(r, "ppo_mini_batch_size", None) or cfg.actor.ppo_mini_batch_size) * cfg.rollout.n
+    per_rank = max(mini // dp, 1)
+    tokens, samples = _micro_tokens(cfg, role)
+    if samples:
+        return max(per_rank // samples, 1)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return max(math.ceil(per_rank * seq / tokens), 1)
+
+
+def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: int,
+                   knobs: Knobs) -> dict[str, int]:
+    """Per-GPU bytes of the model `role` ("actor" or "critic") while it trains, on `stage`."""
+    p = cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    dp = data_parallel_size(cfg, world)
+    dtype = getattr(cfg, role).dtype
+    b = _dtype_bytes(dtype)
+    n = role_params(cfg, dims, role, stage)
+    opt_per_param = 8 + (4 if b < 4 else 0)
+    optimizer = opt_per_param * n
+    if p.use_distributed_optimizer:
+        optimizer = math.ceil(optimizer / dp)
+
+    tokens, samples = _micro_tokens(cfg, role)
+    tokens = math.ceil(tokens / cp)
+    per_layer = activation_bytes_per_token_layer(dims, tp, p.sequence_parallel, b) * tokens
+    if knobs.attention == "materialized":
+        seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+        per_layer += 6 * (dims.num_attention_heads // tp) * seq * tokens
+    layers = dims.num_layers // pp
+    in_flight = min(pp - stage, _num_microbatches(cfg, role, dp))
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    interleave = 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0
+    s = tp if p.sequence_parallel else 1
+    if getattr(cfg, role).recompute_activations:
+        kept = dims.hidden_size // s * b * tokens
+        activations = int(kept * layers * in_flight * interleave) + per_layer
+    else:
+        activations = int(per_layer * layers * in_flight * interleave)
+    out = {"parameters": b * n, "gradients": 4 * n, "optimizer": optimizer,
+           "activations": activations}
+    if role == "actor" and stage == pp - 1:
+        vocab_l = padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by) // tp
+        out["logits"] = 2 * 2 * tokens * vocab_l
+    return out
+
+
+def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str]) -> dict[str, int]:
+    """Parameters of other models that stay on the GPU during a phase."""
+    out = {}
+    for role in roles:
+        if role == "reference" and (cfg.reference.offload_params or not _uses_reference(cfg)):
+            continue
+        if role == "critic" and not cfg.uses_critic:
+            continue
+        out[f"{role} parameters"] = _dtype_bytes(getattr(cfg, role).dtype) * role_params(cfg, dims, role, stage)
+    return out
+
+
+def _uses_reference(cfg: Config) -> bool:
+    """The reference model is only built when some KL term needs its log-probs."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict[str, int]:
+    """Per-GPU bytes of the engine's share of the generation phase."""
+    p, r, d = cfg.parallel, cfg.rollout, cfg.data
+    tp_g = r.tensor_parallel_size
+    dp_g = world // tp_g
+    if tp_g == p.tensor_model_parallel_size and p.pipeline_model_parallel_size == 1:
+        weights = 0  # the training layout already is the generation layout
+    else:  # bf16, every layer of this rank's TP_g slice
+        weights = 2 * stage_params(dims, tp_g, 1, 0, cfg.model.make_vocab_size_divisible_by)
+    seqs = math.ceil(d.train_batch_size * r.n / dp_g)
+    concurrent = min(r.max_num_seqs, seqs)
+    seq_len = d.max_prompt_length + d.max_response_length
+    kv_g = max(dims.num_key_value_heads // tp_g, 1)
+    kv_cache = 2 * dims.num_layers * kv_g * dims.head_dim * 2 * seq_len * concurrent
+    vocab_g = padded_vocab(dims, tp_g, cfg.model.make_vocab_size_divisible_by) // tp_g
+    sampling = 3 * 4 * concurrent * vocab_g
+    chunk = min(PREFILL_CHUNK_TOKENS, concurrent * d.max_prompt_length)
+    prefill = chunk * activation_bytes_per_token_layer(dims, tp_g, False)
+    return {"generation weights": weights, "KV cache": kv_cache, "engine overhead": sampling + prefill}
+
+
+def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
+    """Per-GPU bytes per component for each phase, at the stage where the phase peaks.
+
+    Returns {phase: {"stage": int, "components": {name: bytes}, "total": bytes}} plus "host"
+    ({"per_gpu": {name: bytes}, "per_node": bytes}). The lead compares these with measured peaks.
+    """
+    p = cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    runtime = int(RUNTIME_OVERHEAD_GIB * GiB)
+    phases: dict[str, dict] = {}
+
+    def best(name: str, per_stage) -> None:
+        candidates = []
+        for stage in range(pp):
+            comps = dict(per_stage(stage))
+            comps["runtime"] = runtime
+            candidates.append((sum(comps.values()), stage, comps))
+        total, stage, comps = max(candidates, key=lambda c: c[0])
+        phases[name] = {"stage": stage, "components": comps, "total": total}
+
+    def actor_params(stage):
+        t = training_bytes(cfg, dims, world, "actor", stage, knobs)
+        return {"actor parameters": t["parameters"]}
+
+    best("generate", lambda s: {**actor_params(s), **_resident_params(cfg, dims, s, ["reference", "critic"]),
+                                **generation_bytes(cfg, dims, world, knobs)})
+
+    def score(stage):
+        t = training_bytes(cfg, dims, world, "actor", stage, knobs)
+        tokens = math.ceil(_micro_tokens(cfg, "actor")[0] / p.context_parallel_size)
+        per_layer = activation_bytes_per_token_layer(dims, p.tensor_model_parallel_size,
+                                                     p.sequence_parallel) * tokens
+        comps = {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"]),
+                 "forward activations": per_layer}
+        if "logits" in t:
+            comps["logits"] = t["logits"] // 2
+        return comps
+
+    best("score", score)
+
+    def update(role, others):
+        def f(stage):
+            t = training_bytes(cfg, dims, world, role, stage, knobs)
+            return {f"{role} {k}": v for k, v in t.items()} | _resident_params(cfg, dims, stage, others)
+        return f
+
+    best("actor_update", update("actor", ["reference", "critic"]))
+    if cfg.uses_critic:
+        best("critic_update", lambda s: {**update("critic", ["reference"])(s), **actor_params(s)})
+
+    host = {}
+    for stage in range(pp):
+        per = {}
+        roles = ["actor"] + (["critic"] if cfg.uses_critic else [])
+        for role in roles:
+            t = training_bytes(cfg, dims, world, role, stage, knobs)
+            per[f"{role} gradients"] = t["gradients"]
+            per[f"{role} optimizer"] = t["optimizer"]
+        if cfg.reference.offload_params and _uses_reference(cfg):
+            per["reference parameters"] = (_dtype_bytes(cfg.reference.dtype)
+                                           * role_params(cfg, dims, "reference", stage))
+        if not host or sum(per.values()) > sum(host.values()):
+            host = per
+    phases["host"] = {"per_gpu": host, "per_node": sum(host.values()) * knobs.gpus_per_node}
+    return phases
+
+
+def misfits(memory: dict, knobs: Knobs) -> list[str]:
+    """Phases over the usable GPU memory, and host memory over its limit."""
+    usable = knobs.gpu_memory_gib * USABLE_FRACTION * GiB
+    bad = [name for name, ph in memory.items() if name != "host" and ph["total"] > usable]
+    if knobs.host_memory_gib is not None and memory["host"]["per_node"] > knobs.host_memory_gib * GiB:
+        bad.append("host")
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Suggestions: re-plan with one knob changed
+# ---------------------------------------------------------------------------------------------
+
+def _candidates(cfg: Config, world: int, nodes: int,
+                gpus_per_node: int) -> list[tuple[str, list[str], int]]:
+    """(description, overrides, world) for single changes that reduce memory."""
+    p, a, c, r = cfg.parallel, cfg.actor, cfg.critic, cfg.rollout
+    out = []
+    if not p.use_distributed_optimizer:
+        out.append(("parallel.use_distributed_optimizer=true", ["parallel.use_distributed_optimizer=true"], world))
+    roles = [("actor", a)] + ([("critic", c)] if cfg.uses_critic else [])
+    # Actor and critic have the same shape: change both together.
+    rec = [f"{role}.recompute_activations=true" for role, rc in roles if not rc.recompute_activations]
+    if rec:
+        out.append((" ".join(rec), rec, world))
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        out.append(("parallel.sequence_parallel=true", ["parallel.sequence_parallel=true"], world))
+    pp2 = p.pipeline_model_parallel_size * 2
+    out.append((f"parallel.pipeline_model_parallel_size={pp2}",
+                [f"parallel.pipeline_model_parallel_size={pp2}"], world))
+    tp2 = p.tensor_model_parallel_size * 2
+    if tp2 <= gpus_per_node:  # TP across nodes would put its all-reduces on the network
+        out.append((f"parallel.tensor_model_parallel_size={tp2}",
+                    [f"parallel.tensor_model_parallel_size={tp2}"], world))
+    smaller = []
+    for role, rc in roles:
+        if rc.max_tokens_per_microbatch:
+            smaller.append(f"{role}.max_tokens_per_microbatch={rc.max_tokens_per_microbatch // 2}")
+        elif rc.micro_batch_size_per_gpu > 1:
+            smaller.append(f"{role}.micro_batch_size_per_gpu={rc.micro_batch_size_per_gpu // 2}")
+    if smaller:
+        out.append((" ".join(smaller), smaller, world))
+    if _uses_reference(cfg) and not cfg.reference.offload_params:
+        out.append(("reference.offload_params=true", ["reference.offload_params=true"], world))
+    if r.max_num_seqs > 1:
+        out.append((f"rollout.max_num_seqs={r.max_num_seqs // 2}", [f"rollout.max_num_seqs={r.max_num_seqs // 2}"], world))
+    if r.tensor_parallel_size * 2 <= p.tensor_model_parallel_size:
+        out.append((f"rollout.tensor_parallel_size={r.tensor_parallel_size * 2}",
+                    [f"rollout.tensor_parallel_size={r.tensor_parallel_size * 2}"], world))
+    out.append((f"--nodes {nodes * 2}", [], world * 2))
+    return out
+
+
+def suggest(cfg: Config, overrides: list[str], config_path: Optional[str], dims: ModelDims,
+            world: int, nodes: int, knobs: Knobs, failing: list[str]) -> dict[str, list[str]]:
+    """Re-plan with changed knobs. Returns {"fixes": single changes after which everything fits,
+    "pairs": (only when no single change is enough) pairs that fit, "helps": single changes that
+    reduce a failing phase, with the GiB they save, largest first}."""
+    base = plan_memory(cfg, dims, world, knobs)
+
+    def trial(changes):
+        extra = [o for _, ovr, _ in changes for o in ovr]
+        w = world * math.prod(cw // world for _, _, cw in changes)
+        try:
+            t = Config.load(config_path, overrides + extra)
+            validate(t, w, dims.shape())
+        except ConfigError:
+            return None  # this change breaks a divisibility rule here
+        return plan_memory(t, dims, w, knobs)
+
+    cands = _candidates(cfg, world, nodes, knobs.gpus_per_node)
+    fixes, helps, useful = [], [], []
+    for cand in cands:
+        mem = trial([cand])
+        if mem is None:
+            continue
+        if not misfits(mem, knobs):
+            fixes.append(cand[0])
+            continue
+        gpu = [ph for ph in failing if ph != "host"]
+        saved = (max(base[ph]["total"] - mem[ph]["total"] for ph in gpu) if gpu
+                 else base["host"]["per_node"] - mem["host"]["per_node"])
+        if saved > 0:
+            helps.append((saved, cand[0]))
+            useful.append(cand)
+    pairs = []
+    if not fixes:
+        for i, a in enumerate(useful):
+            for b in useful[i + 1:]:
+                mem = trial([a, b])
+                if mem is not None and not misfits(mem, knobs):
+                    pairs.append(f"{a[0]} + {b[0]}")
+    return {"fixes": fixes, "pairs": pairs[:6],
+            "helps": [f"{d} (-{s / GiB:.1f} GiB)" for s, d in sorted(helps, reverse=True)]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout report
+# ---------------------------------------------------------------------------------------------
+
+def _ranks(group: list[int]) -> str:
+    if len(group) > 2 and all(b - a == 1 for a, b in zip(group, group[1:])):
+        return f"[{group[0]}-{group[-1]}]"
+    return "[" + ",".join(map(str, group)) + "]"
+
+
+def _groups_line(name: str, groups: list[list[int]], limit: int) -> str:
+    shown = " ".join(_ranks(g) for g in groups[:limit])
+    more = f" ... ({len(groups) - limit} more)" if len(groups) > limit else ""
+    return f"  {name:<16}{len(groups):>4} × {len(groups[0])}: {shown}{more}"
+
+
+def layout_report(cfg: Config, world: int, nodes: int, gpus_per_node: int,
+                  node_names: Optional[list[str]] = None, limit: int = 8) -> str:
+    from verl_mcore.distributed.groups import GroupLayout
+
+    p = cfg.parallel
+    lay = GroupLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.context_parallel_size, cfg.rollout.tensor_parallel_size)
+    names = node_names or [f"node{i}" for i in range(nodes)]
+    node_of = lambda rank: rank // gpus_per_node  # noqa: E731 - srun --distribution=block
+    lines = [f"Layout: {world} ranks = {nodes} node(s) × {gpus_per_node} GPU(s); "
+             f"training TP={lay.tp} × PP={lay.pp} × CP={lay.cp} × DP={lay.dp}"
+             + (f" (VPP={p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else "")
+             + f"; generation TP_g={lay.tp_gen} × DP_g={lay.dp_gen}"]
+    lines.append(_groups_line("TP groups", lay.tp_groups(), limit))
+    lines.append(_groups_line("PP groups", lay.pp_groups(), limit))
+    lines.append(_groups_line("DP groups", lay.dp_groups(), limit))
+    lines.append(_groups_line("gen TP groups", lay.gen_tp_groups(), limit))
+    lines.append(_groups_line("gen DP groups", lay.gen_dp_groups(), limit))
+    lines.append(_groups_line("micro-DP groups", lay.micro_dp_groups(), limit))
+    split = [g for g in lay.tp_groups() if len({node_of(r) for r in g}) > 1]
+    if split:
+        lines.append(f"  WARNING: {len(split)} TP group(s) span nodes (e.g. {_ranks(split[0])}): "
+                     "TP traffic then crosses the network; keep TP <= GPUs per node")
+    lines.append("Nodes (ranks placed in blocks of --gpus-per-node, srun's default; "
+                 "coordinates of the ranks on each node):")
+    shown = list(range(nodes)) if nodes <= limit else list(range(limit - 1)) + [nodes - 1]
+    for i in shown:
+        if i == nodes - 1 and nodes > limit:
+            lines.append(f"  ... ({nodes - limit} more)")
+        ranks = list(range(i * gpus_per_node, (i + 1) * gpus_per_node))
+        co = [lay.coords(r) for r in ranks]
+        desc = ", ".join(f"{k} {_span(sorted({c[k] for c in co}))}" for k in ("pp", "dp", "tp", "dp_gen"))
+        lines.append(f"  {names[i] if i < len(names) else f'node{i}'}: ranks {_ranks(ranks)}  {desc}")
+    return "\n".join(lines)
+
+
+def _span(values: list[int]) -> str:
+    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def memory_report(memory: dict, knobs: Knobs) -> str:
+    usable = knobs.gpu_memory_gib * USABLE_FRACTION
+    lines = [f"Memory per GPU (GiB; fits when <= {usable:.1f} = {USABLE_FRACTION:.0%} of "
+             f"{knobs.gpu_memory_gib:g}; attention={knobs.attention}):"]
+    for name, ph in memory.items():
+        if name == "host":
+            continue
+        verdict = "ok" if ph["total"] <= usable * GiB else "DOES NOT FIT"
+        lines.append(f"  {name:<14} {ph['total'] / GiB:7.1f}  {verdict}  (pipeline stage {ph['stage']})")
+        for comp, v in ph["components"].items():
+            lines.append(f"      {comp:<26}{v / GiB:8.2f}")
+    host = memory["host"]
+    limit = f" of {knobs.host_memory_gib:g}" if knobs.host_memory_gib is not None else ""
+    lines.append(f"  host (pinned, offloaded state): {host['per_node'] / GiB:.1f} GiB per node{limit} "
+                 f"({sum(host['per_gpu'].values()) / GiB:.2f} per GPU: "
+                 + ", ".join(f"{k} {v / GiB:.2f}" for k, v in host["per_gpu"].items()) + ")")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def _env_int(*names: str) -> Optional[int]:
+    for n in names:
+        v = os.environ.get(n, "")
+        if v:
+            try:
+                return int(v.split("(")[0].split(",")[0])
+            except ValueError:
+                pass
+    return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m verl_mcore.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="YAML config file")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="nodes (default: SLURM_JOB_NUM_NODES, else 1)")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="GPUs (= ranks) per node (default: SLURM_GPUS_ON_NODE / "
+                         "SLURM_NTASKS_PER_NODE, else 1)")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GiB per GPU (80)")
+    ap.add_argument("--host-memory-gb", type=float, default=None,
+                    help="GiB of host memory per node to check offloaded state against")
+    ap.add_argument("--attention", choices=["flash", "materialized"], default="flash",
+                    help="core attention that keeps no [s, s] scores (flash/varlen/TE) or megatron's "
+                         "local one that does")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("overrides", nargs="*", metavar="a.b.c=value")
+    return ap.parse_intermixed_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    nodes = args.nodes or _env_int("SLURM_JOB_NUM_NODES", "SLURM_NNODES") or 1
+    gpn = args.gpus_per_node or _env_int("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE") or 1
+    knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention)
+    world = nodes * gpn
+    try:
+        cfg = Config.load(args.config, args.overrides)
+        dims = resolve_dims(cfg.model.path)
+        validate(cfg, world, dims.shape())
+    except ConfigError as e:
+        print(f"plan: config error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    memory = plan_memory(cfg, dims, world, knobs)
+    bad = misfits(memory, knobs)
+    if args.json:
+        print(json.dumps({"world_size": world, "nodes": nodes, "gpus_per_node": gpn,
+                          "model": asdict(dims), "memory": memory, "does_not_fit": bad}, indent=1))
+    else:
+        names = None
+        if os.environ.get("SLURM_JOB_NODELIST"):
+            from verl_mcore.distributed.launch import expand_nodelist
+
+            names = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+        n_params = total_params(dims)
+        print(f"Model: {cfg.model.path} ({n_params / 1e9:.2f} B parameters; {dims.num_layers} layers, "
+              f"hidden {dims.hidden_size}, heads {dims.num_attention_heads}/{dims.num_key_value_heads} KV)")
+        print(layout_report(cfg, world, nodes, gpn, names))
+        print(memory_report(memory, knobs))
+    if bad:
+        found = suggest(cfg, args.overrides, args.config, dims, world, nodes, knobs, bad)
+        msg = [f"plan: does not fit: {', '.join(bad)} on {knobs.gpu_memory_gib:g} GiB GPUs"
+               + (f" / {knobs.host_memory_gib:g} GiB host" if "host" in bad else "")]
+        if found["fixes"]:
+            msg.append("  any one of these changes makes every phase fit: " + "; ".join(found["fixes"]))
+        elif found["pairs"]:
+            msg.append("  no single change is enough; these pairs make every phase fit: "
+                       + "; ".join(found["pairs"]))
+        if found["helps"]:
+            msg.append("  changes that reduce the failing phases: " + "; ".join(found["helps"]))
+        if not any(found.values()):
+            msg.append("  no change of one or two knobs found: use more or larger GPUs, or a "
+                       "smaller model")
+        print("\n".join(msg), file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
