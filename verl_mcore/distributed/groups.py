@@ -11,7 +11,7 @@ with PP > 1, the stages are first gathered within the pipeline group).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -93,7 +93,8 @@ class ParallelGroups:
     gen_tp: Any
     gen_dp: Any
     micro_dp: Any
-    extra: dict = field(default_factory=dict)
+    # ProcessGroupCollection for a generation-layout model (tp = gen_tp; pp, cp, embd = this rank)
+    gen: Any = None
 
     @property
     def tp_rank(self) -> int:
@@ -159,13 +160,19 @@ def build_groups(cfg, distributed_timeout_minutes: int = 30) -> ParallelGroups:
     assert parallel_state.get_tensor_model_parallel_rank() == layout.coords(rank)["tp"]
     assert parallel_state.get_pipeline_model_parallel_rank() == layout.coords(rank)["pp"]
     assert parallel_state.get_data_parallel_rank() == layout.coords(rank)["dp"]
+    gen_tp = _new_subgroups(layout.gen_tp_groups(), rank)
+    gen_dp = _new_subgroups(layout.gen_dp_groups(), rank)
+    micro_dp = _new_subgroups(layout.micro_dp_groups(), rank)
+    alone = _new_subgroups([[r] for r in range(world)], rank)
     return ParallelGroups(
         layout=layout,
         rank=rank,
         train=ProcessGroupCollection.use_mpu_process_groups(),
-        gen_tp=_new_subgroups(layout.gen_tp_groups(), rank),
-        gen_dp=_new_subgroups(layout.gen_dp_groups(), rank),
-        micro_dp=_new_subgroups(layout.micro_dp_groups(), rank),
+        gen_tp=gen_tp,
+        gen_dp=gen_dp,
+        micro_dp=micro_dp,
+        gen=ProcessGroupCollection(tp=gen_tp, pp=alone, cp=alone, embd=alone, pos_embd=alone,
+                                   dp=gen_dp, dp_cp=gen_dp, mp=gen_tp, tp_cp=gen_tp),
     )
 
 

@@ -1,0 +1,215 @@
+"""In-place 3D repartition: training layout (TP_t × PP, VPP chunks) -> generation layout (TP_g, no PP).
+
+For every parameter of the generation model, in one fixed order on all ranks:
+  1. pipeline gather: the pipeline stage that owns the tensor broadcasts its TP_t shard inside the
+     pipeline group, so every rank holds the TP_t shard of every layer;
+  2. tensor re-slice: the k = TP_t / TP_g ranks of a micro-DP group all-gather their TP_t shards,
+     which concatenate into this rank's TP_g shard (see distributed/groups.py for why).
+The result is written straight into the generation model's parameters, which live in one flat
+buffer per rank (allocated once, reused every step, releasable between phases). No rank ever holds
+more than its TP_g shard plus one tensor in flight; nothing is staged through host memory.
+
+Bytes received per rank: Σ over tensors of (what this rank lacks of its TP_g shard) — exactly
+model/TP_g − model/(TP_t·PP) for a model with uniform stages, the minimum any scheme can do since
+a rank starts with model/(TP_t·PP) and must end with model/TP_g.
+
+Layouts with TP_g = TP_t and PP = 1 need no copy: the training model serves generation as it is
+(see `generation_model_is_training_model`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore.models.weight_map import ParamMap, tp_merge
+
+_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def global_param_names(chunk: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters of one model chunk keyed by layout-independent names (global layer index)."""
+    model = _unwrap(chunk)
+    out = {}
+    for name, param in model.named_parameters():
+        m = _LAYER.match(name)
+        if m:
+            layer = model.decoder.layers[int(m.group(1))]
+            name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+        out[name] = param
+    return out
+
+
+def generation_model_is_training_model(tp_train: int, pp: int, tp_gen: int, vpp: Optional[int]) -> bool:
+    return tp_train == tp_gen and pp == 1 and not (vpp and vpp > 1)
+
+
+@dataclass
+class RepartitionStats:
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    min_bytes_received: int = 0  # the lower bound for this rank and layout
+    generation_bytes: int = 0  # size of this rank's TP_g shard (the flat buffer)
+    peak_temp_bytes: int = 0  # largest temporary held at once beside the buffer
+    seconds: float = 0.0
+    per_tensor: list = field(default_factory=list, repr=False)
+
+
+class FlatParameterBuffer:
+    """Re-homes a module's parameters into one contiguous buffer (one allocation, reusable).
+
+    `release()` frees the storage between generation phases (parameters keep their shapes but
+    must not be read), `restore()` re-allocates it; the next repartition refills it.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        params = [p for p in module.parameters()]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"generation model mixes parameter dtypes {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.device = params[0].device
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                view = self.buffer[offset:offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+                offset += p.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.buffer.element_size()
+
+    def release(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        storage = self.buffer.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.numel * self.buffer.element_size())
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    owner_stage: int
+    shape: tuple  # the TP_t shard's shape
+    dtype: torch.dtype
+    kind: str  # weight_map's TP kind: replicated, row, vocab, qkv, gate_up
+
+
+class Repartitioner:
+    """Fills a generation-layout model from the training-layout chunks, on every rank at once.
+
+    train_chunks: this rank's training model chunks (one per virtual pipeline stage), DDP-wrapped
+        or bare. gen_model: the generation model built at TP_g with `groups.gen` process groups.
+    gated_linear_unit: whether mlp.linear_fc1 holds [gate; up] per TP shard (SwiGLU models).
+    """
+
+    def __init__(self, train_chunks: Iterable[torch.nn.Module], gen_model: torch.nn.Module, groups,
+                 gated_linear_unit: bool):
+        self.groups = groups
+        self.layout = groups.layout
+        self.gated = gated_linear_unit
+        self.train_params: dict[str, torch.nn.Parameter] = {}
+        for chunk in train_chunks:
+            self.train_params.update(global_param_names(chunk))
+        self.gen_params = global_param_names(gen_model)
+        self.buffer = FlatParameterBuffer(gen_model)
+        self.gen_params = global_param_names(gen_model)  # now views into the buffer
+        self.rank = dist.get_rank()
+        coords = self.layout.coords(self.rank)
+        self.pp_ranks = next(g for g in self.layout.pp_groups() if self.rank in g)
+        self.micro_ranks = next(g for g in self.layout.micro_dp_groups() if self.rank in g)
+        self.pp_group = groups.train.pp
+        self.micro_group = groups.micro_dp
+        self.stage = coords["pp"]
+        self.entries = self._catalog()
+
+    def _catalog(self) -> list[_Entry]:
+        """Agree, across the pipeline group, on who owns each generation tensor."""
+        mine = {n: (tuple(p.shape), p.dtype, self._kind(n)) for n, p in self.train_params.items()}
+        if tie := ("output_layer.weight" not in self.gen_params):
+            mine.pop("output_layer.weight", None)  # the last stage's copy of a tied embedding
+        all_stages: list = [None] * len(self.pp_ranks)
+        dist.all_gather_object(all_stages, mine, group=self.pp_group)
+        entries = []
+        for name in self.gen_params:
+            owners = [s for s, held in enumerate(all_stages) if name in held]
+            if not owners:
+                raise RuntimeError(f"repartition: no pipeline stage holds {name!r} "
+                                   f"(tied embeddings: {tie})")
+            entries.append(_Entry(name, owners[0], *all_stages[owners[0]][name]))
+        return entries
+
+    def _kind(self, name: str) -> str:
+        """How a GPTModel tensor is split over TP (the kinds of models/weight_map.py). Read from the
+        name: megatron only marks parameters as tensor-parallel when it initialises them."""
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            return "vocab"
+        if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+            return "qkv"
+        if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")):
+            return "row"
+        if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+            return "gate_up" if self.gated else "qkv"  # qkv: contiguous rows
+        return "replicated"
+
+    @torch.no_grad()
+    def run(self) -> RepartitionStats:
+        import time
+
+        start = time.perf_counter()
+        self.buffer.restore()
+        stats = RepartitionStats(generation_bytes=self.buffer.nbytes)
+        k = len(self.micro_ranks)
+        pp = len(self.pp_ranks)
+        for entry in self.entries:
+            gen_param = self.gen_params[entry.name]
+            esize = torch.empty((), dtype=entry.dtype).element_size()
+            shard_bytes = int(torch.Size(entry.shape).numel()) * esize
+            # This rank's TP_t shard of the tensor is part of its TP_g shard whenever it holds it.
+            held = entry.owner_stage == self.stage
+            # 1. pipeline gather: the owner stage broadcasts its TP_t shard
+            if held:
+                shard = self.train_params[entry.name].detach().contiguous()
+            else:
+                shard = torch.empty(entry.shape, dtype=entry.dtype, device=gen_param.device)
+            if pp > 1:
+                dist.broadcast(shard, src=self.pp_ranks[entry.owner_stage], group=self.pp_group)
+                if held:
+                    stats.bytes_sent += shard_bytes * (pp - 1)
+                else:
+                    stats.bytes_received += shard_bytes
+            temp = 0 if held else shard_bytes
+            # 2. tensor re-slice inside the micro-DP group
+            if k > 1 and entry.kind != "replicated":
+                parts = [torch.empty_like(shard) for _ in range(k)]
+                dist.all_gather(parts, shard, group=self.micro_group)
+                stats.bytes_received += shard_bytes * (k - 1)
+                stats.bytes_sent += shard_bytes * (k - 1)
+                full = tp_merge(ParamMap(entry.name, (), entry.kind), parts)
+                temp += shard_bytes * k * 2
+            else:
+                full = shard
+            if full.shape != gen_param.shape:
+                raise RuntimeError(f"repartition: {entry.name}: assembled {tuple(full.shape)}, "
+                                   f"generation model expects {tuple(gen_param.shape)}")
+            gen_param.copy_(full)
+            stats.peak_temp_bytes = max(stats.peak_temp_bytes, temp)
+            # The lower bound: what this rank lacked of its TP_g piece of this tensor.
+            stats.min_bytes_received += gen_param.numel() * esize - (shard_bytes if held else 0)
+        stats.seconds = time.perf_counter() - start
+        return stats
