@@ -48,6 +48,34 @@ def time_ms(fn, input_sets, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, input_sets, reps: int, calls_per_graph: int = 20) -> float:
+    """Device time of one fn call: median over `reps` replays of a CUDA graph holding
+    `calls_per_graph` calls (rotating inputs), divided by that count. Leaves out the host-side cost
+    (Python, dispatch, launch) that dominates kernels of a few tens of microseconds."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for inputs in input_sets:
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k in range(calls_per_graph):
+            fn(*input_sets[k % len(input_sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls_per_graph)
+    del graph
+    return statistics.median(times)
+
+
 def peak_extra_gb(fn, inputs) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -90,7 +118,8 @@ def bench_copy(reps: int) -> float:
 
 
 def bench_gae(table: Table, quick: bool):
-    shapes = [(512, 4096), (1024, 8192), (4, 1 << 20), (65536, 128)]
+    ext = extension()
+    shapes = [(512, 4096), (1024, 8192), (4, 1 << 20), (65536, 128), (64, 32768)]
     for batch, length in shapes:
         sets = []
         for _ in range(3):
@@ -100,13 +129,24 @@ def bench_gae(table: Table, quick: bool):
             sets.append((r, v, m))
         shape = f"B={batch} T={length}"
         min_bytes = batch * length * (4 + 4 + 1 + 4 + 4)
-        kernel_ms = time_ms(lambda r, v, m: ops.gae(r, v, m, 0.99, 0.95), sets, reps=50, warmup=5)
         loop_ms = None
         if (batch, length) in [(512, 4096), (1024, 8192)] and not (quick and length > 4096):
             loop_ms = time_ms(lambda r, v, m: algo.gae(r, v, m, 0.99, 0.95), sets, reps=2, warmup=1)
             table.add("GAE", "python time loop (algo.advantages.gae)", shape, loop_ms, min_bytes)
-        table.add("GAE", "kernel (ops.gae)", shape, kernel_ms, min_bytes, loop_ms,
+        eager_ms = time_ms(lambda r, v, m: ops.gae(r, v, m, 0.99, 0.95), sets, reps=50, warmup=5)
+        table.add("GAE", "ops.gae eager (host dispatch included)", shape, eager_ms, min_bytes, loop_ms,
                   peak_extra_gb(lambda r, v, m: ops.gae(r, v, m, 0.99, 0.95), sets[0]))
+        if ext is None:
+            continue
+        # Device time per tile shape (config -1 = the automatic choice); see csrc/gae.cu kConfigs.
+        configs = [-1] + (list(range(2, 7)) if length >= 4096 else [])
+        for config in configs:
+            def call(r, v, m, config=config):
+                return ext.gae(r, v, m, 0.99, 0.95, torch.cuda.current_stream().cuda_stream, config)
+
+            ms = graph_time_ms(call, sets, reps=20)
+            name = "kernel, CUDA graph, " + ("auto tile" if config < 0 else f"tile config {config}")
+            table.add("GAE", name, shape, ms, min_bytes, loop_ms)
         del sets
 
 
@@ -191,9 +231,9 @@ def bench_logprob_entropy(table: Table, quick: bool):
 
     def run_backward(loss_fn):
         def step(x, t):
-            x.grad = None
             loss_fn(x, t).backward()
-            return x.grad
+            grad, x.grad = x.grad, None  # measured without an older grad held
+            return grad
         return step
 
     if ce is not None:
@@ -227,6 +267,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="smaller log-prob size, skip the slowest loop")
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--date", default=None, help="date to record (default: this machine's UTC clock)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
@@ -241,7 +282,7 @@ def main():
     md = table.markdown()
     print("\n" + md)
     entry = (
-        f"\n## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC — bench/bench_kernels.py\n\n"
+        f"\n## {args.date or format(datetime.datetime.now(datetime.timezone.utc), '%Y-%m-%d %H:%M UTC')} — bench/bench_kernels.py\n\n"
         f"- device: {device}, torch {torch.__version__}; ops backend: {extension_status()}\n"
         f"- commit: {args.commit or git_commit()}\n"
         f"- command: `python {' '.join(sys.argv)}`\n"

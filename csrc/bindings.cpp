@@ -42,9 +42,10 @@ verl_mcore::LogitsDtype logits_dtype(const Tensor& logits, const char* op) {
   }
 }
 
-// rewards, values: float32 [batch, T]; mask: bool/uint8 or float32 [batch, T].
+// rewards, values: float32 [batch, T]; mask: bool/uint8 or float32 [batch, T]; config: see kernels.h.
 // Returns (advantages, returns), float32 [batch, T].
-std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, double gamma, double lam, int64_t stream) {
+std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, double gamma, double lam, int64_t stream,
+                               int64_t config) {
   TORCH_CHECK(rewards.dim() == 2, "verl_mcore._C.gae: rewards must be [batch, T], got shape ", rewards.sizes());
   TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
               "verl_mcore._C.gae: rewards ", rewards.sizes(), ", values ", values.sizes(), " and mask ",
@@ -69,12 +70,12 @@ std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, doubl
   const int64_t B = rewards.size(0), T = rewards.size(1);
   Tensor adv = at::empty_like(rewards);
   Tensor ret = at::empty_like(rewards);
-  const size_t ws_bytes = verl_mcore::gae_workspace_bytes(B, T);
+  const size_t ws_bytes = verl_mcore::gae_workspace_bytes(B, T, int(config));
   Tensor ws;
   if (ws_bytes > 0) ws = at::zeros({int64_t(ws_bytes)}, rewards.options().dtype(at::kByte));
   check_cuda(verl_mcore::gae_launch(rewards.data_ptr<float>(), values.data_ptr<float>(), mask.data_ptr(), mask_dtype,
                                     adv.data_ptr<float>(), ret.data_ptr<float>(), B, T, float(gamma), float(lam),
-                                    ws_bytes > 0 ? ws.data_ptr() : nullptr, to_stream(stream)),
+                                    ws_bytes > 0 ? ws.data_ptr() : nullptr, int(config), to_stream(stream)),
              "gae");
   return {adv, ret};
 }
@@ -136,7 +137,9 @@ Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "verl_mcore CUDA kernels (csrc/); use them through verl_mcore.ops";
-  m.def("gae", &gae, "batched masked GAE: (rewards, values, mask, gamma, lam, stream) -> (advantages, returns)");
+  m.def("gae", &gae, "batched masked GAE: (rewards, values, mask, gamma, lam, stream, config=-1) -> (advantages, returns)",
+        py::arg("rewards"), py::arg("values"), py::arg("mask"), py::arg("gamma"), py::arg("lam"), py::arg("stream"),
+        py::arg("config") = -1);
   m.def("lpe_forward", &lpe_forward, "local log-prob/entropy statistics of vocab-parallel logits");
   m.def("lpe_backward", &lpe_backward, "grad-logits of log-prob and entropy from saved statistics");
 }

@@ -188,7 +188,8 @@ gae_kernel(const float* __restrict__ rewards, const float* __restrict__ values, 
   if (lane == 0) warp_maps[warp] = incl;
   __syncthreads();
 
-  if (tid == 0) {
+  if (warp == 0) {
+    // Every lane composes the tile's map (cheap, and saves a broadcast).
     Affine tile_map = warp_maps[WARPS - 1];
 #pragma unroll
     for (int w = WARPS - 2; w >= 0; --w) tile_map = compose(warp_maps[w], tile_map);
@@ -196,33 +197,63 @@ gae_kernel(const float* __restrict__ rewards, const float* __restrict__ values, 
     if (tiles_per_row > 1) {
       volatile TileStatus* self = status + tile;
       if (from_right > 0) {
-        self->a = tile_map.a; self->b = tile_map.b; self->d = tile_map.d;
-        self->e = tile_map.e; self->f = tile_map.f;
-        __threadfence();
-        self->flag = kFlagMap;
-        // Walk right (towards lower tile indices of this row) until a tile's outgoing state is known.
-        Affine acc = affine_identity();
-        for (int64_t t = tile - 1;; --t) {
-          volatile TileStatus* s = status + t;
-          int flag;
-          do { flag = s->flag; } while (flag == 0);
+        if (lane == 0) {
+          self->a = tile_map.a; self->b = tile_map.b; self->d = tile_map.d;
+          self->e = tile_map.e; self->f = tile_map.f;
           __threadfence();
-          if (flag == kFlagState) {
-            A = s->A; V = s->V;
+          self->flag = kFlagMap;
+        }
+        // Warp-wide look-back over windows of 32 tiles to the right (lane l: tile next - l) until
+        // one of them has published its outgoing state; the row's last tile always does.
+        const int64_t row_last = tile - from_right;
+        Affine acc = affine_identity();
+        for (int64_t next = tile - 1;; next -= 32) {
+          const int64_t t = next - lane;
+          const bool exists = t >= row_last;
+          int flag = 0;
+          if (exists) {
+            volatile TileStatus* st = status + t;
+            do { flag = st->flag; } while (flag == 0);
+          }
+          __threadfence();
+          const unsigned with_state = __ballot_sync(0xffffffffu, exists && flag == kFlagState);
+          const int stop = with_state ? __ffs(with_state) - 1 : 32;
+          Affine m = affine_identity();
+          float sA = 0.f, sV = 0.f;
+          if (lane < stop) {
+            volatile TileStatus* st = status + t;
+            m = {st->a, st->b, st->d, st->e, st->f};
+          } else if (lane == stop) {
+            volatile TileStatus* st = status + t;
+            sA = st->A; sV = st->V;
+          }
+          // Ordered composition m_0 ∘ m_1 ∘ ... ∘ m_{stop-1} (identity beyond), landing in lane 0.
+#pragma unroll
+          for (int off = 1; off < 32; off <<= 1) {
+            const Affine other = shfl_down(m, off);
+            if (lane + off < 32) m = compose(m, other);
+          }
+          const Affine window = {__shfl_sync(0xffffffffu, m.a, 0), __shfl_sync(0xffffffffu, m.b, 0),
+                                 __shfl_sync(0xffffffffu, m.d, 0), __shfl_sync(0xffffffffu, m.e, 0),
+                                 __shfl_sync(0xffffffffu, m.f, 0)};
+          acc = compose(acc, window);
+          if (stop < 32) {
+            A = __shfl_sync(0xffffffffu, sA, stop);
+            V = __shfl_sync(0xffffffffu, sV, stop);
             apply(acc, A, V);
             break;
           }
-          const Affine pm = {s->a, s->b, s->d, s->e, s->f};
-          acc = compose(acc, pm);
         }
       }
-      float A_out = A, V_out = V;
-      apply(tile_map, A_out, V_out);
-      self->A = A_out; self->V = V_out;
-      __threadfence();
-      self->flag = kFlagState;
+      if (lane == 0) {
+        float A_out = A, V_out = V;
+        apply(tile_map, A_out, V_out);
+        self->A = A_out; self->V = V_out;
+        __threadfence();
+        self->flag = kFlagState;
+      }
     }
-    carry[0] = A; carry[1] = V;
+    if (lane == 0) { carry[0] = A; carry[1] = V; }
   }
   __syncthreads();
 
@@ -251,12 +282,17 @@ struct GaeConfig {
   int warps, items;
 };
 
+// Tile shapes compiled in; `config` >= 0 picks one (benchmarks), -1 chooses by row length.
+constexpr GaeConfig kConfigs[] = {{1, 4}, {1, 16}, {4, 16}, {8, 16}, {4, 8}, {8, 8}, {2, 16}};
+constexpr int kNumConfigs = int(sizeof(kConfigs) / sizeof(kConfigs[0]));
+
 // Short rows get small blocks (one tile a row, no look-back); long rows 4096-position tiles.
-GaeConfig choose_config(int64_t T) {
-  if (T <= 128) return {1, 4};
-  if (T <= 512) return {1, 16};
-  if (T <= 2048) return {4, 16};
-  return {8, 16};
+GaeConfig choose_config(int64_t T, int config) {
+  if (config >= 0 && config < kNumConfigs) return kConfigs[config];
+  if (T <= 128) return kConfigs[0];
+  if (T <= 512) return kConfigs[1];
+  if (T <= 2048) return kConfigs[2];
+  return kConfigs[3];
 }
 
 template <int WARPS, int ITEMS, typename MaskT>
@@ -286,18 +322,25 @@ cudaError_t launch_with(const float* r, const float* v, const MaskT* m, float* a
 
 template <typename MaskT>
 cudaError_t launch_typed(const float* r, const float* v, const MaskT* m, float* adv, float* ret, int64_t B,
-                         int64_t T, float gamma, float c, void* workspace, cudaStream_t stream) {
-  const GaeConfig cfg = choose_config(T);
-  if (cfg.warps == 1 && cfg.items == 4) return launch_with<1, 4>(r, v, m, adv, ret, B, T, gamma, c, workspace, stream);
-  if (cfg.warps == 1) return launch_with<1, 16>(r, v, m, adv, ret, B, T, gamma, c, workspace, stream);
-  if (cfg.warps == 4) return launch_with<4, 16>(r, v, m, adv, ret, B, T, gamma, c, workspace, stream);
-  return launch_with<8, 16>(r, v, m, adv, ret, B, T, gamma, c, workspace, stream);
+                         int64_t T, float gamma, float c, void* workspace, int config, cudaStream_t stream) {
+  const GaeConfig cfg = choose_config(T, config);
+#define VERL_MCORE_GAE_CASE(W, I) \
+  if (cfg.warps == W && cfg.items == I) return launch_with<W, I>(r, v, m, adv, ret, B, T, gamma, c, workspace, stream);
+  VERL_MCORE_GAE_CASE(1, 4)
+  VERL_MCORE_GAE_CASE(1, 16)
+  VERL_MCORE_GAE_CASE(4, 16)
+  VERL_MCORE_GAE_CASE(8, 16)
+  VERL_MCORE_GAE_CASE(4, 8)
+  VERL_MCORE_GAE_CASE(8, 8)
+  VERL_MCORE_GAE_CASE(2, 16)
+#undef VERL_MCORE_GAE_CASE
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-size_t gae_workspace_bytes(int64_t batch, int64_t T) {
-  const GaeConfig cfg = choose_config(T);
+size_t gae_workspace_bytes(int64_t batch, int64_t T, int config) {
+  const GaeConfig cfg = choose_config(T, config);
   const int64_t tile = int64_t(cfg.warps) * 32 * cfg.items;
   const int64_t tiles_per_row = (T + tile - 1) / tile;
   if (tiles_per_row <= 1) return 0;
@@ -306,14 +349,14 @@ size_t gae_workspace_bytes(int64_t batch, int64_t T) {
 
 cudaError_t gae_launch(const float* rewards, const float* values, const void* mask, MaskDtype mask_dtype,
                        float* advantages, float* returns, int64_t batch, int64_t T, float gamma, float lam,
-                       void* workspace, cudaStream_t stream) {
+                       void* workspace, int config, cudaStream_t stream) {
   if (batch <= 0 || T <= 0) return cudaSuccess;
   const float c = gamma * lam;
   if (mask_dtype == MaskDtype::kBool)
     return launch_typed(rewards, values, static_cast<const unsigned char*>(mask), advantages, returns, batch, T,
-                        gamma, c, workspace, stream);
+                        gamma, c, workspace, config, stream);
   return launch_typed(rewards, values, static_cast<const float*>(mask), advantages, returns, batch, T, gamma, c,
-                      workspace, stream);
+                      workspace, config, stream);
 }
 
 }  // namespace verl_mcore

@@ -21,12 +21,13 @@ enum class MaskDtype : int { kBool = 0, kFloat32 = 1 };
 // GAE. rewards, values, mask, advantages, returns: [batch, T], contiguous rows.
 // Reverse recurrence over valid positions (mask != 0); masked positions carry the next valid
 // value and advantage through and get advantage = return = 0.
-// `workspace` must hold gae_workspace_bytes(batch, T) bytes, zeroed before the launch
+// `workspace` must hold gae_workspace_bytes(batch, T, config) bytes, zeroed before the launch
 // (look-back flags and the tile counter of the chunked scan; may be null when that is 0).
-size_t gae_workspace_bytes(int64_t batch, int64_t T);
+// `config`: -1 picks the tile shape by row length; 0..6 force one (for benchmarks, see gae.cu).
+size_t gae_workspace_bytes(int64_t batch, int64_t T, int config);
 cudaError_t gae_launch(const float* rewards, const float* values, const void* mask, MaskDtype mask_dtype,
                        float* advantages, float* returns, int64_t batch, int64_t T, float gamma, float lam,
-                       void* workspace, cudaStream_t stream);
+                       void* workspace, int config, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Vocab-parallel log-prob + entropy, local (per-shard) statistics.

@@ -35,7 +35,7 @@ if extension() is not None:
         if mask.dtype not in (torch.bool, torch.uint8, torch.float32):
             mask = mask != 0
         stream = torch.cuda.current_stream(rewards.device).cuda_stream
-        return extension().gae(rewards.float(), values.float(), mask, float(gamma), float(lam), stream)
+        return extension().gae(rewards.float(), values.float(), mask, float(gamma), float(lam), stream, -1)
 
 
 @_gae_op.register_fake
