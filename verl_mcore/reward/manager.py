@@ -1,0 +1,256 @@
+"""RewardManager: one scalar reward per response, from the sources configured under `reward`.
+
+    manager = RewardManager.from_config(cfg.reward, reward_models={"rm": model})
+    out = manager.score(responses, rows, prompt_ids, response_ids)
+    out.scores                # [batch] the weighted total, to put on the last response token
+    out.source_scores["rule"] # [batch] one source on its own (logged as reward/rule/mean)
+
+Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight * score):
+  rule          per sample: the scorer its route names (below); without a route,
+                reward.custom_fn if set, else the built-in dispatch by data_source
+  custom        `function` from the Python file `path`, called with `kwargs`
+  reward_model  an object with `score_batch(prompt_ids, response_ids) -> list[float]` (the
+                trainer builds it from `path` and passes it in `reward_models` by source name)
+An empty `reward.sources` means one `rule` source of weight 1.
+
+Routing (`reward.route_by: category`, `reward.routes: {math: lighteval/MATH, code: my_judge}`,
+`reward.default_route`): the rule source scores each sample with the scorer its column value
+names — a built-in data_source name or the name of another source. A source that is a route
+target scores only the samples routed to it and is not added to the total on its own.
+
+Every scorer sees `(data_source, response, ground_truth, extra_info)`: ground_truth is
+`reward_model["ground_truth"]`, and extra_info is the row's extra_info with every other column of
+the row (category, ability, prompt, ...) added under its own name unless extra_info has that key.
+
+Rule and custom scorers run isolated in `reward.num_workers` spawned processes with a per-item
+`reward.timeout_s` (see pool.py); num_workers=0 scores in this process, without timeouts. A call
+that raises or times out gives `reward.fallback_score` for that source and sample, counted in
+reward/errors and reward/timeouts; the first exception is logged with its traceback.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
+from verl_mcore.reward.builtin import SCORERS
+from verl_mcore.reward.pool import ScoringPool
+from verl_mcore.reward.worker import Outcome, score_one
+from verl_mcore.reward.scorers import ScorerSpec
+
+logger = logging.getLogger(__name__)
+
+_ROW_FIELDS = ("data_source", "reward_model", "extra_info")
+
+
+@runtime_checkable
+class RewardModel(Protocol):
+    """A learned reward model (e.g. a megatron value-head model): one score per sequence."""
+
+    def score_batch(self, prompt_ids: Sequence[Sequence[int]],
+                    response_ids: Sequence[Sequence[int]]) -> list[float]: ...
+
+
+@dataclass
+class RewardOutput:
+    scores: list[float]  # [batch] weighted total over the sources
+    source_scores: dict[str, list[float]]  # source -> [batch], unweighted
+    extras: dict[str, list[Optional[float]]]  # "source/key" -> [batch] from dict-returning scorers
+    failed: list[bool]  # [batch] some source of this sample fell back to reward.fallback_score
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Source:
+    name: str
+    weight: float
+    type: str
+    key: str  # config key, for messages
+
+
+class RewardManager:
+    def __init__(self, cfg: RewardConfig, sources: list[RewardSourceConfig],
+                 reward_models: Mapping[str, RewardModel]):
+        self.cfg = cfg
+        keyed = {s.name: (s, f"reward.sources[{i}]") for i, s in enumerate(sources)}
+        if len(keyed) != len(sources):
+            names = [s.name for s in sources]
+            raise ValueError(f"reward.sources: duplicate names in {names}")
+        self._fallback_key = "custom_fn" if (cfg.custom_fn.path or cfg.custom_fn.name) else "dispatch"
+        specs = {"dispatch": ScorerSpec("dispatch", "reward")}
+        if self._fallback_key == "custom_fn":
+            specs["custom_fn"] = ScorerSpec("custom", "reward.custom_fn", path=cfg.custom_fn.path,
+                                            function=cfg.custom_fn.name,
+                                            kwargs=dict(cfg.custom_fn_kwargs))
+        for name, (s, key) in keyed.items():
+            if s.type == "custom":
+                specs["source:" + name] = ScorerSpec("custom", key, path=s.path,
+                                                     function=s.function, kwargs=dict(s.kwargs))
+        self._models: dict[str, RewardModel] = {}
+        for name, (s, key) in keyed.items():
+            if s.type == "reward_model":
+                model = reward_models.get(name)
+                if model is None:
+                    raise ValueError(f"{key} ({name!r}) is a reward_model source: build the model "
+                                     f"from path={s.path!r} and pass it as "
+                                     f"reward_models={{{name!r}: model}}")
+                if not isinstance(model, RewardModel):
+                    raise TypeError(f"{key} ({name!r}): the reward model must have "
+                                    f"score_batch(prompt_ids, response_ids), got {type(model)}")
+                self._models[name] = model
+
+        # Routing: value of cfg.route_by -> target (a source name, or a built-in scorer name).
+        self._route_targets: dict[str, str] = {}
+        for value, target in [*cfg.routes.items(), (None, cfg.default_route)]:
+            if target is None:
+                continue
+            key = "reward.default_route" if value is None else f"reward.routes.{value}"
+            if target in keyed:
+                if keyed[target][0].type == "rule":
+                    raise ValueError(f"{key}={target!r}: a route cannot lead to a rule source")
+                self._route_targets[target] = target
+            elif target in SCORERS:
+                specs["builtin:" + target] = ScorerSpec("builtin", key, name=target)
+                self._route_targets[target] = "builtin:" + target
+            else:
+                raise ValueError(f"{key}={target!r} is neither a reward.sources name "
+                                 f"({sorted(keyed)}) nor a built-in scorer ({sorted(SCORERS)})")
+        if (cfg.routes or cfg.default_route) and not cfg.route_by:
+            raise ValueError("reward.routes / reward.default_route are set but reward.route_by "
+                             "(the column to route by) is not")
+        self.sources = [_Source(s.name, float(s.weight), s.type, key)
+                        for name, (s, key) in keyed.items() if name not in self._route_targets]
+        if cfg.route_by and not any(s.type == "rule" for s in self.sources):
+            raise ValueError("reward.route_by is set but reward.sources has no source of type "
+                             "'rule' to route")
+        self._specs = specs
+        # Load everything here, so a bad path or name fails before training starts.
+        self._fns = {key: spec.load() for key, spec in specs.items()}
+        self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s)
+                      if cfg.num_workers > 0 else None)
+        self._logged_first_error = False
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig,
+                    reward_models: Optional[Mapping[str, RewardModel]] = None) -> "RewardManager":
+        sources = list(cfg.sources) or [RewardSourceConfig(name="rule", weight=1.0, type="rule")]
+        return cls(cfg, sources, dict(reward_models or {}))
+
+    # ---- scoring -----------------------------------------------------------------------------
+
+    def _target(self, source: _Source, row: Mapping[str, Any]) -> str:
+        """Scorer key (pool) or 'model:<name>' for one source and one sample."""
+        if source.type == "custom":
+            return "source:" + source.name
+        if source.type == "reward_model":
+            return "model:" + source.name
+        target = None
+        if self.cfg.route_by:
+            value = row.get(self.cfg.route_by)
+            target = self.cfg.routes.get(str(value)) if value is not None else None
+            target = target or self.cfg.default_route
+        if target is None:
+            return self._fallback_key
+        resolved = self._route_targets[target]
+        if resolved in self._models:
+            return "model:" + resolved
+        return "source:" + resolved if not resolved.startswith("builtin:") else resolved
+
+    @staticmethod
+    def scorer_args(response: str, row: Mapping[str, Any]) -> tuple:
+        """(data_source, response, ground_truth, extra_info) for one sample."""
+        reward_model = row.get("reward_model") or {}
+        extra = dict(row.get("extra_info") or {})
+        for name, value in row.items():
+            if name not in _ROW_FIELDS and name not in extra:
+                extra[name] = value
+        return row.get("data_source"), response, reward_model.get("ground_truth"), extra
+
+    def score(self, responses: Sequence[str], rows: Sequence[Mapping[str, Any]],
+              prompt_ids: Optional[Sequence[Sequence[int]]] = None,
+              response_ids: Optional[Sequence[Sequence[int]]] = None) -> RewardOutput:
+        """Score a batch: responses [batch] decoded texts, rows [batch] the samples' dataset rows
+        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources."""
+        n = len(responses)
+        if len(rows) != n:
+            raise ValueError(f"{n} responses but {len(rows)} rows")
+        outcomes: dict[str, list[Optional[Outcome]]] = {s.name: [None] * n for s in self.sources}
+        pool_items, pool_slots = [], []
+        model_slots: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+        for i, (response, row) in enumerate(zip(responses, rows)):
+            args = None
+            for source in self.sources:
+                target = self._target(source, row)
+                if target.startswith("model:"):
+                    model_slots[target[len("model:"):]].append((source.name, i))
+                    continue
+                args = args or self.scorer_args(response, row)
+                pool_items.append((target, args))
+                pool_slots.append((source.name, i))
+        results = (self._pool.map(pool_items) if self._pool is not None else
+                   [score_one(self._fns[key], args) for key, args in pool_items])
+        for (name, i), outcome in zip(pool_slots, results):
+            outcomes[name][i] = outcome
+        for model_name, slots in model_slots.items():
+            if prompt_ids is None or response_ids is None:
+                raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "
+                                 f"and response_ids to RewardManager.score")
+            idx = [i for _, i in slots]
+            got = list(self._models[model_name].score_batch([prompt_ids[i] for i in idx],
+                                                            [response_ids[i] for i in idx]))
+            if len(got) != len(idx):
+                raise ValueError(f"reward model {model_name!r} returned {len(got)} scores for "
+                                 f"{len(idx)} sequences")
+            for (name, i), value in zip(slots, got):
+                outcomes[name][i] = Outcome("ok", float(value))
+        return self._combine(outcomes, rows, pool_slots, pool_items, results)
+
+    def _combine(self, outcomes, rows, pool_slots, pool_items, results) -> RewardOutput:
+        n, fallback = len(rows), float(self.cfg.fallback_score)
+        counts = collections.Counter(o.status for o in results)
+        if counts["error"] or counts["timeout"]:
+            logger.warning("reward: %d errors and %d timeouts in this batch of %d, scored %s "
+                           "(reward.fallback_score)", counts["error"], counts["timeout"], n,
+                           fallback)
+        if counts["error"] and not self._logged_first_error:
+            self._logged_first_error = True
+            k = next(k for k, o in enumerate(results) if o.status == "error")
+            (name, i), (key, args) = pool_slots[k], pool_items[k]
+            logger.error("reward: the first scorer error (later ones are only counted): source "
+                         "%r, scorer %s, sample %d (data_source=%r):\n%s", name, key, i, args[0],
+                         results[k].error)
+        source_scores, extras, failed = {}, {}, [False] * n
+        for source in self.sources:
+            scores = []
+            for i, o in enumerate(outcomes[source.name]):
+                if o.status != "ok":
+                    failed[i] = True
+                scores.append(o.score if o.status == "ok" else fallback)
+                for k, v in o.extras.items():
+                    extras.setdefault(f"{source.name}/{k}", [None] * n)[i] = v
+            source_scores[source.name] = scores
+        total = [sum(s.weight * source_scores[s.name][i] for s in self.sources) for i in range(n)]
+        metrics = {"reward/score/mean": _mean(total), "reward/errors": float(counts["error"]),
+                   "reward/timeouts": float(counts["timeout"])}
+        for name, scores in source_scores.items():
+            metrics[f"reward/{name}/mean"] = _mean(scores)
+        for name, values in extras.items():
+            metrics[f"reward/{name}/mean"] = _mean([v for v in values if v is not None])
+        return RewardOutput(total, source_scores, extras, failed, metrics)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> "RewardManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0

@@ -1,0 +1,170 @@
+"""Score items in worker processes with a per-item timeout.
+
+Why processes and not threads: a user's scorer may hang (a regex blow-up, a sandbox that never
+returns) or crash the interpreter; only a process can be killed. The parent talks to each worker
+over its own socket and hands it a small chunk of items; the worker answers item by item, so the
+parent always knows which item a worker is on and since when. An item that raises, or whose
+worker dies, is an "error"; one still running after `timeout_s` is a "timeout": its worker is
+killed and replaced (the replacement gets nothing until it has loaded the scorers), the rest of
+its chunk goes back to the queue, and the other items go on. Results come back in input order,
+so nothing is lost or shifted.
+
+Workers are fresh interpreters (worker.py says why not multiprocessing's fork or spawn).
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing.connection as mp_connection
+import os
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from verl_mcore.reward.scorers import ScorerSpec
+from verl_mcore.reward.worker import Outcome
+
+
+# Not `-m verl_mcore.reward.worker`: that would load worker.py twice (as __main__ and through the
+# package), and the Outcome objects it sends back would be of the wrong class.
+_WORKER_MAIN = ("import sys; from multiprocessing.connection import Connection; "
+                "from verl_mcore.reward.worker import serve; serve(Connection(int(sys.argv[1])))")
+
+
+_MAX_CHUNK = 16
+
+
+class _Worker:
+    def __init__(self, specs: dict[str, ScorerSpec]):
+        ours, theirs = socket.socketpair()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send((list(sys.path), specs))
+        self.state = "starting"  # -> "idle" <-> "busy"
+        self.items: collections.deque = collections.deque()  # sent, not yet answered, in order
+        self.since = time.monotonic()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.conn.close()
+
+
+class ScoringPool:
+    """`map(items)` scores [(scorer_key, args)] -> [Outcome], in order. See the module docstring."""
+
+    def __init__(self, specs: dict[str, ScorerSpec], num_workers: int, timeout_s: float,
+                 startup_timeout_s: float = 120.0):
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers={num_workers}: a pool needs at least one worker")
+        self.specs, self.timeout_s, self.startup_timeout_s = specs, timeout_s, startup_timeout_s
+        self._workers = [_Worker(specs) for _ in range(num_workers)]
+        self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
+        try:
+            self._serve({}, [])  # wait until every worker has loaded the scorers
+        except BaseException:
+            self.close()
+            raise
+
+    def map(self, items: list[tuple[str, tuple]]) -> list[Outcome]:
+        results: dict[int, Outcome] = {}
+        self._serve(results, items)
+        return [results[i] for i in range(len(items))]
+
+    def _serve(self, results: dict[int, Outcome], items: list[tuple[str, tuple]]) -> None:
+        todo = collections.deque(range(len(items)))
+        while len(results) < len(items) or any(w.state == "starting" for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:
+                if w.state == "idle" and todo:
+                    # Small chunks save round trips on large batches; a batch smaller than
+                    # 2 items per worker still goes one by one, to spread it.
+                    size = max(1, min(_MAX_CHUNK, len(todo) // (2 * len(self._workers))))
+                    w.items = collections.deque(todo.popleft() for _ in range(size))
+                    w.conn.send([(i, *items[i]) for i in w.items])
+                    w.state, w.since = "busy", now
+            waiting = [w for w in self._workers if w.state != "idle"]
+            if not waiting:
+                continue
+            limit = min(w.since + (self.timeout_s if w.state == "busy" else self.startup_timeout_s)
+                        for w in waiting)
+            ready = mp_connection.wait([w.conn for w in waiting], timeout=max(0.0, limit - now))
+            for w in waiting:
+                if w.conn in ready:
+                    self._receive(w, results, todo)
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w.state == "busy" and now - w.since >= self.timeout_s:
+                    results[w.items.popleft()] = Outcome(
+                        "timeout", error=f"no result after reward.timeout_s={self.timeout_s} s")
+                    todo.extendleft(reversed(w.items))  # the rest of its chunk: to another worker
+                    self._replace(i)
+                elif w.state == "starting" and now - w.since >= self.startup_timeout_s:
+                    raise RuntimeError(f"a reward worker did not load the scorers within "
+                                       f"{self.startup_timeout_s} s")
+
+    def _receive(self, w: _Worker, results: dict[int, Outcome], todo: collections.deque) -> None:
+        # The worker sends one result at a time, so the timeout clock restarts per item.
+        try:
+            message = w.conn.recv()
+        except (EOFError, OSError):
+            code = w.proc.wait()
+            if w.state == "starting":
+                raise RuntimeError(f"a reward worker exited while loading the scorers "
+                                   f"(exit code {code})") from None
+            results[w.items.popleft()] = Outcome(
+                "error", error=f"the reward worker process died (exit code {code}) while scoring "
+                               f"this item")
+            todo.extendleft(reversed(w.items))
+            self._replace(self._workers.index(w))
+            return
+        tag, payload = message
+        if tag == "init_error":
+            raise RuntimeError(f"a reward worker could not load the scorers:\n{payload}")
+        if tag == "ready":
+            w.state = "idle"
+            return
+        expected = w.items.popleft()
+        assert tag == expected, f"worker answered item {tag}, expected {expected}"
+        results[tag] = payload
+        w.since = time.monotonic()
+        if not w.items:
+            w.state = "idle"
+
+    def _replace(self, index: int) -> None:
+        self._workers[index].kill()
+        self._workers[index] = _Worker(self.specs)
+        self.restarts += 1
+
+    def close(self) -> None:
+        for w in self._workers:
+            if w.state == "idle":
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 2
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+        self._workers = []
+
+    def __enter__(self) -> "ScoringPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
