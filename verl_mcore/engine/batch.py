@@ -1,0 +1,117 @@
+"""The batch the trainer hands to the engine's roles (actor, reference, critic).
+
+`TrainBatch` holds B samples; each sample is one prompt followed by one sampled response:
+
+    input_ids      [B, S] int64   prompt + response tokens, left-aligned (sample i occupies
+                                  input_ids[i, :seq_lens[i]]), anything after is ignored
+    prompt_lens    [B]    int64   tokens of the prompt, >= 1
+    seq_lens       [B]    int64   prompt + response tokens, prompt_lens < seq_lens <= S
+    response_mask  [B, R] float   1 at response tokens that count in losses and metrics, 0 at the
+                                  rest (tool-output holes, tokens past the response's end)
+
+Response-aligned per-token tensors use the same [B, R] layout: column j of row i is response token
+j of sample i, which sits at input_ids[i, prompt_lens[i] + j] and is predicted by the logits at
+position prompt_lens[i] + j - 1. R is at least max(seq_lens - prompt_lens); columns past a sample's
+response are padding (mask 0). Optional fields, needed by the role that reads them:
+
+    old_log_probs  [B, R] float   log-probs of the policy that sampled (actor update)
+    ref_log_probs  [B, R] float   reference log-probs (actor update with actor.use_kl_loss)
+    advantages     [B, R] float   (actor update)
+    returns        [B, R] float   value targets (critic update)
+    values         [B, R] float   critic values at rollout time, the clip centre (critic update)
+
+The engine receives the GLOBAL batch, the same on every rank of the data-parallel (DP) group, and
+returns global results ([B, R], original sample order) on every rank; it decides itself which DP
+rank computes which samples (balanced by tokens, see `packing`). Tensors live on the CPU or on the
+rank's device; the engine moves each micro-batch to the device when it runs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+# Response-aligned optional fields, in the order they are documented above.
+RESPONSE_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "returns", "values")
+
+
+@dataclass
+class TrainBatch:
+    input_ids: Tensor
+    prompt_lens: Tensor
+    seq_lens: Tensor
+    response_mask: Tensor
+    old_log_probs: Optional[Tensor] = None
+    ref_log_probs: Optional[Tensor] = None
+    advantages: Optional[Tensor] = None
+    returns: Optional[Tensor] = None
+    values: Optional[Tensor] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def num_samples(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        """R, the width of the response-aligned tensors."""
+        return self.response_mask.shape[1]
+
+    @property
+    def response_lens(self) -> Tensor:
+        return self.seq_lens - self.prompt_lens
+
+    def validate(self) -> None:
+        """Shape and range checks; errors name the field and the first offending row."""
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"TrainBatch.input_ids must be [B, S], got {tuple(self.input_ids.shape)}")
+        b, s = self.input_ids.shape
+        for name in ("prompt_lens", "seq_lens"):
+            t = getattr(self, name)
+            if t.shape != (b,):
+                raise ValueError(f"TrainBatch.{name} must be [B]=[{b}], got {tuple(t.shape)}")
+        if self.response_mask.dim() != 2 or self.response_mask.shape[0] != b:
+            raise ValueError(f"TrainBatch.response_mask must be [B, R] with B={b}, got {tuple(self.response_mask.shape)}")
+        r = self.response_mask.shape[1]
+        bad = (self.prompt_lens < 1) | (self.seq_lens <= self.prompt_lens) | (self.seq_lens > s)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"TrainBatch row {i}: need 1 <= prompt_lens < seq_lens <= S={s}, got prompt_lens="
+                f"{int(self.prompt_lens[i])}, seq_lens={int(self.seq_lens[i])}"
+            )
+        too_long = self.response_lens > r
+        if bool(too_long.any()):
+            i = int(too_long.nonzero()[0])
+            raise ValueError(
+                f"TrainBatch row {i}: response of {int(self.response_lens[i])} tokens does not fit the "
+                f"response-aligned width R={r}"
+            )
+        for name in RESPONSE_FIELDS:
+            t = getattr(self, name)
+            if t is not None and t.shape != (b, r):
+                raise ValueError(f"TrainBatch.{name} must be [B, R]=[{b}, {r}], got {tuple(t.shape)}")
+
+    def select(self, rows: Sequence[int] | Tensor) -> "TrainBatch":
+        """The samples at `rows` (in that order), e.g. one mini-batch."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        out = {}
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            out[f.name] = None if t is None else t[idx.to(t.device)]
+        return TrainBatch(**out)
+
+    def require(self, *names: str, role: str) -> None:
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{role}: TrainBatch is missing {missing} (see verl_mcore/engine/batch.py)")
+
+    def response_field_mask(self) -> Tensor:
+        """[B, R] bool: columns inside each sample's response (whether or not they count)."""
+        cols = torch.arange(self.response_width, device=self.response_mask.device)
+        return cols[None, :] < self.response_lens.to(cols.device)[:, None]

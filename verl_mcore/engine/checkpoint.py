@@ -1,0 +1,450 @@
+"""Checkpoint and resume: model, optimizer, LR schedule, RNG and trainer state, at any layout.
+
+On disk, under one root directory shared by all ranks:
+
+    root/
+      latest                    "step_00000012\\n", rewritten (atomically) after each commit
+      step_00000010/            a complete checkpoint
+        dist/                   megatron-core dist_checkpointing: model + optimizer, sharded by
+                                global tensor, so it loads at any TP / PP / VPP / DP layout
+        trainer_state.pt        LR scheduler + the caller's trainer state (step, data position,
+                                KL controller, ...), written by rank 0
+        rng/rank_00000.pt       each rank's RNG states (utils/rng.py)
+        meta.json               step, layout, format; written last, before the rename
+      step_00000012/
+      .tmp.step_00000014/       a save in progress, or one killed part-way: never loaded
+
+Commit protocol (why a killed save never hides the previous checkpoint): every rank writes into
+`.tmp.step_N/`; after a barrier rank 0 writes meta.json, renames the directory to `step_N/` (one
+atomic rename), then rewrites `latest` (write to a temporary name + rename), then deletes the
+checkpoints beyond keep_last. A kill at any point leaves either no `step_N/` (the previous one is
+still complete and `latest` still names it) or a complete `step_N/`.
+
+Model and optimizer use dist_checkpointing: each chunk's `sharded_state_dict()` and the optimizer's
+`sharded_state_dict(model_sd)`. The distributed optimizer's format (`optimizer_sharding`):
+  "fully_reshardable" (default): the optimizer state is gathered across DP and written in each
+      parameter's global shape, like the model; it loads at any TP / PP / DP layout. Costs a DP
+      all-gather of the state at save (host memory on every rank: its TP×PP shard of the state).
+  "dp_reshardable": each rank writes its own flat buffer shards, no communication; it loads only
+      at the same TP × PP (DP may change). For frequent saves of large models.
+('fully_sharded_model_space', megatron's default, fails in megatron-core 0.16.1 with
+"ShardedTensor.flattened_range is not supported".) The format is recorded in meta.json and the
+loader follows it.
+
+Everything we write ourselves is read back with `torch.load(weights_only=True)` or json.
+RNG states are restored only when the layout (world size, TP, PP, VPP, CP, EP) is unchanged: a rank
+of another layout has no counterpart, so it keeps the seeding the caller gave it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+LATEST = "latest"
+META = "meta.json"
+TRAINER_STATE = "trainer_state.pt"
+DIST_DIR = "dist"
+RNG_DIR = "rng"
+TMP_PREFIX = ".tmp."
+_NAME = re.compile(r"^step_(\d+)$")
+OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")  # see the module docstring
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ---------------------------------------------------------------- finding checkpoints
+
+
+def is_complete(path: str) -> bool:
+    """True when `path` holds a checkpoint whose commit finished (meta.json readable, this
+    format, and the parts it lists present)."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if meta.get("format") != FORMAT:
+        return False
+    # dist_checkpointing writes its metadata.json last (after all ranks' shards).
+    required = [TRAINER_STATE, os.path.join(DIST_DIR, "metadata.json")]
+    return all(os.path.exists(os.path.join(path, r)) for r in required)
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under root, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        match = _NAME.match(name)
+        path = os.path.join(root, name)
+        if match and is_complete(path):
+            out.append((int(match.group(1)), path))
+    return sorted(out)
+
+
+def find_latest_checkpoint(root: str) -> Optional[str]:
+    """The checkpoint to resume from: the one `latest` names if it is complete, else (with a
+    warning) the complete checkpoint with the highest step; None when there is none.
+
+    `latest` wins over a higher step number on purpose: after a resume from an older checkpoint
+    (CheckpointConfig.load_path) the newest *written* checkpoint is the one to continue from.
+    """
+    pointer = os.path.join(root, LATEST)
+    try:
+        with open(pointer) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        name = None
+    if name:
+        path = os.path.join(root, name)
+        if _NAME.match(name) and is_complete(path):
+            return path
+    candidates = list_checkpoints(root)
+    if name:
+        fallback = candidates[-1][1] if candidates else None
+        logger.warning(
+            "checkpoint: %s names %r, which is not a complete checkpoint; using %s",
+            pointer, name, fallback,
+        )
+    return candidates[-1][1] if candidates else None
+
+
+# ---------------------------------------------------------------- save
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    step: int
+    tmp: str
+    final: str
+
+
+class Checkpointer:
+    """Saves and loads checkpoints under one root directory (see the module docstring).
+
+        ckpt = Checkpointer(root, keep_last=2, async_save=False)
+        ckpt.save(step, engine.model, engine.optimizer, engine.scheduler, {"step": step, ...})
+        ...
+        ckpt.maybe_finalize()                # async only: commits saves whose writes finished
+        loaded = ckpt.load(engine.model, engine.optimizer, engine.scheduler)   # newest or None
+        ckpt.close()                         # async only: waits for and commits pending saves
+
+    Every method is collective: all ranks call it with the same root and step.
+    model_chunks: the megatron model chunks (DDP-wrapped or not; one per virtual pipeline stage).
+    optimizer: a MegatronOptimizer (distributed or not, possibly chained) or None.
+    scheduler: an OptimizerParamScheduler or None.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        keep_last: int = 2,
+        async_save: bool = False,
+        save_optimizer: bool = True,
+        optimizer_sharding: str = "fully_reshardable",
+    ):
+        if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ValueError(
+                f"Checkpointer: optimizer_sharding={optimizer_sharding!r}, expected one of "
+                f"{OPTIMIZER_SHARDINGS}"
+            )
+        self.optimizer_sharding = optimizer_sharding
+        self.root = root
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.save_optimizer = save_optimizer
+        self._async_queue = None
+
+    @classmethod
+    def from_config(cls, cfg, root: str) -> "Checkpointer":
+        """From a config.schema.CheckpointConfig."""
+        return cls(root, keep_last=cfg.keep_last, async_save=cfg.async_save,
+                   save_optimizer=cfg.save_optimizer)
+
+    def save(
+        self,
+        step: int,
+        model_chunks: Sequence[torch.nn.Module],
+        optimizer: Any = None,
+        scheduler: Any = None,
+        extra_state: Optional[dict] = None,
+    ) -> str:
+        """Write the checkpoint of `step`; return the path it has (or will have, async) when
+        committed. extra_state: the trainer's own state, any nesting of dicts / lists / tuples /
+        str / int / float / bool / None / tensors; rank 0's copy is written."""
+        from megatron.core import dist_checkpointing
+
+        rank = dist.get_rank()
+        final = os.path.join(self.root, checkpoint_name(step))
+        tmp = os.path.join(self.root, TMP_PREFIX + checkpoint_name(step))
+        if self.async_save:
+            # One save in flight at a time: the previous one must commit before this one starts
+            # (rotation and `latest` assume commits happen in step order).
+            self.maybe_finalize(blocking=True)
+        if rank == 0:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)  # a killed earlier attempt at the same step
+            os.makedirs(os.path.join(tmp, DIST_DIR))
+            os.makedirs(os.path.join(tmp, RNG_DIR))
+        dist.barrier()
+
+        sharded = _sharded_state_dict(
+            model_chunks, optimizer if self.save_optimizer else None, self.optimizer_sharding,
+            is_loading=False,
+        )
+        request = dist_checkpointing.save(
+            sharded,
+            os.path.join(tmp, DIST_DIR),
+            sharded_strategy=_save_strategy(),
+            async_sharded_save=self.async_save,
+            content_metadata={"verl_mcore_format": FORMAT},
+        )
+        torch.save(capture_rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            torch.save(
+                {
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "extra": extra_state,
+                },
+                os.path.join(tmp, TRAINER_STATE),
+            )
+        pending = _PendingSave(step, tmp, final)
+        has_optimizer = optimizer is not None and self.save_optimizer
+        meta = _meta(step, len(model_chunks), self.optimizer_sharding if has_optimizer else None)
+        if request is None:
+            self._commit(pending, meta)
+        else:
+            request.add_finalize_fn(lambda: self._commit(pending, meta))
+            self._queue().schedule_async_request(request)
+        return final
+
+    def maybe_finalize(self, blocking: bool = False) -> None:
+        """Async saves: commit every save whose writes have finished on all ranks (all of them
+        when blocking). Collective; call it at the same point of every step on every rank."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        """Wait for and commit pending async saves."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=True)
+            self._async_queue.close()
+            self._async_queue = None
+
+    def _queue(self):
+        if self._async_queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue()
+        return self._async_queue
+
+    def _commit(self, pending: _PendingSave, meta: dict) -> None:
+        """Make a fully written temporary directory the newest checkpoint (rank 0 does the file
+        operations; the barriers keep every rank's view consistent)."""
+        dist.barrier()  # every rank's files are in pending.tmp
+        if dist.get_rank() == 0:
+            _write_json_atomic(os.path.join(pending.tmp, META), meta)
+            displaced = None
+            if os.path.exists(pending.final):
+                # Same step written again (e.g. after resuming from an older load_path): move
+                # the old one aside first, since a rename cannot replace a non-empty directory.
+                displaced = pending.final + f".replaced.{os.getpid()}.{time.time_ns()}"
+                os.rename(pending.final, displaced)
+            os.rename(pending.tmp, pending.final)
+            _write_text_atomic(os.path.join(self.root, LATEST), os.path.basename(pending.final))
+            if displaced is not None:
+                shutil.rmtree(displaced, ignore_errors=True)
+            _rotate(self.root, self.keep_last, pending.step)
+        dist.barrier()
+
+    # ---------------------------------------------------------------- load
+
+    def load(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        optimizer: Any = None,
+        scheduler: Any = None,
+        path: Optional[str] = None,
+    ) -> Optional["LoadedCheckpoint"]:
+        """Load `path`, or the newest complete checkpoint under root when path is None; return
+        None (and change nothing) when there is none. See load_checkpoint."""
+        path = path or find_latest_checkpoint(self.root)
+        if path is None:
+            return None
+        return load_checkpoint(path, model_chunks, optimizer, scheduler)
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    path: str
+    step: int
+    extra_state: Any  # what the caller passed to save() as extra_state
+    rng_restored: bool  # False when the layout changed (RNG left as the caller seeded it)
+    optimizer_restored: bool
+
+
+def load_checkpoint(
+    path: str,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any = None,
+    scheduler: Any = None,
+) -> LoadedCheckpoint:
+    """Load a complete checkpoint into models built at the current layout (any TP / PP / VPP /
+    DP: dist_checkpointing reads each rank's slices). Collective.
+
+    The optimizer state is loaded when the checkpoint has it and `optimizer` is given; otherwise
+    the optimizer's main parameters are refreshed from the loaded model parameters.
+    """
+    from megatron.core import dist_checkpointing
+
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"checkpoint {path} is not complete (no readable {META}, or missing "
+            f"{TRAINER_STATE} / {DIST_DIR}/metadata.json): pick another one or delete it"
+        )
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    trainer_state = torch.load(
+        os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True
+    )
+    with_optimizer = optimizer is not None and meta["optimizer_sharding"] is not None
+    sharded = _sharded_state_dict(model_chunks, optimizer if with_optimizer else None,
+                                  meta["optimizer_sharding"], is_loading=True)
+    state = dist_checkpointing.load(sharded, os.path.join(path, DIST_DIR))
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
+    if with_optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # main (fp32) params := the loaded model params
+    if scheduler is not None:
+        if trainer_state["scheduler"] is None:
+            raise ValueError(f"checkpoint {path} has no LR scheduler state")
+        scheduler.load_state_dict(trainer_state["scheduler"])
+
+    rng_restored = meta["layout"] == _layout(len(model_chunks))
+    if rng_restored:
+        rank_file = os.path.join(path, RNG_DIR, f"rank_{dist.get_rank():05d}.pt")
+        restore_rng_state(torch.load(rank_file, map_location="cpu", weights_only=True))
+    elif dist.get_rank() == 0:
+        logger.warning(
+            "checkpoint %s: saved at layout %s, running at %s; RNG states not restored",
+            path, meta["layout"], _layout(len(model_chunks)),
+        )
+    dist.barrier()
+    return LoadedCheckpoint(path, meta["step"], trainer_state["extra"], rng_restored,
+                            with_optimizer)
+
+
+# ---------------------------------------------------------------- internals
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers (the wrappers would add a
+    'module.' prefix to every key, tying checkpoints to the wrapping)."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (_BaseDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading: bool) -> dict:
+    """{"model0": ..., "model1": ..., "optimizer": ...}. The keys inside are global tensor names
+    (layer numbers offset by pipeline stage), so the dict nesting does not tie a checkpoint to a
+    number of chunks."""
+    model_sd = {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+    sharded = dict(model_sd)
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(
+            model_sd,
+            is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": optimizer_sharding},
+        )
+    return sharded
+
+
+def _save_strategy():
+    """torch_dist writer; replicated tensors (DP copies) are split across the DP ranks instead
+    of all being written by DP rank 0."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+
+
+def _layout(num_chunks: int) -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "model_chunks": num_chunks,
+    }
+
+
+def _meta(step: int, num_chunks: int, optimizer_sharding: Optional[str]) -> dict:
+    return {
+        "format": FORMAT,
+        "step": step,
+        "layout": _layout(num_chunks),
+        "optimizer_sharding": optimizer_sharding,  # None: no optimizer state saved
+        "saved_at_unix": time.time(),
+    }
+
+
+def _rotate(root: str, keep_last: int, current_step: int) -> None:
+    """Delete complete checkpoints beyond the newest `keep_last` (0: keep all), and temporary
+    directories of earlier steps (saves that were killed)."""
+    if keep_last > 0:
+        complete = list_checkpoints(root)
+        for step, path in complete[:-keep_last]:
+            if step != current_step:
+                shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):
+        if name.startswith(TMP_PREFIX):
+            match = _NAME.match(name[len(TMP_PREFIX):])
+            if match and int(match.group(1)) < current_step:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    _write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))

@@ -1,0 +1,381 @@
+"""The megatron-core training engine of one role (actor, critic or reference).
+
+    engine = MegatronEngine(model_provider, transformer_config, pg_collection,
+                            dtype="bf16", optim=cfg.actor.optim, lr_decay_steps=total_steps)
+    mbs = engine.micro_batches(batch, max_tokens=4096)            # this rank's share, balanced
+    engine.zero_grad()
+    per_mb = engine.forward_backward(mbs, loss_fn, forward_only=False)
+    stats = engine.optimizer_step()                               # {"grad_norm", "lr", ...}
+    metrics = engine.reduce_metrics(per_mb)                       # same dict on every rank
+
+What it holds (plain attributes, also used by checkpoint.py and offload.py):
+    .model       list of model chunks, one per virtual pipeline stage; each a megatron-core
+                 DistributedDataParallel (fp32 grad buffers, fp32 grad reduction) around the module
+                 (Float16Module(GPTModel) for bf16/fp16, the GPTModel itself for fp32). A
+                 forward-only engine (optim=None) holds the bare modules, in eval mode, no grads.
+    .optimizer   megatron-core optimizer (Adam; distributed optimizer when asked; fp16 gets
+                 dynamic loss scaling) or None
+    .scheduler   OptimizerParamScheduler (constant / linear / cosine decay after linear warmup)
+    .config      the role's TransformerConfig (precision and recompute applied)
+
+Loss convention of `forward_backward`: `loss_fn(output, micro_batch) -> (loss, metrics)` returns
+this micro-batch's CONTRIBUTION: the quantity to minimise is the plain sum of contributions over
+all micro-batches of all DP ranks (verl_mcore.algo.aggregation builds exactly these with global
+denominators). Megatron's schedule divides each micro-batch loss by the number of micro-batches
+and DDP averages gradients over the DP group, so the engine multiplies every contribution by
+(num_microbatches x dp_size) before handing it over; the gradient is then exactly the gradient
+of the sum, independent of how the batch was split. `metrics` values are 0-dim tensors that sum
+the same way; `reduce_metrics` sums them over micro-batches and DP ranks.
+
+One `forward_backward` serves every layout: no pipeline, 1F1B (PP), interleaved (PP x VPP); TP
+and DP come with the model and DDP. With PP, micro-batches are padded to one shape per call (p2p
+buffers have a fixed shape). Context parallelism is
+not supported yet (the engine refuses CP > 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.engine.packing import MicroBatch, build_micro_batch, pad_micro_batch, plan_micro_batches
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# A loss function: (last-stage model output, micro-batch) -> (contribution, {name: 0-dim tensor})
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[Optional[torch.Tensor], dict]]
+# A model provider: (config, pre_process, post_process, vp_stage) -> module (e.g. a GPTModel)
+ModelProvider = Callable[..., torch.nn.Module]
+
+
+def role_config(config, dtype: str, recompute_activations: bool = False):
+    """Copy of a TransformerConfig with a role's precision and activation recompute applied.
+
+    dtype "bf16"/"fp16": half-precision parameters and activations (fp32 master weights live in the
+    optimizer); "fp32": everything fp32. Recompute: full, one layer at a time ("uniform", 1), the
+    largest saving; megatron re-runs each layer's forward during backward.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} for a role; choose one of {list(DTYPES)}")
+    if config.context_parallel_size != 1:
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size}: the engine does not support "
+            "context parallelism yet; set parallel.context_parallel_size=1"
+        )
+    torch_dtype = DTYPES[dtype]
+    changes = dict(
+        fp16=dtype == "fp16", bf16=dtype == "bf16", params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype, variable_seq_lengths=False,
+    )
+    if config.pipeline_model_parallel_size == 2 and (config.virtual_pipeline_model_parallel_size or 1) > 1:
+        # With two stages both pipeline neighbours are the same rank, and the batched p2p path
+        # posts [send_prev, recv_prev, send_next, recv_next] on both sides, pairing a gradient
+        # with an activation (seen on gloo: wrong gradients from the second step on). The
+        # unbatched path orders even/odd ranks and splits the two directions over two groups.
+        changes["batch_p2p_comm"] = False
+    if recompute_activations:
+        changes.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    else:
+        changes.update(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    return dataclasses.replace(config, **changes)
+
+
+class MegatronEngine:
+    """Model chunks + DDP + optimizer + LR schedule of one role, and its forward/backward."""
+
+    def __init__(
+        self,
+        model_provider: ModelProvider,
+        config,
+        pg_collection,
+        *,
+        dtype: str = "bf16",
+        optim=None,
+        recompute_activations: bool = False,
+        lr_decay_steps: int = 1,
+        use_distributed_optimizer: bool = True,
+        load_weights: Optional[Callable[[torch.nn.Module], None]] = None,
+    ):
+        """
+        model_provider(config, pre_process, post_process, vp_stage) builds one model chunk.
+        config: the model's TransformerConfig (its TP/PP/VPP sizes must match pg_collection).
+        pg_collection: megatron ProcessGroupCollection of the training layout (ParallelGroups.train).
+        optim: an OptimConfig (verl_mcore.config.schema) or None for a forward-only role.
+        lr_decay_steps: optimizer steps over which cosine/linear decay runs (total PPO updates).
+        load_weights(module): optional, called on each bare chunk before wrapping (tests, HF loads).
+        """
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.transformer.module import Float16Module
+
+        self.pg = pg_collection
+        self.dtype = dtype
+        self.config = role_config(config, dtype, recompute_activations)
+        self.tp_size = self.pg.tp.size()
+        self.pp_size = self.pg.pp.size()
+        self.pp_rank = self.pg.pp.rank()
+        self.dp_size = self.pg.dp.size()
+        self.vpp_size = self.config.virtual_pipeline_model_parallel_size or 1
+        if self.tp_size != self.config.tensor_model_parallel_size or self.pp_size != self.config.pipeline_model_parallel_size:
+            raise ValueError(
+                f"TransformerConfig has TP={self.config.tensor_model_parallel_size}, "
+                f"PP={self.config.pipeline_model_parallel_size} but the process groups have "
+                f"TP={self.tp_size}, PP={self.pp_size}"
+            )
+        self.trainable = optim is not None
+
+        chunks = []
+        for vp in range(self.vpp_size):
+            pre = self.pp_rank == 0 and vp == 0
+            post = self.pp_rank == self.pp_size - 1 and vp == self.vpp_size - 1
+            module = model_provider(self.config, pre, post, vp if self.vpp_size > 1 else None)
+            if load_weights is not None:
+                load_weights(module)
+            if dtype != "fp32":
+                module = Float16Module(self.config, module)
+            chunks.append(module)
+
+        self.optimizer = None
+        self.scheduler = None
+        if not self.trainable:
+            for m in chunks:
+                m.eval()
+                m.requires_grad_(False)
+            self.model = chunks
+            return
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        # As megatron's own training loop: only the first chunk buckets its grads.
+        self.model = [
+            DistributedDataParallel(
+                config=self.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0,
+                pg_collection=self.pg,
+            )
+            for i, m in enumerate(chunks)
+        ]
+        self.optimizer = _build_optimizer(optim, self.model, dtype, use_distributed_optimizer)
+        self.scheduler = _build_scheduler(optim, self.optimizer, lr_decay_steps)
+        # Hooks megatron's schedule calls: DP grad reduction (and tied-embedding sync) after the
+        # last backward, and the fp16 loss scale before each backward.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        no_sync = [m.no_sync for m in self.model]
+        self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+
+    # ------------------------------------------------------------------ micro-batches
+
+    @property
+    def pad_multiple(self) -> int:
+        """Each packed sequence is padded to this (TP; sequence parallel splits tokens over TP)."""
+        return self.tp_size
+
+    def micro_batches(
+        self, batch: TrainBatch, *, max_tokens: Optional[int] = None, micro_batch_size: Optional[int] = None
+    ) -> list[MicroBatch]:
+        """This DP rank's micro-batches of `batch` (the global batch, same on all ranks).
+
+        max_tokens: packed THD micro-batches with at most this many tokens (padding included),
+        balanced across DP ranks and micro-batches; micro_batch_size: padded micro-batches of that
+        many samples. The count is equal on all DP ranks (and a multiple of PP under VPP).
+        """
+        plan = plan_micro_batches(
+            batch.seq_lens.tolist(), self.dp_size, max_tokens=max_tokens,
+            micro_batch_size=micro_batch_size, pad_multiple=self.pad_multiple,
+            count_multiple=self.pp_size if self.vpp_size > 1 else 1,
+        )
+        rows = plan[self.pg.dp.rank()]
+        return [build_micro_batch(batch, r, packed=max_tokens is not None, pad_multiple=self.pad_multiple) for r in rows]
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def zero_grad(self) -> None:
+        for m in self.model:
+            if hasattr(m, "zero_grad_buffer"):
+                m.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+        """Run `micro_batches` through megatron's pipeline schedule (see module docstring).
+
+        Returns the `metrics` dicts of loss_fn, one per micro-batch, on the last pipeline stage;
+        an empty list on the other stages. With forward_only=False the gradients are accumulated
+        into the DDP buffers (and reduced over DP) but the optimizer is not stepped.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not forward_only and not self.trainable:
+            raise RuntimeError("forward_backward(forward_only=False) on a forward-only engine (no optimizer)")
+        n_micro = len(micro_batches)
+        device = _device()
+        scale = float(n_micro * self.dp_size)
+        half = self.dtype != "fp32"
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            kwargs = {"fp32_output": False} if half else {}
+            output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **kwargs)
+
+            def loss_func(output_tensor):
+                loss, metrics = loss_fn(output_tensor, mb)
+                if loss is None:
+                    loss = output_tensor.new_zeros((), dtype=torch.float32)
+                elif not forward_only and not loss.requires_grad:
+                    # An empty micro-batch (padding only) still needs a graph for the backward.
+                    loss = loss + 0.0 * output_tensor.float().sum()
+                return loss * scale, metrics
+
+            return output, loss_func
+
+        # Pipeline p2p buffers have one shape per schedule call, so with PP every micro-batch is
+        # grown to the largest (balanced partitioning keeps the extra padding small). Megatron's
+        # alternative, variable_seq_lengths, exchanges shapes in an order that mismatches
+        # send/recv pairs when PP=2 with virtual stages (both neighbours are the same rank).
+        rows = max(mb.input_ids.shape[0] for mb in micro_batches)
+        seq = max(mb.input_ids.shape[1] for mb in micro_batches)
+        if self.pp_size > 1:
+            micro_batches = [pad_micro_batch(mb, (rows, seq)) for mb in micro_batches]
+        # One iterator per chunk over the same micro-batches, as the interleaved schedule expects.
+        on_device = [mb.to(device) for mb in micro_batches]
+        iterators = [iter(on_device) for _ in self.model]
+        for m in self.model:
+            m.train(not forward_only)
+        with torch.no_grad() if forward_only else _nullcontext():
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.model,
+                num_microbatches=n_micro,
+                seq_length=seq,  # p2p activations are [seq, rows, hidden] ([T, 1, hidden] packed)
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        return list(out) if self.is_last_stage else []
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Step the optimizer and (when the step was taken) the LR schedule.
+
+        Returns {"grad_norm": global norm before clipping, "lr": the LR this step used,
+        "skipped": 1.0 when fp16 loss scaling found inf/nan and skipped the step}.
+        """
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        out = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr, "skipped": 0.0 if ok else 1.0}
+        if self.dtype == "fp16":
+            out["loss_scale"] = float(self.optimizer.get_loss_scale())
+        return out
+
+    # ------------------------------------------------------------------ reductions
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def reduce_metrics(self, per_micro_batch: list[dict]) -> dict[str, float]:
+        """Sum metric contributions over micro-batches and DP ranks; the same dict on every rank.
+
+        Collective over the DP group (last stage) and the PP group.
+        """
+        result = None
+        if self.is_last_stage:
+            keys = sorted({k for d in per_micro_batch for k in d})
+            sums = torch.zeros(len(keys), dtype=torch.float64, device=_device())
+            for d in per_micro_batch:
+                for i, k in enumerate(keys):
+                    if k in d:
+                        sums[i] += d[k].detach().to(torch.float64).reshape(())
+            if self.dp_size > 1:
+                dist.all_reduce(sums, group=self.pg.dp)
+            result = dict(zip(keys, sums.tolist()))
+        if self.pp_size > 1:
+            box = [result]
+            dist.broadcast_object_list(box, group=self.pg.pp, group_src=self.pp_size - 1)
+            result = box[0]
+        return result
+
+    def gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]], num_rows: int, width: int) -> torch.Tensor:
+        """Per-micro-batch results `(rows [n], values [n, R])` of this rank -> `[num_rows, R]`
+        float32 in batch order, the same on every rank (sum over DP, then over PP: each row is
+        computed by exactly one DP rank, on the last stage)."""
+        out = torch.zeros(num_rows, width, dtype=torch.float32, device=_device())
+        if self.is_last_stage:
+            for rows, values in parts:
+                if rows.numel():
+                    out[rows.to(out.device)] = values.detach().float()
+        if self.dp_size > 1:
+            dist.all_reduce(out, group=self.pg.dp)
+        if self.pp_size > 1:
+            dist.all_reduce(out, group=self.pg.pp)
+        return out
+
+    def num_parameters(self) -> int:
+        """Parameters of this rank's chunks (for logs)."""
+        return sum(p.numel() for m in self.model for p in m.parameters())
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _build_optimizer(optim, model, dtype: str, use_distributed_optimizer: bool):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        params_dtype=DTYPES[dtype],
+        # fp16: dynamic loss scaling (loss_scale=None); megatron's defaults for the window.
+        loss_scale=None,
+        initial_loss_scale=2.0**16,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model)
+
+
+def _build_scheduler(optim, optimizer, lr_decay_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = optim.lr_warmup_steps
+    decay_steps = max(lr_decay_steps, warmup + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_schedule,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
