@@ -1,0 +1,82 @@
+import json
+import math
+
+import pytest
+import torch
+
+from tests.multiproc import run_on_ranks
+from verl_mcore.tracking import MetricAccumulator, Tracking, read_metrics
+
+
+def _reduce_body(rank, world_size):
+    acc = MetricAccumulator()
+    # rank r sees r+1 samples with score r: the mean over all samples weights ranks by count
+    acc.add_stats("critic/score", torch.full((rank + 1,), float(rank)))
+    acc.add_mean("actor/pg_loss", 0.5 * rank, weight=10)
+    acc.set("actor/lr", 1e-3)
+    return acc.reduce()
+
+
+def test_reduce_across_ranks_weights_by_count():
+    out = run_on_ranks(_reduce_body, 2)
+    assert out[0] == out[1]
+    m = out[0]
+    assert m["critic/score/mean"] == pytest.approx((0 * 1 + 1 * 2) / 3)
+    assert m["critic/score/max"] == 1.0 and m["critic/score/min"] == 0.0
+    assert m["actor/pg_loss"] == pytest.approx(0.25)
+    assert m["actor/lr"] == pytest.approx(1e-3)
+
+
+def _mismatch_body(rank, world_size):
+    acc = MetricAccumulator()
+    acc.add_mean("a" if rank == 0 else "b", 1.0)
+    return acc.reduce()
+
+
+def test_reduce_names_must_agree():
+    with pytest.raises(AssertionError, match="metrics differ across ranks"):
+        run_on_ranks(_mismatch_body, 2)
+
+
+def test_single_process_and_empty_values():
+    acc = MetricAccumulator()
+    acc.add_mean("x", torch.tensor([]))
+    acc.add_mean("y", [1.0, 3.0])
+    m = acc.reduce()
+    assert math.isnan(m["x"]) and m["y"] == 2.0
+
+
+def test_jsonl_always_on_and_rank0_only(tmp_path):
+    t = Tracking(["console"], str(tmp_path), rank=0, console_stream=open(tmp_path / "c.txt", "w"))
+    t.log(1, {"critic/score/mean": 0.5, "bad": float("nan")})
+    t.log(2, {"critic/score/mean": 0.7})
+    t.close()
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["bad"] is None
+    assert "score/mean=0.5" in (tmp_path / "c.txt").read_text()
+    other = tmp_path / "r1"
+    Tracking(["console"], str(other), rank=1).log(1, {"a": 1.0})
+    assert not other.exists()
+
+
+def test_read_metrics_keeps_last_row_of_a_repeated_step_and_skips_torn_line(tmp_path):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "a": 1}) + "\n" + json.dumps({"step": 2, "a": 2}) + "\n")
+        f.write(json.dumps({"step": 2, "a": 3}) + "\n" + '{"step": 3, "a"')
+    rows = read_metrics(str(tmp_path))
+    assert [(r["step"], r["a"]) for r in rows] == [(1, 1), (2, 3)]
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from verl_mcore.plot import main
+
+    t = Tracking([], str(tmp_path), rank=0)
+    for step in range(1, 6):
+        t.log(step, {"critic/score/mean": step / 5, "actor/entropy": 1 / step,
+                     "response_length/mean": 4.0, "perf/throughput": 100.0, "actor/ppo_kl": 0.01,
+                     "val/quickstart/score/mean@1": 0.1 * step})
+    t.close()
+    assert main([str(tmp_path)]) == 0
+    for name in ("reward", "kl", "entropy", "response_length", "throughput", "overview"):
+        assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000

@@ -1,0 +1,211 @@
+"""Metrics: reduced correctly across ranks, then written by trackers (console, JSONL, TB, wandb).
+
+Reduction. Every rank accumulates, per metric name, what it saw: a sum and a count for means
+(`add_mean`, weighted by how many tokens / samples / items the value covers), or a running
+max / min (`add_max`, `add_min`). `MetricAccumulator.reduce(group)` packs them into one tensor
+and does three all-reduces (SUM for sums and counts, MAX, MIN), so `critic/score/mean` is the
+mean over every sample of the step on every rank, not a mean of per-rank means. Every rank must
+record the same metric names (they run the same program on their shard); names are checked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class MetricAccumulator:
+    def __init__(self):
+        self._sum: dict[str, float] = {}
+        self._count: dict[str, float] = {}
+        self._max: dict[str, float] = {}
+        self._min: dict[str, float] = {}
+
+    def add_mean(self, name: str, value, weight: float = 1.0) -> None:
+        """Add `value` (a float, or a tensor/list whose elements are averaged) with `weight`.
+
+        For a tensor, pass `mask` semantics by selecting first: the mean is over its elements.
+        """
+        if isinstance(value, torch.Tensor):
+            value = value.detach().double()
+            n = value.numel()
+            if n == 0:
+                self._sum.setdefault(name, 0.0)
+                self._count.setdefault(name, 0.0)
+                return
+            total, weight = float(value.sum()), float(n)
+        elif isinstance(value, (list, tuple)):
+            if not value:
+                self._sum.setdefault(name, 0.0)
+                self._count.setdefault(name, 0.0)
+                return
+            total, weight = float(sum(value)), float(len(value))
+        else:
+            total = float(value) * weight
+        self._sum[name] = self._sum.get(name, 0.0) + total
+        self._count[name] = self._count.get(name, 0.0) + weight
+
+    def add_max(self, name: str, value) -> None:
+        v = float(value.max()) if isinstance(value, torch.Tensor) and value.numel() else (
+            float("-inf") if isinstance(value, torch.Tensor) else float(value))
+        self._max[name] = max(self._max.get(name, float("-inf")), v)
+
+    def add_min(self, name: str, value) -> None:
+        v = float(value.min()) if isinstance(value, torch.Tensor) and value.numel() else (
+            float("inf") if isinstance(value, torch.Tensor) else float(value))
+        self._min[name] = min(self._min.get(name, float("inf")), v)
+
+    def add_stats(self, prefix: str, values: torch.Tensor) -> None:
+        """`prefix/mean`, `prefix/max`, `prefix/min` of a set of values."""
+        self.add_mean(f"{prefix}/mean", values)
+        self.add_max(f"{prefix}/max", values)
+        self.add_min(f"{prefix}/min", values)
+
+    def set(self, name: str, value: float) -> None:
+        """A value already identical on every rank (lr, a timing measured on rank 0, ...)."""
+        self._sum[name] = float(value)
+        self._count[name] = 1.0
+
+    def reduce(self, group=None) -> dict[str, float]:
+        means, maxes, mins = sorted(self._sum), sorted(self._max), sorted(self._min)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            names = [None] * dist.get_world_size(group)
+            dist.all_gather_object(names, (means, maxes, mins), group=group)
+            if any(n != names[0] for n in names):
+                mismatch = {i: n for i, n in enumerate(names) if n != names[0]}
+                raise RuntimeError(f"metrics differ across ranks: rank 0 has {names[0]}, "
+                                   f"others {mismatch}")
+            sums = torch.tensor([self._sum[n] for n in means] + [self._count[n] for n in means],
+                                dtype=torch.float64)
+            mx = torch.tensor([self._max[n] for n in maxes], dtype=torch.float64)
+            mn = torch.tensor([self._min[n] for n in mins], dtype=torch.float64)
+            for t, op in ((sums, dist.ReduceOp.SUM), (mx, dist.ReduceOp.MAX), (mn, dist.ReduceOp.MIN)):
+                if t.numel():
+                    dist.all_reduce(t, op=op, group=group)
+            k = len(means)
+            totals, counts = sums[:k].tolist(), sums[k:].tolist()
+            out = {n: (s / c if c else float("nan")) for n, s, c in zip(means, totals, counts)}
+            out.update(zip(maxes, mx.tolist()))
+            out.update(zip(mins, mn.tolist()))
+        else:
+            out = {n: (self._sum[n] / self._count[n] if self._count[n] else float("nan")) for n in means}
+            out.update(self._max)
+            out.update(self._min)
+        return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trackers (rank 0 only)
+
+class JsonlTracker:
+    """Always on: one JSON object per step in RUN_DIR/metrics.jsonl, flushed every step."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._f = open(self.path, "a", buffering=1)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": time.time()}
+        row.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in metrics.items()})
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class ConsoleTracker:
+    KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
+            "response_length/mean", "perf/throughput")
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        shown = [f"{k.split('/', 1)[-1] if k.count('/') == 1 else k}={metrics[k]:.4g}"
+                 for k in self.KEYS if k in metrics]
+        print(f"[step {step}] " + " ".join(shown), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, run_dir: str, project: str, name: str, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, dir=run_dir, config=config,
+                              resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracking:
+    """The trackers named in trainer.logger; `jsonl` is always on. Only rank 0 writes."""
+
+    def __init__(self, names: Iterable[str], run_dir: str, rank: int, project: str = "verl_mcore",
+                 experiment: str = "default", config: Optional[dict] = None, console_stream=None):
+        self.trackers = []
+        if rank != 0:
+            return
+        names = set(names) | {"jsonl"}
+        self.trackers.append(JsonlTracker(run_dir))
+        if "console" in names:
+            self.trackers.append(ConsoleTracker(console_stream))
+        if "tensorboard" in names:
+            self.trackers.append(TensorBoardTracker(run_dir))
+        if "wandb" in names:
+            self.trackers.append(WandbTracker(run_dir, project, experiment, config or {}))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for t in self.trackers:
+            t.log(step, metrics)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl; a resumed run's repeated steps keep the last row."""
+    rows: dict[int, dict] = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line_no, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if line_no > 1:  # a line cut by a kill mid-write; everything before it is good
+                    continue
+                raise
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
