@@ -85,15 +85,17 @@ def test_yaml_round_trip():
          "data.max_response_length=64"], ["actor.max_tokens_per_microbatch=100 is smaller"]),
     (1, ["trainer.logger=[console,graphite]"], ["unknown tracker(s) ['graphite']"]),
     (1, ["rollout.engine=vllm"], ["pip install vllm"]),
+    (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"], ["needs TransformerEngine"]),
 ])
 def test_cross_field_checks_name_fields(world, overrides, fragments):
     cfg = _cfg("rollout.n=2", *overrides)
-    try:
-        import vllm  # noqa: F401
-        if "rollout.engine=vllm" in overrides:
-            pytest.skip("vllm is installed here")
-    except ImportError:
-        pass
+    import importlib.util
+
+    for needed, key in [("vllm", "rollout.engine=vllm"),
+                        ("transformer_engine", "parallel.sequence_parallel=true")]:
+        if key in overrides and importlib.util.find_spec(needed) is not None:
+            pytest.skip(f"{needed} is installed here")
     with pytest.raises(ConfigError) as e:
         validate(cfg, world)
     for fragment in fragments:

@@ -88,6 +88,10 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list
                     "parallel.pipeline_model_parallel_size > 1")
     if p.sequence_parallel and tp == 1:
         errs.append("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
+    if p.sequence_parallel and importlib.util.find_spec("transformer_engine") is None:
+        # megatron-core's torch-norm fallback (no TE, no apex) asserts sequence_parallel is off.
+        errs.append("parallel.sequence_parallel=true needs TransformerEngine "
+                    "(pip install transformer-engine[pytorch]) or set it to false")
     if shape is not None:
         for tp_name, t in [("parallel.tensor_model_parallel_size", tp),
                            ("rollout.tensor_parallel_size", tp_g)]:
