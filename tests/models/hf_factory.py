@@ -98,16 +98,3 @@ def save_tiny_model(family: str, out_dir: str, seed: int = 0, dtype: torch.dtype
     write_tokenizer(out_dir, config.vocab_size)
     return out_dir
 
-
-def hf_logits(hf_dir: str, tokens: torch.Tensor, seq_cls: bool = False) -> torch.Tensor:
-    """transformers' fp32 logits [b, s, vocab] (or [b, s, 1] scores) for `tokens` [b, s]."""
-    import transformers as T
-
-    cls = T.AutoModelForSequenceClassification if seq_cls else T.AutoModelForCausalLM
-    model = cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        if seq_cls:
-            # Per-token scores: the classification head applied to every position.
-            hidden = model.model(input_ids=tokens).last_hidden_state
-            return model.score(hidden)
-        return model(input_ids=tokens).logits

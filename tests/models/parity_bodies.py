@@ -19,8 +19,11 @@ def setup_megatron(tp: int, pp: int, seed: int = 0) -> None:
 def logits_body(rank: int, world_size: int, hf_dir: str, source: str, tp: int, pp: int,
                 role: str, tokens: torch.Tensor, ckpt_dir: str | None = None,
                 core_attention: str = "sdpa"):
-    """Build `role` at TP x PP from `source` ("hf" dir or "ckpt" dist checkpoint); return the
-    gathered outputs on the last stage's TP rank 0, None elsewhere."""
+    """Build `role` at TP x PP from `source` ("hf" dir or "ckpt" dist checkpoint).
+
+    Returns {"out": gathered outputs on the last stage's TP rank 0 (None elsewhere),
+    "read_bytes": bytes this rank read from the HF files, "head": a scalar head's weight}.
+    """
     from megatron.core import parallel_state
 
     from tools.convert_hf.verify import megatron_logits
@@ -29,15 +32,60 @@ def logits_body(rank: int, world_size: int, hf_dir: str, source: str, tp: int, p
     from verl_mcore.models.hf_config import read_hf_arch, transformer_config
     from verl_mcore.models.hf_weights import load_hf_weights
 
+    from verl_mcore.models.hf_weights import HFCheckpoint
+
     setup_megatron(tp, pp)
     arch = read_hf_arch(hf_dir)
     model = build_gpt_model(arch, transformer_config(arch, tp=tp, pp=pp, dtype="fp32"), role=role,
                             core_attention=core_attention)
+    read_bytes = 0
     if source == "hf":
-        load_hf_weights(model, arch, hf_dir, role=role)
+        # Count what this rank reads from the HF files: only its own slice should be read.
+        original = HFCheckpoint.read
+
+        def counting_read(self, *args, **kwargs):
+            nonlocal read_bytes
+            t = original(self, *args, **kwargs)
+            read_bytes += t.numel() * t.element_size()
+            return t
+
+        HFCheckpoint.read = counting_read
+        try:
+            load_hf_weights(model, arch, hf_dir, role=role)
+        finally:
+            HFCheckpoint.read = original
     else:
         load_dist_checkpoint(model, ckpt_dir, role=role)
+    head = None
+    if role in ("critic", "reward") and parallel_state.is_pipeline_last_stage():
+        head = model.output_layer.weight.detach().clone()
     out = megatron_logits(model, tokens)
-    if out is None or parallel_state.get_tensor_model_parallel_rank() != 0:
-        return None
-    return out
+    return {"out": out if parallel_state.get_tensor_model_parallel_rank() == 0 else None,
+            "read_bytes": read_bytes, "head": head}
+
+
+def packed_body(rank: int, world_size: int, hf_dir: str, lengths: list[int]):
+    """Logits of sequences of `lengths` packed into one THD row vs each run alone (TP=1)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.models.hf_config import read_hf_arch, transformer_config
+    from verl_mcore.models.hf_weights import load_hf_weights
+
+    setup_megatron(1, 1)
+    arch = read_hf_arch(hf_dir)
+    model = build_gpt_model(arch, transformer_config(arch, dtype="fp32"))
+    load_hf_weights(model, arch, hf_dir)
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, arch.vocab_size, (n,), generator=g) for n in lengths]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    tokens = torch.cat(seqs).unsqueeze(0)  # [1, total]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(tokens, positions, None, packed_seq_params=params)[0]  # [total, V]
+        alone = torch.cat([model(s.unsqueeze(0), torch.arange(len(s)).unsqueeze(0), None)[0]
+                           for s in seqs])
+    return {"packed": packed, "alone": alone}
