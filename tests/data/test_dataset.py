@@ -51,6 +51,28 @@ def test_plain_text_without_template(tmp_path, tok, plain_tok):
     assert off.prompt_ids(0) == ds.prompt_ids(0)
 
 
+class SlowTokenizer:
+    """A tokenizer without a Rust backend (like transformers' slow tokenizers)."""
+
+    def __init__(self, inner):
+        self.inner, self.chat_template = inner, inner.chat_template
+
+    def __call__(self, texts, **kw):
+        return self.inner(texts, **kw)
+
+    def apply_chat_template(self, *a, **kw):
+        return self.inner.apply_chat_template(*a, **kw)
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_tokenizer_without_rust_backend_gives_the_same_ids(tmp_path, tok, plain_tok, template):
+    inner = tok if template else plain_tok
+    path = write_rows(str(tmp_path / "a.parquet"), gsm8k_rows(3), "parquet")
+    fast = RLHFDataset(path, inner, DataConfig())
+    slow = RLHFDataset(path, SlowTokenizer(inner), DataConfig())
+    assert [fast.prompt_ids(i) for i in range(3)] == [slow.prompt_ids(i) for i in range(3)]
+
+
 def long_rows():
     rows = gsm8k_rows(4)
     rows[1]["prompt"] = [{"role": "user", "content": "hello " * 30}]  # 34 tokens with template

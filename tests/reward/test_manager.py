@@ -151,3 +151,25 @@ def test_in_process_errors_fall_back(tmp_path):
         out = m.score(["ok 3", "raise", "ok 4"], [row()] * 3)
     assert out.scores == [3.0, -1.0, 4.0] and out.failed == [False, True, False]
     assert out.metrics["reward/errors"] == 1
+
+
+def test_check_dataset_before_training(tmp_path):
+    from tests.data.files import gsm8k_rows, write_rows
+    from tests.data.tiny_tokenizer import make_tiny_tokenizer
+    from verl_mcore.config.schema import DataConfig
+    from verl_mcore.data import RLHFDataset
+
+    rows = gsm8k_rows(4)
+    rows[1]["data_source"], rows[1]["category"] = "my/chat", "chat"
+    rows[2]["data_source"] = None
+    path = write_rows(str(tmp_path / "a.parquet"), rows, "parquet")
+    ds = RLHFDataset(path, make_tiny_tokenizer(), DataConfig())
+    with manager() as m, pytest.raises(ValueError, match=r"data_source \[None, 'my/chat'\]"):
+        m.check_dataset(ds)
+    # routed elsewhere (or a custom function) -> nothing left for the dispatch to miss
+    with manager(route_by="category", routes={"chat": "lighteval/MATH"},
+                 default_route="openai/gsm8k") as m:
+        m.check_dataset(ds)
+    with manager(route_by="category", routes={"chat": "lighteval/MATH"}) as m:
+        with pytest.raises(ValueError, match=r"data_source \[None\]"):
+            m.check_dataset(ds)

@@ -18,6 +18,7 @@ by `data.custom_cls.path` / `data.custom_cls.name` and built by `build_dataset`.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -125,6 +126,23 @@ class RLHFDataset:
         i %= len(self)
         return {"input_ids": self.prompt_ids(i), "row": self.rows([i])[0]}
 
+    def distinct(self, columns: Sequence[str]) -> set[tuple]:
+        """The distinct value combinations of `columns` over the kept samples (a missing column
+        reads as None) — e.g. to check before training that every data_source has a scorer."""
+        combos: set[tuple] = set()
+        for part_index, part in enumerate(self._parts):
+            rows = self._row_of[self._part_of == part_index]
+            present = [c for c in columns if c in part.table.column_names]
+            if not len(rows):
+                continue
+            if not present:
+                combos.add((None,) * len(columns))
+                continue
+            kept = part.table.select(present).take(pa.array(rows))
+            for values in kept.group_by(present).aggregate([]).to_pylist():
+                combos.add(tuple(values.get(c) for c in columns))
+        return combos
+
     def source_of(self, i: int) -> tuple[str, int]:
         """(file, row in that file) of sample i — for messages that point at the data."""
         part = self._parts[self._part_of[i]]
@@ -167,6 +185,16 @@ class RLHFDataset:
                                                       tokenize=False)
         return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
 
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # The chat template already holds BOS and friends; plain text gets them here.
+        special = not self._use_template
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            # The Rust tokenizer directly: same ids as tokenizer(texts), without building
+            # attention masks and offsets nobody uses (a third of the time on 100k prompts).
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
+        return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
     def _tokenise_all(self) -> None:
         cfg = self.config
         limit = cfg.max_prompt_length
@@ -190,17 +218,20 @@ class RLHFDataset:
                     rows.append(row)
                 if not texts:
                     continue
-                # The chat template already holds BOS and friends; plain text gets them here.
-                encoded = self.tokenizer(texts, add_special_tokens=not self._use_template)
-                for row, ids in zip(rows, encoded["input_ids"]):
+                kept, kept_rows = [], []
+                for row, ids in zip(rows, self._encode(texts)):
                     if len(ids) > limit:
                         ids = self._too_long(ids, part, row)
                         if ids is None:
                             continue
-                    id_chunks.append(np.asarray(ids, dtype=np.int32))
-                    lengths.append(len(ids))
-                    part_of.append(part_index)
-                    row_of.append(row)
+                    kept.append(ids)
+                    kept_rows.append(row)
+                sizes = [len(ids) for ids in kept]
+                id_chunks.append(np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32,
+                                             count=sum(sizes)))
+                lengths.extend(sizes)
+                part_of.extend([part_index] * len(kept_rows))
+                row_of.extend(kept_rows)
         self._ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.int32)
         self._offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._offsets[1:])

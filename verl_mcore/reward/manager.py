@@ -158,6 +158,24 @@ class RewardManager:
             return "model:" + resolved
         return "source:" + resolved if not resolved.startswith("builtin:") else resolved
 
+    def check_dataset(self, dataset) -> None:
+        """Fail before training if some sample would reach the built-in dispatch with a
+        data_source it does not know (every such sample would silently get the fallback)."""
+        if self._fallback_key != "dispatch":
+            return
+        columns = ["data_source"] + ([self.cfg.route_by] if self.cfg.route_by else [])
+        unknown = set()
+        for combo in dataset.distinct(columns):
+            row = dict(zip(columns, combo))
+            if any(self._target(s, row) == "dispatch" for s in self.sources if s.type == "rule"):
+                if row["data_source"] not in SCORERS:
+                    unknown.add(row["data_source"])
+        if unknown:
+            raise ValueError(
+                f"no reward for data_source {sorted(unknown, key=str)} in {', '.join(dataset.files)}: "
+                f"the built-in scorers know {sorted(SCORERS)}; set reward.custom_fn, or route these "
+                f"rows with reward.route_by / reward.routes / reward.default_route")
+
     @staticmethod
     def scorer_args(response: str, row: Mapping[str, Any]) -> tuple:
         """(data_source, response, ground_truth, extra_info) for one sample."""
