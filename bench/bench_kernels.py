@@ -136,13 +136,24 @@ def bench_gae(table: Table, quick: bool):
         eager_ms = time_ms(lambda r, v, m: ops.gae(r, v, m, 0.99, 0.95), sets, reps=50, warmup=5)
         table.add("GAE", "ops.gae eager (host dispatch included)", shape, eager_ms, min_bytes, loop_ms,
                   peak_extra_gb(lambda r, v, m: ops.gae(r, v, m, 0.99, 0.95), sets[0]))
+        if (batch, length) == (1024, 8192):
+            def unfused(r, v, m):
+                return algo.masked_whiten(ops.gae(r, v, m, 0.99, 0.95)[0], m)
+
+            def fused(r, v, m):
+                return ops.gae_whitened(r, v, m, 0.99, 0.95)
+
+            base_ms = time_ms(unfused, sets, reps=20, warmup=3)
+            table.add("GAE+whiten", "ops.gae + algo.masked_whiten, eager", shape, base_ms, min_bytes)
+            table.add("GAE+whiten", "ops.gae_whitened (fused stats), eager", shape,
+                      time_ms(fused, sets, reps=20, warmup=3), min_bytes, base_ms, peak_extra_gb(fused, sets[0]))
         if ext is None:
             continue
         # Device time per tile shape (config -1 = the automatic choice); see csrc/gae.cu kConfigs.
         configs = [-1] + (list(range(2, 7)) if length >= 4096 else [])
         for config in configs:
             def call(r, v, m, config=config):
-                return ext.gae(r, v, m, 0.99, 0.95, torch.cuda.current_stream().cuda_stream, config)
+                return ext.gae(r, v, m, 0.99, 0.95, torch.cuda.current_stream().cuda_stream, config, False)
 
             ms = graph_time_ms(call, sets, reps=20)
             name = "kernel, CUDA graph, " + ("auto tile" if config < 0 else f"tile config {config}")

@@ -42,10 +42,18 @@ verl_mcore::LogitsDtype logits_dtype(const Tensor& logits, const char* op) {
   }
 }
 
+verl_mcore::MaskDtype mask_dtype_of(const Tensor& mask, const char* op) {
+  if (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte) return verl_mcore::MaskDtype::kBool;
+  TORCH_CHECK(mask.scalar_type() == at::kFloat, "verl_mcore._C.", op, ": mask must be bool, uint8 or float32, got ",
+              mask.scalar_type());
+  return verl_mcore::MaskDtype::kFloat32;
+}
+
 // rewards, values: float32 [batch, T]; mask: bool/uint8 or float32 [batch, T]; config: see kernels.h.
-// Returns (advantages, returns), float32 [batch, T].
-std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, double gamma, double lam, int64_t stream,
-                               int64_t config) {
+// Returns (advantages, returns) float32 [batch, T], and with `with_stats` each scan tile's
+// (count, mean, M2) of valid advantages, float32 [tiles, 3] (else an empty tensor).
+std::tuple<Tensor, Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, double gamma, double lam,
+                                       int64_t stream, int64_t config, bool with_stats) {
   TORCH_CHECK(rewards.dim() == 2, "verl_mcore._C.gae: rewards must be [batch, T], got shape ", rewards.sizes());
   TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
               "verl_mcore._C.gae: rewards ", rewards.sizes(), ", values ", values.sizes(), " and mask ",
@@ -55,14 +63,7 @@ std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, doubl
   check_on_device(mask, "mask", rewards, "gae");
   TORCH_CHECK(rewards.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "verl_mcore._C.gae: rewards and values must be float32");
-  verl_mcore::MaskDtype mask_dtype;
-  if (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte) {
-    mask_dtype = verl_mcore::MaskDtype::kBool;
-  } else {
-    TORCH_CHECK(mask.scalar_type() == at::kFloat, "verl_mcore._C.gae: mask must be bool, uint8 or float32, got ",
-                mask.scalar_type());
-    mask_dtype = verl_mcore::MaskDtype::kFloat32;
-  }
+  const verl_mcore::MaskDtype mask_dtype = mask_dtype_of(mask, "gae");
   const c10::DeviceGuard guard(rewards.device());
   rewards = rewards.contiguous();
   values = values.contiguous();
@@ -73,11 +74,31 @@ std::tuple<Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, doubl
   const size_t ws_bytes = verl_mcore::gae_workspace_bytes(B, T, int(config));
   Tensor ws;
   if (ws_bytes > 0) ws = at::zeros({int64_t(ws_bytes)}, rewards.options().dtype(at::kByte));
+  Tensor tile_stats = at::empty({with_stats ? verl_mcore::gae_num_tiles(B, T, int(config)) : 0, 3},
+                                rewards.options());
   check_cuda(verl_mcore::gae_launch(rewards.data_ptr<float>(), values.data_ptr<float>(), mask.data_ptr(), mask_dtype,
                                     adv.data_ptr<float>(), ret.data_ptr<float>(), B, T, float(gamma), float(lam),
-                                    ws_bytes > 0 ? ws.data_ptr() : nullptr, int(config), to_stream(stream)),
+                                    ws_bytes > 0 ? ws.data_ptr() : nullptr,
+                                    with_stats ? tile_stats.data_ptr<float>() : nullptr, int(config),
+                                    to_stream(stream)),
              "gae");
-  return {adv, ret};
+  return {adv, ret, tile_stats};
+}
+
+// x[i] = mask[i] ? (x[i] - mean) * rstd : 0, in place. x: contiguous float32; mask: same shape.
+void masked_normalize_(Tensor x, Tensor mask, double mean, double rstd, int64_t stream) {
+  TORCH_CHECK(x.sizes() == mask.sizes(), "verl_mcore._C.masked_normalize_: x ", x.sizes(), " and mask ", mask.sizes(),
+              " must have the same shape");
+  check_on_device(x, "x", x, "masked_normalize_");
+  check_on_device(mask, "mask", x, "masked_normalize_");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "verl_mcore._C.masked_normalize_: x must be a contiguous float32 tensor");
+  const verl_mcore::MaskDtype mask_dtype = mask_dtype_of(mask, "masked_normalize_");
+  const c10::DeviceGuard guard(x.device());
+  mask = mask.contiguous();
+  check_cuda(verl_mcore::masked_normalize_launch(x.data_ptr<float>(), mask.data_ptr(), mask_dtype, x.numel(),
+                                                 float(mean), float(rstd), to_stream(stream)),
+             "masked_normalize_");
 }
 
 Tensor rows_with_unit_stride(const Tensor& logits) {
@@ -137,9 +158,12 @@ Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "verl_mcore CUDA kernels (csrc/); use them through verl_mcore.ops";
-  m.def("gae", &gae, "batched masked GAE: (rewards, values, mask, gamma, lam, stream, config=-1) -> (advantages, returns)",
+  m.def("gae", &gae,
+        "batched masked GAE: (rewards, values, mask, gamma, lam, stream, config=-1, with_stats=False) -> "
+        "(advantages, returns, tile_stats)",
         py::arg("rewards"), py::arg("values"), py::arg("mask"), py::arg("gamma"), py::arg("lam"), py::arg("stream"),
-        py::arg("config") = -1);
+        py::arg("config") = -1, py::arg("with_stats") = false);
+  m.def("masked_normalize_", &masked_normalize_, "x = mask ? (x - mean) * rstd : 0, in place");
   m.def("lpe_forward", &lpe_forward, "local log-prob/entropy statistics of vocab-parallel logits");
   m.def("lpe_backward", &lpe_backward, "grad-logits of log-prob and entropy from saved statistics");
 }

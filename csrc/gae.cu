@@ -61,6 +61,17 @@ constexpr int kFlagState = 2;
 template <typename MaskT>
 __device__ __forceinline__ bool is_valid(MaskT m) { return m != MaskT(0); }
 
+// Merge the moments (n, mean, M2) of b into a.
+__device__ __forceinline__ void merge_moments(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
+  const float total = n + nb;
+  if (total == 0.f) return;
+  const float delta = meanb - mean;
+  const float frac = nb / total;
+  mean = fmaf(delta, frac, mean);
+  m2 = m2 + m2b + delta * delta * n * frac;
+  n = total;
+}
+
 // Loads ITEMS consecutive positions starting at `pos` of a row; positions >= hi are masked.
 template <int ITEMS, typename MaskT, bool VEC>
 __device__ __forceinline__ void load_items(const float* __restrict__ r_row, const float* __restrict__ v_row,
@@ -131,7 +142,7 @@ template <int WARPS, int ITEMS, typename MaskT, bool VEC>
 __global__ void __launch_bounds__(WARPS * 32)
 gae_kernel(const float* __restrict__ rewards, const float* __restrict__ values, const MaskT* __restrict__ mask,
            float* __restrict__ advantages, float* __restrict__ returns, int64_t T, int64_t tiles_per_row,
-           float gamma, float c, TileStatus* status, unsigned int* tile_counter) {
+           float gamma, float c, TileStatus* status, unsigned int* tile_counter, float* __restrict__ tile_stats) {
   constexpr int THREADS = WARPS * 32;
   constexpr int64_t TILE = int64_t(THREADS) * ITEMS;
   __shared__ Affine warp_maps[WARPS];
@@ -276,6 +287,47 @@ gae_kernel(const float* __restrict__ rewards, const float* __restrict__ values, 
     }
   }
   store_items<ITEMS, VEC>(advantages + row * T, returns + row * T, pos, hi, adv, ret);
+
+  if (tile_stats != nullptr) {
+    // For fused whitening: (count, mean, M2) of this tile's valid advantages. Two passes over the
+    // thread's registers, then pairwise (Chan et al.) merges, which stay accurate where
+    // sum / sum-of-squares would cancel.
+    float n = 0.f, sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (valid[i]) { n += 1.f; sum += adv[i]; }
+    }
+    float mean = n > 0.f ? sum / n : 0.f, m2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (valid[i]) { const float d = adv[i] - mean; m2 = fmaf(d, d, m2); }
+    }
+    __shared__ float part[WARPS][3];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float n2 = __shfl_down_sync(0xffffffffu, n, off);
+      const float mean2 = __shfl_down_sync(0xffffffffu, mean, off);
+      const float m22 = __shfl_down_sync(0xffffffffu, m2, off);
+      merge_moments(n, mean, m2, n2, mean2, m22);
+    }
+    if (lane == 0) { part[warp][0] = n; part[warp][1] = mean; part[warp][2] = m2; }
+    __syncthreads();
+    if (tid == 0) {
+      for (int w = 1; w < WARPS; ++w) merge_moments(n, mean, m2, part[w][0], part[w][1], part[w][2]);
+      tile_stats[3 * tile] = n;
+      tile_stats[3 * tile + 1] = mean;
+      tile_stats[3 * tile + 2] = m2;
+    }
+  }
+}
+
+// y = valid ? (x - mean) * rstd : 0, in place; the second half of fused whitening.
+template <typename MaskT>
+__global__ void masked_normalize_kernel(float* __restrict__ x, const MaskT* __restrict__ mask, int64_t n,
+                                        float mean, float rstd) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] = is_valid(mask[i]) ? (x[i] - mean) * rstd : 0.f;
+  }
 }
 
 struct GaeConfig {
@@ -297,7 +349,7 @@ GaeConfig choose_config(int64_t T, int config) {
 
 template <int WARPS, int ITEMS, typename MaskT>
 cudaError_t launch_with(const float* r, const float* v, const MaskT* m, float* adv, float* ret, int64_t B,
-                        int64_t T, float gamma, float c, void* workspace, cudaStream_t stream) {
+                        int64_t T, float gamma, float c, void* workspace, float* tile_stats, cudaStream_t stream) {
   constexpr int64_t TILE = int64_t(WARPS) * 32 * ITEMS;
   const int64_t tiles_per_row = (T + TILE - 1) / TILE;
   const int64_t tiles = B * tiles_per_row;
@@ -312,20 +364,21 @@ cudaError_t launch_with(const float* r, const float* v, const MaskT* m, float* a
                    (reinterpret_cast<uintptr_t>(adv) % 16 == 0) && (reinterpret_cast<uintptr_t>(ret) % 16 == 0);
   if (vec) {
     gae_kernel<WARPS, ITEMS, MaskT, true><<<dim3(unsigned(tiles)), WARPS * 32, 0, stream>>>(
-        r, v, m, adv, ret, T, tiles_per_row, gamma, c, status, counter);
+        r, v, m, adv, ret, T, tiles_per_row, gamma, c, status, counter, tile_stats);
   } else {
     gae_kernel<WARPS, ITEMS, MaskT, false><<<dim3(unsigned(tiles)), WARPS * 32, 0, stream>>>(
-        r, v, m, adv, ret, T, tiles_per_row, gamma, c, status, counter);
+        r, v, m, adv, ret, T, tiles_per_row, gamma, c, status, counter, tile_stats);
   }
   return cudaGetLastError();
 }
 
 template <typename MaskT>
 cudaError_t launch_typed(const float* r, const float* v, const MaskT* m, float* adv, float* ret, int64_t B,
-                         int64_t T, float gamma, float c, void* workspace, int config, cudaStream_t stream) {
+                         int64_t T, float gamma, float c, void* workspace, float* tile_stats, int config,
+                         cudaStream_t stream) {
   const GaeConfig cfg = choose_config(T, config);
 #define VERL_MCORE_GAE_CASE(W, I) \
-  if (cfg.warps == W && cfg.items == I) return launch_with<W, I>(r, v, m, adv, ret, B, T, gamma, c, workspace, stream);
+  if (cfg.warps == W && cfg.items == I) return launch_with<W, I>(r, v, m, adv, ret, B, T, gamma, c, workspace, tile_stats, stream);
   VERL_MCORE_GAE_CASE(1, 4)
   VERL_MCORE_GAE_CASE(1, 16)
   VERL_MCORE_GAE_CASE(4, 16)
@@ -339,24 +392,40 @@ cudaError_t launch_typed(const float* r, const float* v, const MaskT* m, float* 
 
 }  // namespace
 
-size_t gae_workspace_bytes(int64_t batch, int64_t T, int config) {
+int64_t gae_num_tiles(int64_t batch, int64_t T, int config) {
   const GaeConfig cfg = choose_config(T, config);
   const int64_t tile = int64_t(cfg.warps) * 32 * cfg.items;
-  const int64_t tiles_per_row = (T + tile - 1) / tile;
-  if (tiles_per_row <= 1) return 0;
-  return 256 + size_t(batch * tiles_per_row) * sizeof(TileStatus);
+  return batch * ((T + tile - 1) / tile);
+}
+
+size_t gae_workspace_bytes(int64_t batch, int64_t T, int config) {
+  if (gae_num_tiles(1, T, config) <= 1) return 0;
+  return 256 + size_t(gae_num_tiles(batch, T, config)) * sizeof(TileStatus);
 }
 
 cudaError_t gae_launch(const float* rewards, const float* values, const void* mask, MaskDtype mask_dtype,
                        float* advantages, float* returns, int64_t batch, int64_t T, float gamma, float lam,
-                       void* workspace, int config, cudaStream_t stream) {
+                       void* workspace, float* tile_stats, int config, cudaStream_t stream) {
   if (batch <= 0 || T <= 0) return cudaSuccess;
   const float c = gamma * lam;
   if (mask_dtype == MaskDtype::kBool)
     return launch_typed(rewards, values, static_cast<const unsigned char*>(mask), advantages, returns, batch, T,
-                        gamma, c, workspace, config, stream);
+                        gamma, c, workspace, tile_stats, config, stream);
   return launch_typed(rewards, values, static_cast<const float*>(mask), advantages, returns, batch, T, gamma, c,
-                      workspace, config, stream);
+                      workspace, tile_stats, config, stream);
+}
+
+cudaError_t masked_normalize_launch(float* x, const void* mask, MaskDtype mask_dtype, int64_t n, float mean,
+                                    float rstd, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = (n + threads - 1) / threads;
+  const unsigned grid = unsigned(blocks < 65536 ? blocks : 65536);
+  if (mask_dtype == MaskDtype::kBool)
+    masked_normalize_kernel<<<grid, threads, 0, stream>>>(x, static_cast<const unsigned char*>(mask), n, mean, rstd);
+  else
+    masked_normalize_kernel<<<grid, threads, 0, stream>>>(x, static_cast<const float*>(mask), n, mean, rstd);
+  return cudaGetLastError();
 }
 
 }  // namespace verl_mcore

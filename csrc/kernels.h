@@ -23,11 +23,18 @@ enum class MaskDtype : int { kBool = 0, kFloat32 = 1 };
 // value and advantage through and get advantage = return = 0.
 // `workspace` must hold gae_workspace_bytes(batch, T, config) bytes, zeroed before the launch
 // (look-back flags and the tile counter of the chunked scan; may be null when that is 0).
+// `tile_stats`: null, or [gae_num_tiles(batch, T, config), 3] float32 receiving each tile's
+// (count, mean, M2) of valid advantages, for fused whitening.
 // `config`: -1 picks the tile shape by row length; 0..6 force one (for benchmarks, see gae.cu).
+int64_t gae_num_tiles(int64_t batch, int64_t T, int config);
 size_t gae_workspace_bytes(int64_t batch, int64_t T, int config);
 cudaError_t gae_launch(const float* rewards, const float* values, const void* mask, MaskDtype mask_dtype,
                        float* advantages, float* returns, int64_t batch, int64_t T, float gamma, float lam,
-                       void* workspace, int config, cudaStream_t stream);
+                       void* workspace, float* tile_stats, int config, cudaStream_t stream);
+
+// x[i] = mask[i] != 0 ? (x[i] - mean) * rstd : 0 over n contiguous elements, in place.
+cudaError_t masked_normalize_launch(float* x, const void* mask, MaskDtype mask_dtype, int64_t n, float mean,
+                                    float rstd, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
 // Vocab-parallel log-prob + entropy, local (per-shard) statistics.

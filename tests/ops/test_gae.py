@@ -48,3 +48,64 @@ def test_fake_tensor_shapes_for_compile():
     r, v, m = torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool)
     adv, ret = fn(r, v, m)
     torch.testing.assert_close(adv, ops.gae(r, v, m, 1.0, 0.9)[0])
+
+
+def test_gae_whitened_is_gae_then_masked_whiten():
+    from verl_mcore.algo.advantages import masked_whiten
+
+    rewards, values = torch.randn(4, 33), torch.randn(4, 33)
+    mask = torch.rand(4, 33) > 0.4
+    adv, ret = ops.gae_whitened(rewards, values, mask, 0.99, 0.95)
+    ref_adv, ref_ret = ops.gae(rewards, values, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv, masked_whiten(ref_adv, mask))
+    torch.testing.assert_close(ret, ref_ret)
+    with pytest.raises(ValueError, match="at least 2 valid tokens"):
+        ops.gae_whitened(rewards, values, torch.zeros_like(mask), 0.99, 0.95)
+
+
+def _tile_stats(x: torch.Tensor, valid: torch.Tensor, tile: int) -> torch.Tensor:
+    """(count, mean, M2) of the valid entries of each `tile`-long piece of the flattened x: what the
+    GAE kernel emits for fused whitening."""
+    rows = []
+    for lo in range(0, x.numel(), tile):
+        v = x.flatten()[lo:lo + tile][valid.flatten()[lo:lo + tile]].double()
+        mean = v.mean() if v.numel() else torch.tensor(0.0, dtype=torch.float64)
+        rows.append([float(v.numel()), mean.item(), ((v - mean) ** 2).sum().item()])
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_moments_from_tile_stats_pool_exactly():
+    from verl_mcore.ops.gae import moments_from_tile_stats
+
+    x = torch.randn(5, 41) * 3 + 7
+    valid = torch.rand(5, 41) > 0.3
+    valid[1] = False  # tiles without any valid entry
+    n, mean, var = moments_from_tile_stats(_tile_stats(x, valid, 16), None)
+    ref = x[valid].double()
+    assert n == ref.numel()
+    assert abs(mean - ref.mean().item()) <= 1e-5 and abs(var - ref.var().item()) <= 1e-4
+
+
+def _whiten_moments_body(rank, world_size, seed):
+    import torch.distributed as dist
+
+    from verl_mcore.ops.gae import moments_from_tile_stats
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(3, 50, generator=g) * (r + 1) for r in range(world_size)]
+    valid = [torch.rand(3, 50, generator=g) > 0.5 for _ in range(world_size)]
+    return moments_from_tile_stats(_tile_stats(xs[rank], valid[rank], 32), dist.group.WORLD)
+
+
+@pytest.mark.distributed
+def test_moments_from_tile_stats_across_ranks():
+    from tests.multiproc import run_on_ranks
+
+    results = run_on_ranks(_whiten_moments_body, world_size=2, args=(7,), timeout=120)
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(3, 50, generator=g) * (r + 1) for r in range(2)]
+    valid = [torch.rand(3, 50, generator=g) > 0.5 for _ in range(2)]
+    pooled = torch.cat([x[v] for x, v in zip(xs, valid)]).double()
+    for n, mean, var in results:
+        assert n == pooled.numel()
+        assert abs(mean - pooled.mean().item()) <= 1e-5 and abs(var - pooled.var().item()) <= 1e-4

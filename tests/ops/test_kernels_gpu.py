@@ -86,10 +86,29 @@ def test_gae_every_tile_shape(ext, config):
         rewards = torch.randn(3, length, device="cuda")
         values = torch.randn_like(rewards)
         mask = torch.rand_like(rewards) > 0.5
-        adv, ret = ext.gae(rewards, values, mask, 0.97, 0.9, torch.cuda.current_stream().cuda_stream, config)
+        adv, ret, _ = ext.gae(rewards, values, mask, 0.97, 0.9, torch.cuda.current_stream().cuda_stream, config)
         ref_adv, ref_ret = algo.gae(rewards.cpu().double(), values.cpu().double(), mask.cpu(), 0.97, 0.9)
         assert (adv.cpu().double() - ref_adv).abs().max() <= 2e-5 * ref_adv.abs().max().clamp_min(1)
         assert (ret.cpu().double() - ref_ret).abs().max() <= 2e-5 * ref_ret.abs().max().clamp_min(1)
+
+
+@pytest.mark.parametrize("case", range(len(GAE_SHAPES)))
+def test_gae_whitened_kernel_matches_reference(ext, case):
+    batch, length = GAE_SHAPES[case]
+    if batch * length < 8:
+        pytest.skip("whitening needs at least 2 valid tokens")
+    rewards = torch.randn(batch, length, device="cuda") + 0.5
+    values = torch.randn(batch, length, device="cuda")
+    valid = torch.rand(batch, length, device="cuda") > 0.3
+    valid[0] = False
+    valid.view(-1)[-2:] = True  # at least 2 valid tokens
+    mask = valid.float() if case % 2 else valid
+    adv, ret = ops.gae_whitened(rewards, values, mask, 0.99, 0.95)
+    ref_adv, ref_ret = algo.gae(rewards.cpu().double(), values.cpu().double(), valid.cpu(), 0.99, 0.95)
+    ref_adv = algo.masked_whiten(ref_adv, valid.cpu())
+    assert (adv.cpu().double() - ref_adv).abs().max() <= 1e-4
+    assert (ret.cpu().double() - ref_ret).abs().max() <= 2e-5 * ref_ret.abs().max().clamp_min(1)
+    assert (adv[~valid] == 0).all()
 
 
 def test_gae_kernel_is_deterministic_under_lookback(ext):

@@ -23,26 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from verl_mcore.ops import reference
+from verl_mcore.ops import _groups
 from verl_mcore.ops._extension import extension
 
 __all__ = ["logprob_entropy"]
-
-# Custom ops take plain values, so process groups travel by name; the public function registers
-# every group it is given here.
-_GROUPS: dict[str, dist.ProcessGroup] = {}
-
-
-def _group(name: str) -> Optional[dist.ProcessGroup]:
-    if not name:
-        return None
-    try:
-        return _GROUPS[name]
-    except KeyError:
-        raise RuntimeError(
-            f"verl_mcore::logprob_entropy: process group {name!r} was not registered; call "
-            "verl_mcore.ops.logprob_entropy(..., tp_group=group) rather than the raw op"
-        ) from None
-
 
 def _stats_reference(logits: Tensor, target: Tensor, vocab_start: int, inv_temp: float) -> Tensor:
     return reference.local_stats(logits, target, vocab_start, inv_temp)
@@ -73,7 +57,7 @@ def _grad_kernel(logits, target, vocab_start, inv_temp, logz, ez, g_logp, g_ent)
 
 def _forward(stats_fn, logits, target, inv_temp, vocab_start, group_name):
     stats = stats_fn(logits, target, vocab_start, inv_temp)
-    logp, entropy, logz, ez = reference.combine_stats(stats, _group(group_name))
+    logp, entropy, logz, ez = reference.combine_stats(stats, _groups.lookup(group_name, "verl_mcore::logprob_entropy"))
     return logp, entropy, logz, ez
 
 
@@ -178,10 +162,7 @@ def logprob_entropy(
     if target.dtype.is_floating_point or target.dtype == torch.bool:
         raise TypeError(f"logprob_entropy: target must hold integer token ids, got {target.dtype}")
     vocab_local = logits.shape[-1]
-    group_name = ""
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        group_name = tp_group.group_name
-        _GROUPS[group_name] = tp_group
+    group_name = _groups.group_name(tp_group)
     if vocab_start is None:
         vocab_start = dist.get_rank(tp_group) * vocab_local if group_name else 0
     flat_logits = logits.reshape(-1, vocab_local)
