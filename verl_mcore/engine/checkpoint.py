@@ -327,13 +327,15 @@ def load_checkpoint(
         os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True
     )
     with_optimizer = optimizer is not None and meta["optimizer_sharding"] is not None
+    if with_optimizer:
+        _allocate_optimizer_state(optimizer)
     sharded = _sharded_state_dict(model_chunks, optimizer if with_optimizer else None,
                                   meta["optimizer_sharding"], is_loading=True)
     state = dist_checkpointing.load(sharded, os.path.join(path, DIST_DIR))
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     if with_optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(optimizer, state["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # main (fp32) params := the loaded model params
     if scheduler is not None:
@@ -382,6 +384,73 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
             metadata={"distrib_optim_sharding_type": optimizer_sharding},
         )
     return sharded
+
+
+def _allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh torch Adam its state tensors before a load, as its first step would.
+
+    Without TransformerEngine / apex (CPU, and our GPU image) megatron wraps torch.optim.Adam,
+    whose state appears only at the first step, and DistributedOptimizer.sharded_state_dict()
+    reads the common 'step' out of that state (megatron-core 0.16.1 asserts on an empty one).
+    The values are placeholders: the load overwrites every one of them.
+    """
+    chained = getattr(optimizer, "chained_optimizers", None)
+    for opt in chained if chained is not None else [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _load_optimizer(optimizer: Any, state: dict) -> None:
+    """optimizer.load_state_dict(state), working around two megatron-core 0.16.1 bugs of the
+    distributed optimizer over torch.optim.Adam (no TransformerEngine / apex):
+
+    1. Its load_state_dict gives every parameter's state the *same* 'step' tensor, and torch's
+       Adam increments each parameter's step in place: after a resume the shared counter advances
+       once per parameter per step and the bias correction is wrong (the losses drift from an
+       uninterrupted run). Each parameter gets its own copy here.
+    2. load_parameter_state_from_fully_reshardable copies every key of the live state, 'step'
+       included, from the loaded tensors, which have no 'step' (KeyError: 'step'). The steps are
+       set aside while the parameter state loads.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        parts = [(optimizer, state)]
+    elif len(chained) == 1:
+        parts = [(chained[0], state)]  # ChainedOptimizer saves a single optimizer unnested
+    else:
+        parts = list(zip(chained, (v for _, v in sorted(state.items()))))
+    for opt, opt_state in parts:
+        inner = getattr(opt, "optimizer", None)
+        plain_adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+        if not (isinstance(opt, DistributedOptimizer) and plain_adam and "param_state" in opt_state):
+            opt.load_state_dict(opt_state)
+            continue
+        opt_state = dict(opt_state)
+        param_state = opt_state.pop("param_state")
+        sharding = opt_state.pop("param_state_sharding_type")
+        opt.load_state_dict(opt_state)  # param groups, common step, grad scaler
+        steps = {p: st.pop("step").clone() for p, st in inner.state.items() if "step" in st}
+        try:
+            loaders = {
+                "fully_reshardable": opt.load_parameter_state_from_fully_reshardable,
+                "dp_reshardable": opt.load_parameter_state_from_dp_reshardable,
+            }
+            if sharding not in loaders:
+                raise ValueError(f"checkpoint: optimizer state in unsupported format {sharding!r}")
+            loaders[sharding](param_state)
+        finally:
+            for p, step in steps.items():
+                inner.state[p]["step"] = step
 
 
 def _save_strategy():

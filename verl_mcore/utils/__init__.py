@@ -1,0 +1,1 @@
+"""Small process-level helpers shared across packages (RNG state capture)."""
