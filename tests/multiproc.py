@@ -48,11 +48,20 @@ def free_port() -> int:
 def _reset_after_task() -> bool:
     """Tear down per-test global state; return False if the process is no longer reusable."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None and ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return dist.is_initialized()
+    if not dist.is_initialized():
+        return False
+    # Every gloo group keeps three threads alive until destroyed; megatron and our own group
+    # builders make dozens per test, so a reused rank would otherwise collect thousands.
+    default = c10d._get_default_group()
+    for pg in list(c10d._world.pg_map):
+        if pg is not default:
+            dist.destroy_process_group(pg)
+    return True
 
 
 def _worker(rank, world_size, port, tasks, results):

@@ -63,7 +63,8 @@ def compute_log_probs(
     logp_parts, ent_parts = [], []
 
     def collect(logits, mb):
-        logp, ent = response_logprobs(logits, mb, tp_group, temperature, compute_entropy)
+        logp, ent = response_logprobs(logits, mb, tp_group, temperature, compute_entropy,
+                                      vocab_size=engine.vocab_size)
         logp_parts.append((mb.rows, logp))
         if ent is not None:
             ent_parts.append((mb.rows, ent))
@@ -125,7 +126,8 @@ class Actor:
     def _loss(self, denoms: LossDenominators, logits: torch.Tensor, mb) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         need_entropy = cfg.entropy_coeff != 0 or self.log_entropy
-        logp, entropy = response_logprobs(logits, mb, self.engine.pg.tp, self.temperature, need_entropy)
+        logp, entropy = response_logprobs(logits, mb, self.engine.pg.tp, self.temperature, need_entropy,
+                                          vocab_size=self.engine.vocab_size)
         mask = loss_mask(mb)
         f = mb.fields
         loss, metrics = compute_policy_loss(

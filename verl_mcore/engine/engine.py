@@ -99,6 +99,7 @@ class MegatronEngine:
         lr_decay_steps: int = 1,
         use_distributed_optimizer: bool = True,
         load_weights: Optional[Callable[[torch.nn.Module], None]] = None,
+        vocab_size: Optional[int] = None,
     ):
         """
         model_provider(config, pre_process, post_process, vp_stage) builds one model chunk.
@@ -107,6 +108,7 @@ class MegatronEngine:
         optim: an OptimConfig (verl_mcore.config.schema) or None for a forward-only role.
         lr_decay_steps: optimizer steps over which cosine/linear decay runs (total PPO updates).
         load_weights(module): optional, called on each bare chunk before wrapping (tests, HF loads).
+        vocab_size: the real vocabulary size; log-probs give padded ids no mass (None: no padding).
         """
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -116,6 +118,7 @@ class MegatronEngine:
         from megatron.core.transformer.module import Float16Module
 
         self.pg = pg_collection
+        self.vocab_size = vocab_size
         self.dtype = dtype
         self.config = role_config(config, dtype, recompute_activations)
         self.tp_size = self.pg.tp.size()

@@ -29,11 +29,15 @@ def response_logprobs(
     tp_group=None,
     temperature: float = 1.0,
     compute_entropy: bool = True,
+    vocab_size: Optional[int] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """`logits [b, s, V_local]` -> `(logp [n, R], entropy [n, R] or None)`, float32.
 
     log p(target) and the entropy of softmax(logits / temperature) over the full vocabulary,
     differentiable w.r.t. the logits; `tp_group` is the group the vocabulary is split over.
+    vocab_size: the real vocabulary; ids from it up to the padded size (megatron pads the
+    embedding to a multiple of 128 × TP) get no probability, as in the samplers. Without this a
+    tiny model's zero padding logits take real mass (36 real ids of 128: log-probs off by 1.27).
     """
     if logits.shape[:-1].numel() != mb.input_ids.numel():
         raise ValueError(
@@ -41,11 +45,28 @@ def response_logprobs(
             f"input_ids {tuple(mb.input_ids.shape)}"
         )
     flat = logits.reshape(-1, logits.shape[-1])  # [N, V_local]
+    if vocab_size is not None:
+        flat = mask_padded_vocab(flat, vocab_size, tp_group)
     logp, entropy = ops.logprob_entropy(
         flat, mb.targets.reshape(-1), tp_group=tp_group, temperature=temperature,
         compute_entropy=compute_entropy,
     )
     return _gather(logp, mb), (_gather(entropy, mb) if entropy is not None else None)
+
+
+def mask_padded_vocab(flat: Tensor, vocab_size: int, tp_group=None) -> Tensor:
+    """Push the logits of padded vocabulary ids (>= vocab_size) to a large negative value.
+
+    Only shards that hold padding pay for a copy; the value is finite so that p * z stays 0 in
+    the entropy (-inf would give 0 * -inf = NaN).
+    """
+    v_local = flat.shape[-1]
+    rank = tp_group.rank() if tp_group is not None else 0
+    real_here = vocab_size - rank * v_local
+    if real_here >= v_local:
+        return flat
+    cols = torch.arange(v_local, device=flat.device)
+    return flat.masked_fill(cols >= max(real_here, 0), -1e4)
 
 
 def response_values(values: Tensor, mb: MicroBatch) -> Tensor:

@@ -1,0 +1,221 @@
+"""Build the parts of an RL run from a Config, one by one (the trainer uses these; so can you).
+
+    cfg = Config.load("configs/quickstart.yaml")
+    groups = build_groups(cfg)                       # after torch.distributed is initialised
+    model = load_model_info(cfg)                     # HF architecture + tokenizer
+    actor = build_actor(cfg, groups, model)
+    reference = build_reference(cfg, groups, model)  # None when no KL term needs it
+    critic = build_critic(cfg, groups, model)        # None unless algorithm.adv_estimator=gae
+    rollout = build_generation_phase(cfg, groups, model, actor)   # verl_mcore.generation
+
+Weights come from `model.checkpoint` (a dist checkpoint from tools/convert_hf, resharded at load)
+or else from the Hugging Face directory `model.path`, read slice by slice straight into each
+rank's TP/PP shard (no rank loads the whole model).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from verl_mcore.config import Config, ConfigError
+
+log = logging.getLogger("verl_mcore.build")
+
+
+@dataclass
+class ModelInfo:
+    arch: Any  # verl_mcore.models.hf_config.HFArch
+    tokenizer: Any
+    hf_dir: Optional[str]
+    checkpoint: Optional[str]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        return sorted(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else (self.eos_token_ids or [0])[0]
+
+
+def load_model_info(cfg: Config) -> ModelInfo:
+    from transformers import AutoTokenizer
+
+    from verl_mcore.models.hf_config import read_hf_arch
+
+    if cfg.model.path is None:
+        raise ConfigError("model.path must name a Hugging Face directory (its config.json and "
+                          "tokenizer are needed even when model.checkpoint gives the weights)")
+    arch = read_hf_arch(cfg.model.path)
+    tok_dir = cfg.model.tokenizer or cfg.model.path
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=cfg.model.trust_remote_code)
+    return ModelInfo(arch, tokenizer, cfg.model.path, cfg.model.checkpoint)
+
+
+def _weight_loader(info: ModelInfo, role: str):
+    """Fills one freshly built model chunk with the run's initial weights."""
+    from verl_mcore.models.checkpoint import load_dist_checkpoint
+    from verl_mcore.models.hf_weights import load_hf_weights
+
+    def load(module):
+        if info.checkpoint:
+            load_dist_checkpoint(module, info.checkpoint, role=role)
+        else:
+            load_hf_weights(module, info.arch, info.hf_dir, role=role)
+
+    return load
+
+
+def _transformer_config(cfg: Config, info: ModelInfo, dtype: str, tp: int, pp: int, vpp=None):
+    from verl_mcore.models.hf_config import transformer_config
+
+    extra = {}
+    if vpp and vpp > 1:
+        extra["virtual_pipeline_model_parallel_size"] = vpp
+    if cfg.parallel.sequence_parallel and tp > 1:
+        extra["sequence_parallel"] = True
+    return transformer_config(info.arch, tp=tp, pp=pp, dtype=dtype, **extra)
+
+
+def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, optim=None,
+                 recompute: bool = False, lr_decay_steps: int = 1):
+    from verl_mcore.engine.engine import MegatronEngine
+    from verl_mcore.models.gpt import build_gpt_model
+
+    p = cfg.parallel
+    config = _transformer_config(cfg, info, dtype, p.tensor_model_parallel_size,
+                                 p.pipeline_model_parallel_size,
+                                 p.virtual_pipeline_model_parallel_size)
+    arch, divisible = info.arch, cfg.model.make_vocab_size_divisible_by
+
+    def provider(config, pre_process, post_process, vp_stage):
+        return build_gpt_model(arch, config, role=role, pre_process=pre_process,
+                               post_process=post_process, vp_stage=vp_stage,
+                               vocab_divisible_by=divisible)
+
+    return MegatronEngine(provider, config, groups.train, dtype=dtype, optim=optim,
+                          recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
+                          use_distributed_optimizer=p.use_distributed_optimizer,
+                          load_weights=_weight_loader(info, "critic" if role == "critic" else "actor"),
+                          vocab_size=info.arch.vocab_size)
+
+
+def optimizer_steps_per_training_step(cfg: Config, mini_batch_prompts: int, epochs: int) -> int:
+    return epochs * (cfg.data.train_batch_size // mini_batch_prompts)
+
+
+def build_actor(cfg: Config, groups, info: ModelInfo):
+    from verl_mcore.engine.actor import Actor
+
+    a = cfg.actor
+    steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, a.ppo_mini_batch_size,
+                                                                        a.ppo_epochs)
+    engine = build_engine(cfg, groups, info, "actor", a.dtype, optim=a.optim,
+                          recompute=a.recompute_activations, lr_decay_steps=steps)
+    return Actor(engine, a, mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n,
+                 temperature=cfg.rollout.temperature or 1.0,
+                 norm_len=float(cfg.data.max_response_length))
+
+
+def needs_reference(cfg: Config) -> bool:
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def build_reference(cfg: Config, groups, info: ModelInfo):
+    if not needs_reference(cfg):
+        return None
+    from verl_mcore.engine.actor import Reference
+
+    engine = build_engine(cfg, groups, info, "reference", cfg.reference.dtype)
+    return Reference(engine, temperature=cfg.rollout.temperature or 1.0,
+                     max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch,
+                     micro_batch_size=cfg.actor.micro_batch_size_per_gpu)
+
+
+def build_critic(cfg: Config, groups, info: ModelInfo):
+    if not cfg.uses_critic:
+        return None
+    from verl_mcore.engine.critic import Critic
+
+    c = cfg.critic
+    mini = c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
+    epochs = c.ppo_epochs or cfg.actor.ppo_epochs
+    steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, mini, epochs)
+    engine = build_engine(cfg, groups, info, "critic", c.dtype, optim=c.optim,
+                          recompute=c.recompute_activations, lr_decay_steps=steps)
+    return Critic(engine, c, mini_batch_size=mini * cfg.rollout.n, ppo_epochs=epochs,
+                  agg_mode=cfg.actor.loss_agg_mode, norm_len=float(cfg.data.max_response_length))
+
+
+def unwrap(module):
+    """The bare GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
+    """(generation model, repartitioner or None). When the generation layout equals the training
+    layout (TP_g = TP_t, PP = 1) the actor's own model serves generation: nothing is copied."""
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
+
+    p, tp_g = cfg.parallel, cfg.rollout.tensor_parallel_size
+    if generation_model_is_training_model(p.tensor_model_parallel_size,
+                                          p.pipeline_model_parallel_size, tp_g,
+                                          p.virtual_pipeline_model_parallel_size):
+        return unwrap(actor.engine.model[0]), None
+    config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
+    config.perform_initialization = False  # the repartition writes every weight
+    # Same padded vocabulary as training, so vocab shards concatenate exactly.
+    divisible = cfg.model.make_vocab_size_divisible_by * (p.tensor_model_parallel_size // tp_g)
+    gen = build_gpt_model(info.arch, config, role="actor", pg_collection=groups.gen,
+                          pre_process=True, post_process=True, vocab_divisible_by=divisible)
+    device = next(unwrap(actor.engine.model[0]).parameters()).device
+    gen = gen.to(device).eval().requires_grad_(False)
+    chunks = [unwrap(m) for m in actor.engine.model]
+    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True)
+
+
+def build_reward_manager(cfg: Config):
+    from verl_mcore.reward import RewardManager
+
+    return RewardManager.from_config(cfg.reward)
+
+
+def build_datasets(cfg: Config, info: ModelInfo):
+    from verl_mcore.data import build_dataset
+
+    train = build_dataset(cfg.data.train_files, info.tokenizer, cfg.data)
+    val = build_dataset(cfg.data.val_files, info.tokenizer, cfg.data) if cfg.data.val_files else None
+    return train, val
+
+
+def resolve_run_dir(cfg: Config) -> str:
+    return os.path.abspath(cfg.trainer.run_dir)
+
+
+def build_prompt_loader(cfg: Config, dataset, groups):
+    """Training prompts for this rank's generation replica (all ranks of a TP_g group share)."""
+    from verl_mcore.data import PromptLoader
+
+    return PromptLoader(dataset, cfg.data.train_batch_size, rank=groups.gen_dp_rank,
+                        world_size=groups.layout.dp_gen, shuffle=cfg.data.shuffle,
+                        seed=cfg.data.seed)
+
+
+def build_kl_controller(cfg: Config):
+    from verl_mcore.algo.kl import make_kl_controller
+
+    k = cfg.algorithm.kl_ctrl
+    return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+
+
+def build_checkpointers(cfg: Config, run_dir: str):
+    from verl_mcore.checkpoints import RunCheckpoints
+
+    return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic)

@@ -1,0 +1,472 @@
+"""The RL loop: one `step()` that reads like the algorithm, run on every rank (SPMD).
+
+    prompts -> repartition + generate -> rewards -> old / ref log-probs, values -> KL
+            -> advantages -> critic update -> actor update -> metrics -> validation / checkpoint
+
+Where the data lives. Generation runs in the generation layout: each TP_g group is one replica
+that samples responses for its share of the step's prompts (data.train_batch_size / DP_g). The
+responses are then gathered so that every rank holds the same global rollout batch; scoring is
+split over all ranks; the training roles (actor, reference, critic) take the global batch and
+decide themselves which data-parallel rank computes which samples (engine/batch.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore import build
+from verl_mcore.config import Config
+from verl_mcore.generation import build_generation_phase
+
+log = logging.getLogger("verl_mcore.trainer")
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+@dataclass
+class Rollout:
+    """One step's global rollout batch, identical on every rank.
+
+    train       engine.batch.TrainBatch: prompt+response ids, lengths, response mask [B, R]
+    rows        [B] the dataset rows of each sample's prompt (reward functions read them)
+    group_ids   [B] int64, one id per prompt: samples of the same prompt share it (GRPO, RLOO)
+    responses   [B] decoded response texts
+    finish      [B] "stop" | "length"
+    """
+
+    train: Any
+    rows: list
+    group_ids: torch.Tensor
+    responses: list
+    finish: list
+    prompt_lens: list = field(default_factory=list)
+
+
+class StageTimer:
+    """Wall time per phase (CUDA synchronised), for `timing_s/<phase>` and the stage line."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class Trainer:
+    """`Trainer(cfg).fit()` under torchrun / srun / mpirun (or one plain process)."""
+
+    def __init__(self, cfg: Config, launch=None):
+        from verl_mcore.distributed.groups import build_groups
+        from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
+        from verl_mcore.distributed.preemption import PreemptionGuard
+        from verl_mcore.distributed.watchdog import Watchdog
+        from verl_mcore.tracking import Tracking
+
+        self.cfg = cfg
+        self.launch = launch or detect_launch()
+        if not dist.is_initialized():
+            setup_logging(self.launch.rank)
+            init_distributed(self.launch, cfg.trainer.device, cfg.trainer.collective_timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.run_dir = build.resolve_run_dir(cfg)
+        self.groups = build_groups(cfg)
+        _seed_everything(cfg.trainer.seed, self.rank)
+        self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank).start()
+        self.guard = PreemptionGuard().install()
+
+        with self.watchdog.phase("build models"):
+            self.info = build.load_model_info(cfg)
+            self.actor = build.build_actor(cfg, self.groups, self.info)
+            self.reference = build.build_reference(cfg, self.groups, self.info)
+            self.critic = build.build_critic(cfg, self.groups, self.info)
+            self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
+        with self.watchdog.phase("load data"):
+            self.train_data, self.val_data = build.build_datasets(cfg, self.info)
+            self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
+        self.rewards = build.build_reward_manager(cfg)
+        self.kl_ctrl = build.build_kl_controller(cfg)
+        self.checkpoints = build.build_checkpointers(cfg, self.run_dir)
+        self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,
+                                 cfg.trainer.experiment_name, config=None)
+        self.step_index = 0  # steps completed
+        self.last_good_step = 0
+        self.skipped_updates = 0
+        self._resume()
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> int:
+        """Run to trainer.total_steps; returns the process exit code."""
+        cfg = self.cfg
+        total = cfg.trainer.total_steps
+        if self.rank == 0:
+            log.info("run directory %s; steps %d..%d of %d", self.run_dir, self.step_index + 1,
+                     total, total)
+        if cfg.trainer.val_before_train and self.val_data is not None and self.step_index == 0:
+            self.tracking.log(0, self.validate(0))
+        progress = _progress(total, self.step_index, self.rank)
+        try:
+            while self.step_index < total:
+                step = self.step_index + 1
+                metrics = self.step(step)
+                self.step_index = step
+                self.last_good_step = step
+                if self.val_data is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
+                    metrics.update(self.validate(step))
+                self.tracking.log(step, metrics)
+                progress.update(1)
+                last = step == total
+                if last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
+                    self.save_checkpoint(step)
+                if not last and self.guard.should_stop():
+                    self.save_checkpoint(step)
+                    return self.guard.preempted_exit(step, self.rank)
+        finally:
+            progress.close()
+        self.finish()
+        return 0
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, StageTimer()
+        phase = lambda name: _both(self.watchdog.phase(name, step=step), timer(name))  # noqa: E731
+        t0 = time.perf_counter()
+
+        prompts = next(self.loader)  # this generation replica's prompts
+        with phase("sync"):
+            sync_metrics = self.rollout.begin(step, prompts.input_ids)  # weights + sync check
+        with phase("gen"):
+            rollout = self.generate(prompts, self.sampling(cfg.rollout.n, cfg.rollout.temperature))
+            baseline = None
+            if cfg.algorithm.adv_estimator == "remax":
+                baseline = self.generate(prompts, self.sampling(1, 0.0, seed_offset=1))
+            self.rollout.end()  # release the KV cache (and the weight buffer) before training
+        batch = rollout.train
+        mask = batch.response_mask
+        with phase("reward"):
+            scores, reward_metrics = self.score(rollout)
+            if baseline is not None:  # ReMax: the greedy response's score, for each sample
+                baseline = self.score(baseline)[0].repeat_interleave(cfg.rollout.n)
+        with phase("old_logp"):
+            batch.old_log_probs, entropy = self.actor.compute_log_prob(batch, compute_entropy=True)
+        if self.reference is not None:
+            with phase("ref"):
+                batch.ref_log_probs = self.reference.compute_ref_log_prob(batch)
+        if self.critic is not None:
+            with phase("values"):
+                batch.values = self.critic.compute_values(batch)
+        with phase("adv"):
+            token_rewards, kl_metrics = self.token_rewards(batch, scores)
+            batch.advantages, batch.returns = self.advantages(batch, token_rewards, rollout.group_ids,
+                                                              baseline)
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with phase("critic"):
+                critic_metrics, _ = self.critic.update(batch)
+            metrics.update({k.replace("critic/", "critic/vf_", 1) if k == "critic/loss" else k: v
+                            for k, v in critic_metrics.items()})
+        if step > cfg.critic.warmup_steps or self.critic is None:
+            with phase("actor"):
+                actor_metrics, _ = self.actor.update(batch)
+            self.check_finite(step, "actor update", actor_metrics)
+            metrics.update(actor_metrics)
+        metrics.update(sync_metrics)
+        metrics.update(reward_metrics)
+        metrics.update(kl_metrics)
+        metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))
+        metrics.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
+        seconds = time.perf_counter() - t0
+        tokens = float(batch.seq_lens.sum())
+        metrics["timing_s/step"] = seconds
+        metrics["perf/throughput"] = tokens / seconds / self.world
+        metrics["perf/max_memory_allocated_gb"] = (
+            torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else _rss_gb())
+        if "actor/mfu" in metrics:
+            metrics["perf/mfu/actor"] = metrics.pop("actor/mfu")
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        if self.rank == 0:
+            stages = " | ".join(f"{k} {v:.2f}s" for k, v in timer.seconds.items())
+            log.info("[step %d/%d] %s", step, cfg.trainer.total_steps, stages)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+
+    def sampling(self, n: int, temperature: float, seed_offset: int = 0):
+        from verl_mcore.rollout.base import SamplingParams
+
+        r = self.cfg.rollout
+        greedy = temperature == 0
+        return SamplingParams(
+            n=n, temperature=temperature, top_p=1.0 if greedy else r.top_p,
+            top_k=-1 if greedy else r.top_k, max_new_tokens=self.cfg.data.max_response_length,
+            stop_token_ids=self.info.eos_token_ids,
+            seed=r.seed + 1000003 * (self.step_index + seed_offset) + self.groups.gen_dp_rank,
+        )
+
+    def generate(self, prompts, sampling) -> Rollout:
+        """Sample responses for this replica's prompts and gather the global rollout batch.
+
+        Global order: generation replica, then prompt, then sample, so the n samples of a prompt
+        are consecutive (mini-batches keep GRPO groups together) and group ids count prompts.
+        """
+        outputs = self.rollout.generate(prompts.input_ids, sampling)
+        mine = None
+        if self.groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
+            mine = [(o.prompt_index, o.sample_index, prompts.input_ids[o.prompt_index],
+                     prompts.rows[o.prompt_index], list(o.token_ids), o.finish_reason)
+                    for o in outputs]
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, (self.groups.gen_dp_rank, mine))
+        samples, group_ids, base = [], [], 0
+        for _, part in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0]):
+            part = sorted(part, key=lambda o: (o[0], o[1]))
+            for prompt_index, _, prompt_ids, row, response, finish in part:
+                samples.append((prompt_ids, row, response, finish))
+                group_ids.append(base + prompt_index)
+            base += 1 + max((o[0] for o in part), default=-1)
+        return _make_rollout(samples, group_ids, self.info)
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rule / custom / model scores [B]: each rank scores a slice, then all-gather."""
+        from verl_mcore.tracking import MetricAccumulator
+
+        n = len(rollout.responses)
+        mine = list(range(self.rank, n, self.world))
+        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine])
+        part = (mine, out.scores, out.source_scores, out.failed)
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, part)
+        scores = torch.zeros(n)
+        per_source: dict[str, torch.Tensor] = {}
+        failed = 0
+        for idx, s, sources, f in gathered:
+            scores[idx] = torch.tensor(s, dtype=torch.float32)
+            for name, values in sources.items():
+                per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
+            failed += sum(f)
+        acc = MetricAccumulator()
+        for name, values in out.metrics.items():
+            acc.add_mean(name, values, weight=max(1, len(mine)))
+        metrics = {k: v for k, v in acc.reduce().items()}
+        for name, values in per_source.items():
+            metrics[f"reward/{name}/mean"] = float(values.mean())
+        metrics["reward/failed"] = float(failed)
+        return scores, metrics
+
+    def token_rewards(self, batch, scores) -> tuple[torch.Tensor, dict[str, float]]:
+        from verl_mcore.algo.kl import apply_kl_penalty
+        from verl_mcore.reward import place_on_last_token
+
+        mask = batch.response_mask
+        rewards = place_on_last_token(scores, mask)
+        if not self.cfg.algorithm.use_kl_in_reward:
+            return rewards, {}
+        rewards, info = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs, mask,
+                                         self.kl_ctrl, kind=self.cfg.algorithm.kl_penalty)
+        self.kl_ctrl.update(float(info["current_kl"]), batch.num_samples)
+        return rewards, {"critic/kl": float(info["current_kl"]), "critic/kl_coef": float(info["kl_coef"])}
+
+    def advantages(self, batch, token_rewards, group_ids, baseline):
+        from verl_mcore.algo.advantages import compute_advantages
+
+        a = self.cfg.algorithm
+        return compute_advantages(
+            a.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
+            group_ids=group_ids, baseline_scores=baseline, gamma=a.gamma, lam=a.lam,
+            norm_by_std=a.norm_adv_by_std_in_grpo, whiten=a.whiten_advantages)
+
+    def data_metrics(self, rollout: Rollout, scores, token_rewards, entropy) -> dict[str, float]:
+        """The batch statistics RLHF users know (the batch is global: no reduction needed)."""
+        b = rollout.train
+        mask = b.response_mask.bool()
+        resp_len = b.response_lens.float()
+        m = {
+            "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "critic/rewards/mean": float(token_rewards.sum(-1).mean()),
+            "critic/advantages/mean": float(b.advantages[mask].mean()) if mask.any() else 0.0,
+            "critic/returns/mean": float(b.returns[mask].mean()) if mask.any() else 0.0,
+            "response_length/mean": float(resp_len.mean()),
+            "response_length/max": float(resp_len.max()),
+            "response_length/clip_ratio": float(sum(f == "length" for f in rollout.finish)) / len(rollout.finish),
+            "prompt_length/mean": float(b.prompt_lens.float().mean()),
+            "actor/old_entropy": float(entropy[mask].mean()) if entropy is not None and mask.any() else 0.0,
+        }
+        if b.values is not None and mask.any():
+            values, returns = b.values[mask], b.returns[mask]
+            m["critic/values/mean"] = float(values.mean())
+            var = returns.var(unbiased=False)
+            m["critic/vf_explained_var"] = float(1 - (returns - values).var(unbiased=False) / (var + 1e-8))
+        return m
+
+    def check_finite(self, step: int, phase: str, metrics: dict) -> None:
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)
+               and (k.endswith("loss") or k.endswith("grad_norm"))]
+        if bad:
+            raise NonFiniteError(f"non-finite {bad} in the {phase} at step {step}; the last good "
+                                 f"step is {self.last_good_step} (its checkpoint, if saved, is "
+                                 f"intact). Lower the learning rate or check the data/rewards.")
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, step: int) -> dict[str, float]:
+        """val/<data_source>/score/mean@n and pass@n over the whole validation set."""
+        from verl_mcore.data import PromptLoader
+
+        r = self.cfg.rollout
+        loader = PromptLoader(self.val_data, len(self.val_data) if self.cfg.data.val_batch_size is None
+                              else self.cfg.data.val_batch_size, rank=self.groups.gen_dp_rank,
+                              world_size=self.groups.layout.dp_gen, shuffle=False, drop_last=False,
+                              num_epochs=1)
+        by_source: dict[str, list[list[float]]] = {}
+        self.rollout.begin(step)
+        for prompts in loader:
+            rollout = self.generate(prompts, self.sampling(r.val_n, r.val_temperature, seed_offset=7))
+            scores, _ = self.score(rollout)
+            per_prompt: dict[int, tuple[str, list[float]]] = {}
+            for g, row, s in zip(rollout.group_ids.tolist(), rollout.rows, scores.tolist()):
+                per_prompt.setdefault(g, (row.get("data_source", "unknown"), []))[1].append(s)
+            for source, values in per_prompt.values():
+                by_source.setdefault(source, []).append(values)
+        self.rollout.end()
+        out = {}
+        n = r.val_n
+        for source, groups in by_source.items():
+            if not groups:
+                continue
+            flat = [s for g in groups for s in g]
+            out[f"val/{source}/score/mean@{n}"] = sum(flat) / len(flat)
+            out[f"val/{source}/pass@{n}"] = sum(1.0 for g in groups if max(g) >= 1.0) / len(groups)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step_index, "loader": self.loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_updates": self.skipped_updates}
+
+    def save_checkpoint(self, step: int) -> None:
+        with self.watchdog.phase("checkpoint", step=step):
+            self.checkpoints.save(step, self.actor, self.critic, self.trainer_state())
+
+    def _resume(self) -> None:
+        state = self.checkpoints.resume(self.cfg.checkpoint, self.actor, self.critic)
+        if state is None:
+            return
+        self.step_index = int(state["step"])
+        self.last_good_step = self.step_index
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        restarts = os.environ.get("SLURM_RESTART_COUNT")
+        if self.rank == 0:
+            log.info("resumed from step %d%s", self.step_index,
+                     f" (SLURM_RESTART_COUNT={restarts})" if restarts else "")
+
+    def finish(self) -> None:
+        self.checkpoints.close()
+        self.tracking.close()
+        self.rewards.close()
+        self.watchdog.stop()
+        self.guard.uninstall()
+        if self.rank == 0:
+            ckpt = self.checkpoints.latest_path()
+            print(f"\nrun finished: {self.step_index} steps\n"
+                  f"  metrics:     {os.path.join(self.run_dir, 'metrics.jsonl')}\n"
+                  f"  plots:       python -m verl_mcore.plot {self.run_dir}\n"
+                  f"  checkpoint:  {ckpt}\n"
+                  f"  config:      {os.path.join(self.run_dir, 'config.yaml')}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _make_rollout(samples, group_ids, info) -> Rollout:
+    from verl_mcore.engine.batch import TrainBatch
+
+    b = len(samples)
+    prompt_lens = torch.tensor([len(s[0]) for s in samples], dtype=torch.int64)
+    # Every sample needs one response token for the engine's layout; an empty response (the
+    # engine stopped at once) gets the EOS token, masked out of every loss and metric.
+    responses = [s[2] if s[2] else [info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id]
+                 for s in samples]
+    empty = [not s[2] for s in samples]
+    resp_lens = torch.tensor([len(r) for r in responses], dtype=torch.int64)
+    seq_lens = prompt_lens + resp_lens
+    width_s, width_r = int(seq_lens.max()), int(resp_lens.max())
+    input_ids = torch.full((b, width_s), info.pad_token_id, dtype=torch.int64)
+    response_mask = torch.zeros(b, width_r, dtype=torch.float32)
+    for i, ((prompt, _, _, _), resp) in enumerate(zip(samples, responses)):
+        input_ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
+        input_ids[i, len(prompt):len(prompt) + len(resp)] = torch.tensor(resp, dtype=torch.int64)
+        if not empty[i]:
+            response_mask[i, :len(resp)] = 1.0
+    train = TrainBatch(input_ids=input_ids, prompt_lens=prompt_lens, seq_lens=seq_lens,
+                       response_mask=response_mask)
+    texts = info.tokenizer.batch_decode([s[2] for s in samples], skip_special_tokens=True)
+    return Rollout(train=train, rows=[s[1] for s in samples],
+                   group_ids=torch.tensor(group_ids, dtype=torch.int64), responses=texts,
+                   finish=[s[3] for s in samples], prompt_lens=prompt_lens.tolist())
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def _seed_everything(seed: int, rank: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed)  # same on all ranks: identical fresh heads, replicated init
+    try:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    except Exception:  # noqa: BLE001 - parallel state not initialised yet: seeded again later
+        pass
+
+
+def _rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, done: int, rank: int):
+    if rank != 0:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc="steps", unit="step", dynamic_ncols=True,
+                file=sys.stderr)
