@@ -195,7 +195,7 @@ def test_skip_bad_rows_counts_and_reports(tmp_path, tok, caplog):
             f.write((line[:20] if i == 3 else line) + "\n")
     with caplog.at_level(logging.WARNING, logger="verl_mcore.data.dataset"):
         ds = RLHFDataset([a, b], tok, DataConfig(on_bad_row="skip"))
-    assert ds.stats.bad_rows_skipped == 4 and len(ds) == 8
+    assert ds.stats.bad_rows_skipped == 4 and len(ds) == 8 and ds.stats.rows_read == 12
     kept = [ds.source_of(i) for i in range(len(ds))]
     assert kept == [(a, 0), (a, 2), (a, 3), (a, 5), (b, 0), (b, 1), (b, 4), (b, 5)]
     # rows after a skipped JSONL row keep their own data

@@ -200,7 +200,7 @@ class RLHFDataset:
         limit = cfg.max_prompt_length
         id_chunks, lengths, part_of, row_of = [], [], [], []
         for part_index, part in enumerate(self._parts):
-            self.stats.rows_read += part.table.num_rows
+            self.stats.rows_read += part.table.num_rows + len(part.bad_rows)
             prompts = part.table.column(self.prompt_key)
             for start in range(0, part.table.num_rows, _CHUNK_ROWS):
                 values = prompts.slice(start, _CHUNK_ROWS).to_pylist()
