@@ -1,0 +1,129 @@
+"""tools.convert_hf: bit-exact round trips, transformers loads the export, dist checkpoints load
+at any TP/PP, safe output handling, and the verify command's exit codes."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.models import hf_factory, parity_bodies
+from tests.multiproc import run_on_ranks
+from tools.convert_hf.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from tools.convert_hf.verify import prompts, transformers_logits
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = hf_factory.COMMON["vocab_size"]
+
+
+def _state(hf_dir) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in glob.glob(os.path.join(hf_dir, "*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("convert")
+
+
+@pytest.mark.parametrize("family,dtype,seq_cls", [(f, torch.float32, False)
+                                                  for f in hf_factory.FAMILIES]
+                         + [("llama31", torch.bfloat16, False), ("qwen2", torch.float32, True)])
+def test_round_trip_is_bit_exact(root, family, dtype, seq_cls):
+    name = f"{family}_{str(dtype)[6:]}_{'rm' if seq_cls else 'lm'}"
+    src = hf_factory.save_tiny_model(family, str(root / name), seed=3, dtype=dtype,
+                                     seq_cls=seq_cls)
+    ckpt = convert_hf_to_mcore(src, str(root / f"{name}.mcore"), progress=False)
+    back = convert_mcore_to_hf(ckpt, str(root / f"{name}.back"), progress=False,
+                               max_shard_bytes=150_000)
+    a, b = _state(src), _state(back)
+    if hf_factory.make_config(family).tie_word_embeddings:
+        a.pop("lm_head.weight", None)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert len(glob.glob(os.path.join(back, "*.safetensors"))) > 1  # sharded by max_shard_bytes
+    with open(os.path.join(back, "model.safetensors.index.json")) as f:
+        assert set(json.load(f)["weight_map"]) == set(b)
+    for extra in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(back, extra)), extra
+
+
+def test_export_loads_in_transformers_with_identical_logits(root):
+    src = hf_factory.save_tiny_model("qwen3", str(root / "q3"), seed=5)
+    ckpt = convert_hf_to_mcore(src, str(root / "q3.mcore"), progress=False)
+    # Without the stored copy of the HF files, --hf-template supplies config and tokenizer.
+    back = convert_mcore_to_hf(ckpt, str(root / "q3.back"), hf_template=src, progress=False)
+    tokens = prompts(VOCAB)
+    assert torch.equal(transformers_logits(back, tokens), transformers_logits(src, tokens))
+    import transformers
+
+    assert transformers.AutoTokenizer.from_pretrained(back)("w5 w7")["input_ids"] == [5, 7]
+
+
+def test_dtype_cast_to_bf16(root):
+    src = hf_factory.save_tiny_model("llama2", str(root / "l2"), seed=6)
+    ckpt = convert_hf_to_mcore(src, str(root / "l2.bf16"), dtype="bf16", progress=False)
+    back = convert_mcore_to_hf(ckpt, str(root / "l2.bf16.back"), progress=False)
+    a, b = _state(src), _state(back)
+    assert all(torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
+    with open(os.path.join(back, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama31"])
+def test_dist_checkpoint_loads_at_tp2_and_pp2(root, family):
+    src = hf_factory.save_tiny_model(family, str(root / f"{family}_tp"), seed=8)
+    ckpt = convert_hf_to_mcore(src, str(root / f"{family}_tp.mcore"), progress=False)
+    tokens = prompts(VOCAB, seq_len=10)
+    ref = transformers_logits(src, tokens)
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        results = run_on_ranks(parity_bodies.logits_body, tp * pp,
+                               args=(src, "ckpt", tp, pp, "actor", tokens, ckpt), timeout=240)
+        ours = [r["out"] for r in results if r["out"] is not None][0][..., :VOCAB]
+        assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4, (tp, pp)
+
+
+def test_refuses_to_overwrite_and_never_leaves_a_partial_output(root):
+    src = hf_factory.save_tiny_model("mistral", str(root / "m"), seed=9)
+    out = str(root / "m.mcore")
+    convert_hf_to_mcore(src, out, progress=False)
+    with pytest.raises(FileExistsError, match="--force"):
+        convert_hf_to_mcore(src, out, progress=False)
+    convert_hf_to_mcore(src, out, progress=False, force=True)
+    # A source missing a shard fails mid-way: no output directory, no temporary left behind.
+    broken = str(root / "m_broken")
+    hf_factory.save_tiny_model("mistral", broken, seed=9)
+    os.remove(sorted(glob.glob(os.path.join(broken, "*.safetensors")))[-1])
+    target = str(root / "m_broken.mcore")
+    with pytest.raises(Exception):
+        convert_hf_to_mcore(broken, target, progress=False)
+    assert not any(p.startswith("m_broken.mcore") for p in os.listdir(root))
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.convert_hf", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow
+def test_cli_convert_and_verify_exit_codes(root):
+    src = hf_factory.save_tiny_model("qwen2", str(root / "cli_src"), seed=10)
+    other = hf_factory.save_tiny_model("qwen2", str(root / "cli_other"), seed=11)
+    ckpt = str(root / "cli.mcore")
+    run = _cli("hf-to-mcore", "--hf", src, "--out", ckpt, "--dtype", "fp32")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "hf-to-mcore" in run.stderr  # the progress bar
+    run = _cli("verify", "--hf", src, "--ckpt", ckpt, "--tp", "2")
+    assert run.returncode == 0 and "-> OK" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = _cli("verify", "--hf", other, "--ckpt", ckpt)  # different weights: must fail
+    assert run.returncode == 1 and "-> FAILED" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = _cli("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "cli_back"))
+    assert run.returncode == 0, run.stderr[-3000:]
