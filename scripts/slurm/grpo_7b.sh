@@ -4,9 +4,9 @@
 #   sbatch scripts/slurm/grpo_7b.sh [CONFIG.yaml] [key=value ...]     (from the repository root)
 #   bash scripts/slurm/grpo_7b.sh --dry-run [key=value ...]            (layout + memory, no Slurm)
 #
-# Layout (configs/grpo_qwen2.5_7b_gsm8k.yaml): training TP=2 × DP=4 with sequence parallelism,
-# generation TP_g=2 × DP_g=4, reference colocated. Planner, 80 GiB GPUs: actor_update 64.3 GiB
-# with 8192-token micro-batches (16384 would need ~88), generate 27.8.
+# Layout (configs/grpo_qwen2.5_7b_gsm8k.yaml): training TP=2 × DP=4, generation TP_g=2 × DP_g=4,
+# reference colocated. Planner, 80 GiB GPUs: actor_update 54.2 GiB with 4096-token micro-batches
+# (8192 would need ~67), generate 27.8.
 #
 #SBATCH --job-name=grpo_7b
 #SBATCH --nodes=1

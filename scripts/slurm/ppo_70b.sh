@@ -9,12 +9,13 @@
 # GPU, 80 GiB GPUs; fits when <= 73.6 GiB):
 #   TP=8           one TP group per node (ranks 8k..8k+7): tensor-parallel all-reduces stay on NVLink.
 #   PP=4, DP=2     node pairs form a pipeline stage: nodes 0-1 stage 0, ..., nodes 6-7 stage 3.
-#   actor_update   61.2 GiB (params 4.2, fp32 grads 8.5, distributed Adam 12.7, activations 25.3
-#                  for 8192-token micro-batches without recompute, reference + critic params 8.5)
+#   actor_update   46.6 GiB (params 4.2, fp32 grads 8.5, distributed Adam 12.7, activations 10.7
+#                  for 8192-token micro-batches with recompute, reference + critic params 8.5)
 #   generate       34.4 GiB (TP_g=8 weight copy 16.4, KV cache 2.5 for 32 sequences × 2048 tokens)
 #   host           338 GiB pinned per node (offloaded grads + optimizer states of actor and critic)
-#   Alternatives:  PP=1 needs ~98 GiB even with recompute; PP=2 fits only with recompute
-#                  (57 GiB; 81 GiB without), which costs ~1/3 more compute per update.
+#   Alternatives:  PP=1 needs ~108 GiB even with recompute; PP=2 66 GiB (within the estimate's
+#                  error of the limit). With TransformerEngine: sequence parallelism and no
+#                  recompute fit at PP=4 (61 GiB) and update ~1/3 faster (see the config).
 #
 #SBATCH --job-name=ppo_70b
 #SBATCH --nodes=8

@@ -4,8 +4,8 @@
 #   sbatch scripts/slurm/ppo_7b.sh [CONFIG.yaml] [key=value ...]      (from the repository root)
 #   bash scripts/slurm/ppo_7b.sh --dry-run [key=value ...]             (layout + memory, no Slurm)
 #
-# Layout (configs/ppo_7b.yaml): training TP=4 × DP=2 with sequence parallelism, generation
-# TP_g=2 × DP_g=4. Planner, 80 GiB GPUs: actor_update 53.5 GiB, critic_update 49.9, generate 22.1.
+# Layout (configs/ppo_7b.yaml): training TP=4 × DP=2, generation TP_g=2 × DP_g=4.
+# Planner, 80 GiB GPUs: actor_update 46.4 GiB, critic_update 43.9, generate 22.1.
 #
 #SBATCH --job-name=ppo_7b
 #SBATCH --nodes=1

@@ -12,30 +12,39 @@ def _run_steps(rank, world_size, signal_rank, signal_step, signum, total_steps):
     """Each rank runs steps; `signal_rank` signals itself during `signal_step`."""
     guard = PreemptionGuard().install()
     try:
-        stopped_at = None
+        stopped_at = code = None
         for step in range(total_steps):
             if rank == signal_rank and step == signal_step:
                 os.kill(os.getpid(), signum)  # delivered like Slurm's: the process keeps running
             if guard.should_stop():
                 stopped_at = step
+                code = guard.preempted_exit(step)  # collective: rank 0 writes the marker first
+                marker = os.environ[MARKER_ENV]
+                seen = open(marker).read() if os.path.exists(marker) else None
                 break
-        return {"stopped_at": stopped_at, "received": guard.received}
+        return {"stopped_at": stopped_at, "received": guard.received, "code": code,
+                "marker": seen if stopped_at is not None else None}
     finally:
         guard.uninstall()
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("signal_rank, signum", [(2, signal.SIGUSR1), (0, signal.SIGTERM)])
-def test_one_signalled_rank_stops_all_at_same_step(signal_rank, signum):
-    results = run_on_ranks(_run_steps, 4, args=(signal_rank, 3, signum, 10), timeout=60)
+def test_one_signalled_rank_stops_all_at_same_step(signal_rank, signum, tmp_path):
+    marker = str(tmp_path / "preempted")
+    results = run_on_ranks(_run_steps, 4, args=(signal_rank, 3, signum, 10), timeout=60,
+                           env={MARKER_ENV: marker})
     assert [r["stopped_at"] for r in results] == [3, 3, 3, 3]
     for rank, r in enumerate(results):
         assert r["received"] == (signum if rank == signal_rank else None)
+        # After preempted_exit returns, every rank sees the marker rank 0 wrote.
+        assert r["code"] == EXIT_PREEMPTED and r["marker"] == "3\n"
 
 
 @pytest.mark.distributed
 def test_no_signal_never_stops():
-    results = run_on_ranks(_run_steps, 4, args=(-1, 0, signal.SIGUSR1, 5), timeout=60)
+    results = run_on_ranks(_run_steps, 4, args=(-1, 0, signal.SIGUSR1, 5), timeout=60,
+                           env={MARKER_ENV: "/nonexistent/marker"})
     assert [r["stopped_at"] for r in results] == [None] * 4
 
 
@@ -49,7 +58,7 @@ def test_single_process_flag_and_marker(tmp_path, monkeypatch):
         assert guard.requested and guard.should_stop() and guard.should_stop()
     finally:
         guard.uninstall()
-    assert guard.preempted_exit(step=7, rank=0) == EXIT_PREEMPTED
+    assert guard.preempted_exit(step=7) == EXIT_PREEMPTED
     assert marker.read_text() == "7\n"
     # Handlers restored: SIGUSR1 is back to its previous disposition.
     assert signal.getsignal(signal.SIGUSR1) is not guard._handle

@@ -38,7 +38,7 @@ def test_shape_from_local_config_json_wins(tmp_path):
 def test_sharding_arithmetic():
     dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
     knobs = plan.Knobs(gpus_per_node=8)
-    cfg = _cfg()
+    cfg = _cfg("actor.recompute_activations=false")
     full = plan.total_params(dims)
     # TP=8 × PP=4: stage params sum to the padded model (embedding and output once each).
     shards = sum(plan.stage_params(dims, 8, 4, s, 128) for s in range(4)) * 8
@@ -81,13 +81,13 @@ def test_70b_layout_fits_and_prints_groups(capsys):
 def test_70b_without_pipeline_is_refused_on_80gb_naming_the_fix(capsys):
     args = ["--config", PPO70B, "--nodes", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
             "parallel.pipeline_model_parallel_size=1"]
-    assert plan.main(args + ["actor.recompute_activations=true",
-                             "critic.recompute_activations=true"]) == plan.EXIT_DOES_NOT_FIT
+    assert plan.main(args) == plan.EXIT_DOES_NOT_FIT  # the recipe recomputes activations
     err = capsys.readouterr().err
     assert "does not fit: actor_update, critic_update on 80 GiB GPUs" in err
     assert "parallel.pipeline_model_parallel_size=2" in err.split("makes every phase fit:")[1]
     # Without recompute no single knob is enough: pairs are proposed.
-    assert plan.main(args) == plan.EXIT_DOES_NOT_FIT
+    assert plan.main(args + ["actor.recompute_activations=false",
+                             "critic.recompute_activations=false"]) == plan.EXIT_DOES_NOT_FIT
     pairs = capsys.readouterr().err.split("these pairs make every phase fit:")[1].splitlines()[0]
     assert "actor.recompute_activations=true critic.recompute_activations=true + " \
            "parallel.pipeline_model_parallel_size=2" in pairs

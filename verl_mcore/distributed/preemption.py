@@ -8,8 +8,8 @@ The trainer's side of the protocol:
     for step in ...:
         trainer.step()
         if guard.should_stop():                  # collective: every rank calls it every step
-            save_checkpoint(step)
-            return guard.preempted_exit(step)    # EXIT_PREEMPTED; sys.exit() it from main
+            save_checkpoint(step)                # complete (all ranks' shards) when it returns
+            return guard.preempted_exit(step)    # collective; EXIT_PREEMPTED for sys.exit()
 
 The signal handler only sets a flag: doing work inside a Python signal handler would run it at an
 arbitrary bytecode, possibly in the middle of a collective. `should_stop()` all-reduces the flags
@@ -106,21 +106,25 @@ class PreemptionGuard:
             log.warning("preemption requested (%s): stopping at this step boundary", name)
         return self._stop_agreed
 
-    def preempted_exit(self, step: int, rank: Optional[int] = None) -> int:
-        """Call after the checkpoint is complete; returns EXIT_PREEMPTED for sys.exit().
+    def preempted_exit(self, step: int) -> int:
+        """Call on every rank once the checkpoint is complete; returns EXIT_PREEMPTED.
 
-        Writes the launcher's marker file (rank 0 only) when MARKER_ENV is set.
+        Rank 0 writes the launcher's marker file (when MARKER_ENV is set), then all ranks meet in
+        a barrier, so no rank exits before the marker exists: srun --kill-on-bad-exit kills the
+        remaining ranks as soon as the first one exits, and the step's exit code may then be
+        143 instead of 75.
         """
-        path = os.environ.get(MARKER_ENV)
-        if rank is None:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if path and rank == 0:
+        distributed = dist.is_available() and dist.is_initialized()
+        path = os.environ.get(MARKER_ENV)
+        if path and (not distributed or dist.get_rank() == 0):
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
                 f.write(f"{step}\n")
             os.replace(tmp, path)  # the launcher never sees a half-written marker
+        if distributed:
+            dist.barrier(group=self.group)
         log.warning("checkpoint of step %d written; exiting with %d (EXIT_PREEMPTED) to be requeued",
                     step, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
