@@ -45,16 +45,25 @@ def transformer_config(tp=1, pp=1, vpp=None, **overrides):
 
 
 def init_layout(tp=1, pp=1, vpp=None):
-    """cpu_compat + megatron parallel_state at this layout; returns the ProcessGroupCollection."""
-    from megatron.core import parallel_state
+    """cpu_compat + megatron parallel_state at this layout; returns the ProcessGroupCollection.
+
+    An already initialised identical layout is reused: megatron's destroy_model_parallel does not
+    destroy most of its process groups, so every re-initialisation leaks gloo groups (threads) in
+    the pooled ranks.
+    """
+    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from verl_mcore.distributed import cpu_compat
 
     cpu_compat.install()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
+    if ps.model_parallel_is_initialized():
+        same = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size()) == (tp, pp, vpp)
+        if same:
+            return ProcessGroupCollection.use_mpu_process_groups()
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
     )
@@ -62,15 +71,11 @@ def init_layout(tp=1, pp=1, vpp=None):
 
 
 def reference_weights(role: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full (TP=1, PP=1) weights of the tiny model under `seed`; leaves parallel_state destroyed."""
-    from megatron.core import parallel_state
-
+    """Full (TP=1, PP=1) weights of the tiny model under `seed` (initialises that layout)."""
     init_layout()
     torch.manual_seed(seed)
     model = provider(role)(transformer_config(), True, True, None)
-    full = {k: v.detach().clone() for k, v in model.named_parameters()}
-    parallel_state.destroy_model_parallel()
-    return full
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def make_engine(role: str, full, tp=1, pp=1, vpp=None, dtype="fp32", optim=None, recompute=False,

@@ -25,12 +25,12 @@ def _body(rank, world_size, tp, pp, vpp):
     torch.manual_seed(0)
     batch = C.make_batch(seed=1, num=STEPS_BATCH)
     full = C.reference_weights("actor")
+    critic_full = C.reference_weights("critic", seed=3)
     cfg = C.actor_config(max_tokens_per_microbatch=40)
     actor = Actor(C.make_engine("actor", full, tp, pp, vpp, optim=cfg.optim), cfg, mini_batch_size=8)
     logp, entropy = actor.compute_log_prob(batch, compute_entropy=True)
     _, steps = actor.update(batch)
 
-    critic_full = C.reference_weights("critic", seed=3)
     ccfg = CriticConfig(max_tokens_per_microbatch=32, optim=C.optim_config(lr=1e-2, lr_schedule="constant", lr_warmup_steps=0))
     critic = Critic(C.make_engine("critic", critic_full, tp, pp, vpp, optim=ccfg.optim), ccfg,
                     mini_batch_size=8, ppo_epochs=1)

@@ -80,5 +80,5 @@ def test_roles_precision_recompute_schedule():
     summary = fp32["summary"]
     for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr", "tokens_per_s"):
         assert f"actor/{key}" in summary and math.isfinite(summary[f"actor/{key}"]), key
-    assert summary["actor/mfu"] is None  # no GPU peak on CPU
+    assert summary["actor/mfu"] is None or 0 < summary["actor/mfu"]
     assert 0 < summary["actor/entropy"] <= math.log(128) + 1e-4
