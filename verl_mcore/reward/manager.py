@@ -125,7 +125,6 @@ class RewardManager:
         if cfg.route_by and not any(s.type == "rule" for s in self.sources):
             raise ValueError("reward.route_by is set but reward.sources has no source of type "
                              "'rule' to route")
-        self._specs = specs
         # Load everything here, so a bad path or name fails before training starts.
         self._fns = {key: spec.load() for key, spec in specs.items()}
         self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s)
