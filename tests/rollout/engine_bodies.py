@@ -1,0 +1,138 @@
+"""Rank bodies and helpers for the rollout engine tests (module level: spawn pickles them by name)."""
+from __future__ import annotations
+
+import torch
+
+# Prompts of different lengths; more of them than the engine's slots, so finished slots refill.
+PROMPTS = [[5, 17, 42, 99, 7], [3, 200, 11], [150, 151, 152, 153, 154, 155, 9], [77], [12, 240, 8, 31]]
+MAX_NEW = 8
+
+
+def hf_greedy(hf_dir: str, prompts, max_new: int):
+    """transformers' greedy continuation (fp32, one prompt at a time: no padding) and the
+    log-probs of the chosen tokens."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens, logps = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+            new = out.sequences[0, len(p):].tolist()
+            lp = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new)]
+            tokens.append(new)
+            logps.append(lp)
+    return tokens, logps
+
+
+def setup(tp: int, tp_gen: int, pp: int = 1):
+    from verl_mcore.config import Config
+    from verl_mcore.distributed import cpu_compat
+    from verl_mcore.distributed.groups import build_groups
+
+    cpu_compat.install()
+    torch.manual_seed(0)
+    cfg = Config.load(None, [f"parallel.tensor_model_parallel_size={tp}",
+                             f"parallel.pipeline_model_parallel_size={pp}",
+                             f"rollout.tensor_parallel_size={tp_gen}"])
+    return build_groups(cfg)
+
+
+def generation_model(hf_dir: str, groups, tp_gen: int, tp_train: int, load: bool = True):
+    """The TP_g generation-layout GPTModel (fp32), with the training model's padded vocabulary."""
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.models.hf_config import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_arch, transformer_config
+    from verl_mcore.models.hf_weights import load_hf_weights
+
+    arch = read_hf_arch(hf_dir)
+    model = build_gpt_model(arch, transformer_config(arch, tp=tp_gen, dtype="fp32"), role="actor",
+                            pg_collection=groups.gen,
+                            vocab_divisible_by=DEFAULT_VOCAB_DIVISIBLE_BY * tp_train // tp_gen)
+    if load:
+        load_hf_weights(model, arch, hf_dir, role="actor")
+    return arch, model
+
+
+def engine_body(rank, world_size, hf_dir: str, tp_gen: int):
+    """Greedy, seeded sampling, n > 1, stop tokens, max length and sleep/wake on a TP_g engine."""
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+
+    groups = setup(tp_gen, tp_gen)
+    arch, model = generation_model(hf_dir, groups, tp_gen, tp_gen)
+    engine = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=3)
+    res = {}
+
+    def run(sp, eng=engine):
+        return [(o.prompt_index, o.sample_index, o.token_ids, o.logprobs, o.finish_reason)
+                for o in eng.generate(PROMPTS, sp)]
+
+    res["greedy"] = run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, logprobs=True))
+    sampled = SamplingParams(n=3, temperature=0.9, top_p=0.95, top_k=40, max_new_tokens=6, seed=7,
+                             logprobs=True)
+    res["sampled"] = run(sampled)
+    res["sampled_again"] = run(sampled)
+    res["sampled_other_seed"] = run(SamplingParams(n=3, temperature=0.9, top_p=0.95, top_k=40,
+                                                   max_new_tokens=6, seed=8))
+    # Batch invariance: more slots (other batching and slot order) give the same samples.
+    wide = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=16)
+    res["sampled_wide"] = run(sampled, wide)
+    # Stop tokens: the fourth greedy token of prompt 0 and the last of prompt 1.
+    greedy = {o[0]: o[2] for o in res["greedy"]}
+    stops = (greedy[0][3], greedy[1][-1])
+    res["stops"] = stops
+    res["stopped"] = run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=stops))
+    res["short"] = run(SamplingParams(temperature=0.0, max_new_tokens=1))
+    # sleep releases the KV cache; the next call re-allocates it and gives the same tokens.
+    engine.sleep()
+    res["cache_after_sleep"] = engine.cache is None
+    engine.wake()
+    res["greedy_after_wake"] = run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    return res
+
+
+def sync_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int):
+    """Training model at TP_t -> repartition -> engine at TP_g; the weight-sync check passes, and
+    fires once one generation weight is corrupted."""
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.models.hf_config import transformer_config
+    from verl_mcore.models.hf_weights import load_hf_weights
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.repartition import Repartitioner
+    from verl_mcore.rollout.sync_check import WeightSyncError, check_weight_sync, model_logprobs_fn
+
+    groups = setup(tp_train, tp_gen)
+    arch, gen = generation_model(hf_dir, groups, tp_gen, tp_train, load=False)
+    train = build_gpt_model(arch, transformer_config(arch, tp=tp_train, dtype="fp32"), role="actor")
+    load_hf_weights(train, arch, hf_dir, role="actor")
+    rep = Repartitioner([train], gen, groups, gated_linear_unit=True)
+    engine = NativeEngine(gen, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=4,
+                          repartitioner=rep)
+    res = {"load": engine.load_weights()}
+    trainer = model_logprobs_fn(train, arch.vocab_size, groups.train.tp)
+    # Each generation replica checks its own prompts (as in training).
+    prompts = PROMPTS[groups.gen_dp_rank::groups.layout.dp_gen]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=groups.gen_dp_rank, logprobs=True)
+    res["ok"] = check_weight_sync(engine, trainer, prompts, sp, max_abs_diff=1e-3)
+    res["greedy"] = [o.token_ids for o in engine.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))]
+    # sleep releases the weight buffer too; wake + load_weights brings the same weights back.
+    engine.sleep()
+    res["buffer_released"] = rep.buffer.buffer.untyped_storage().size() == 0
+    engine.wake()
+    engine.load_weights()
+    res["greedy_after_wake"] = [o.token_ids for o in engine.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))]
+    # A broken sync: one weight of one layer is off on one rank's generation copy.
+    with torch.no_grad():
+        if rank == 0:
+            gen.decoder.layers[1].mlp.linear_fc2.weight.mul_(3.0)
+    try:
+        check_weight_sync(engine, trainer, prompts, sp, max_abs_diff=1e-3)
+        res["corrupt"] = None
+    except WeightSyncError as e:
+        res["corrupt"] = str(e)
+    return res

@@ -1,0 +1,79 @@
+"""The native megatron engine against transformers' greedy generate, on 1 and 2 gloo ranks, and the
+weight-sync check after a repartition."""
+import pytest
+
+from tests.multiproc import run_on_ranks
+from tests.rollout import engine_bodies as eb
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from tests.models.hf_factory import save_tiny_model
+
+    out = save_tiny_model("qwen2", str(tmp_path_factory.mktemp("rollout") / "qwen2"), seed=3)
+    tokens, logps = eb.hf_greedy(out, eb.PROMPTS, eb.MAX_NEW)
+    return out, tokens, logps
+
+
+def _check_engine(res, hf_tokens, hf_logps):
+    greedy = sorted(res["greedy"])
+    assert [g[2] for g in greedy] == hf_tokens
+    for g, ref in zip(greedy, hf_logps):
+        assert max(abs(a - b) for a, b in zip(g[3], ref)) < 1e-4
+        assert g[4] == "length" and len(g[2]) == eb.MAX_NEW
+    # n > 1: every prompt gets samples 0..2, each of max_new_tokens (no stop tokens given).
+    sampled = res["sampled"]
+    assert [(o[0], o[1]) for o in sampled] == [(p, j) for p in range(len(eb.PROMPTS)) for j in range(3)]
+    assert all(len(o[2]) == 6 and o[4] == "length" and len(o[3]) == 6 for o in sampled)
+    assert len({tuple(o[2]) for o in sampled}) > len(eb.PROMPTS)  # samples of a prompt differ
+    assert all(lp <= 0.0 for o in sampled for lp in o[3])
+    # Seeded sampling is reproducible, independent of the batching, and depends on the seed.
+    assert res["sampled_again"] == sampled
+    # Other batching: same tokens; log-probs equal up to float rounding of other matmul shapes.
+    wide = res["sampled_wide"]
+    assert [o[:3] for o in wide] == [o[:3] for o in sampled]
+    assert max(abs(a - b) for x, y in zip(wide, sampled) for a, b in zip(x[3], y[3])) < 1e-5
+    assert [o[2] for o in res["sampled_other_seed"]] != [o[2] for o in sampled]
+    # Stop tokens end a sequence at their first occurrence (kept as the last token).
+    stops = set(res["stops"])
+    for (p, _, toks, _, reason), full in zip(res["stopped"], hf_tokens):
+        cut = next((i for i, t in enumerate(full) if t in stops), None)
+        if cut is None:
+            assert toks == full and reason == "length"
+        else:
+            assert toks == full[: cut + 1] and reason == "stop"
+    assert [o[4] for o in res["stopped"]].count("stop") >= 2
+    assert [o[2] for o in res["short"]] == [t[:1] for t in hf_tokens]
+    assert res["cache_after_sleep"]
+    assert [o[2] for o in res["greedy_after_wake"]] == hf_tokens
+
+
+@pytest.mark.distributed
+def test_native_engine_one_rank(hf_model):
+    hf_dir, tokens, logps = hf_model
+    [res] = run_on_ranks(eb.engine_body, 1, args=(hf_dir, 1), timeout=240)
+    _check_engine(res, tokens, logps)
+
+
+@pytest.mark.distributed
+def test_native_engine_tp2_identical_ranks(hf_model):
+    hf_dir, tokens, logps = hf_model
+    results = run_on_ranks(eb.engine_body, 2, args=(hf_dir, 2), timeout=240)
+    _check_engine(results[0], tokens, logps)
+    assert results[1] == results[0]  # every TP rank samples the same tokens (and log-probs)
+
+
+@pytest.mark.distributed
+def test_weight_sync_check_after_repartition(hf_model):
+    hf_dir, tokens, _ = hf_model
+    # TP_t = 2 -> TP_g = 1: each rank is one generation replica holding the whole model.
+    results = run_on_ranks(eb.sync_body, 2, args=(hf_dir, 2, 1), timeout=240)
+    for rank, res in enumerate(results):
+        ok = res["ok"]
+        assert ok["rollout/logprob_diff_max"] < 1e-4, (rank, ok)
+        assert ok["rollout/logprob_diff_mean"] <= ok["rollout/logprob_diff_max"]
+        assert res["greedy"] == tokens
+        assert res["buffer_released"] and res["greedy_after_wake"] == tokens
+        assert res["load"]["rollout/repartition_bytes_received"] > 0
+        # Rank 0's copy was corrupted; both ranks stop together.
+        assert res["corrupt"] is not None and "logprob_check.max_abs_diff" in res["corrupt"], rank

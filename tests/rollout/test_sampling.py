@@ -1,0 +1,65 @@
+"""Token sampling: greedy, temperature, top-k, top-p against the exact distributions."""
+import numpy as np
+import pytest
+import torch
+
+from verl_mcore.rollout import sampling
+from verl_mcore.rollout.base import SamplingParams
+
+
+def _draws(logits_row: torch.Tensor, n: int, **kw) -> torch.Tensor:
+    """n samples from one row, one uniform each (row repeated n times)."""
+    keys = sampling.sequence_keys(5, np.zeros(n, dtype=np.int64), np.arange(n))
+    u = torch.from_numpy(sampling.uniforms(keys, np.zeros(n, dtype=np.int64)))
+    return sampling.sample(logits_row.expand(n, -1), u=u, **kw)
+
+
+def test_uniforms_deterministic_and_uniform():
+    keys = sampling.sequence_keys(3, np.repeat(np.arange(100), 4), np.tile(np.arange(4), 100))
+    assert len(set(keys.tolist())) == 400  # every (prompt, sample) has its own stream
+    u = sampling.uniforms(keys, np.full(400, 7))
+    assert np.array_equal(u, sampling.uniforms(keys, np.full(400, 7)))
+    assert not np.array_equal(u, sampling.uniforms(keys, np.full(400, 8)))
+    assert not np.array_equal(keys, sampling.sequence_keys(4, np.repeat(np.arange(100), 4),
+                                                           np.tile(np.arange(4), 100)))
+    assert u.min() >= 0.0 and u.max() < 1.0
+    many = sampling.uniforms(keys, np.arange(400))
+    assert abs(many.mean() - 0.5) < 0.05 and np.histogram(many, bins=4, range=(0, 1))[0].min() > 70
+
+
+def test_greedy_and_logprobs():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    tokens = sampling.sample(logits, 0.0, 1.0, -1, None)
+    assert torch.equal(tokens, logits.argmax(-1))
+    lp = sampling.token_logprobs(logits, tokens, 0.0)
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+    lp_t = sampling.token_logprobs(logits, tokens, 0.5)
+    assert torch.allclose(lp_t, torch.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 3, 1.0), (1.3, -1, 0.6),
+                                                       (1.0, 4, 0.8)])
+def test_sampled_frequencies_match_distribution(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 20000
+    tokens = _draws(logits, n, temperature=temperature, top_p=top_p, top_k=top_k)
+    probs = torch.softmax(logits / temperature, -1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False  # logits are sorted descending
+    before = torch.cumsum(probs, 0) - probs
+    keep &= before < top_p
+    expected = torch.where(keep, probs, 0.0)
+    expected /= expected.sum()
+    freq = torch.bincount(tokens, minlength=len(logits)).double() / n
+    assert (freq[~keep] == 0).all()
+    assert torch.allclose(freq, expected.double(), atol=0.015), (freq, expected)
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert SamplingParams(temperature=0.0).greedy
+    assert SamplingParams(stop_token_ids=[np.int64(3)]).stop_token_ids == (3,)

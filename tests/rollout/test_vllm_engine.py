@@ -1,0 +1,144 @@
+"""The vLLM engine up to the vLLM call: HF tensor stream, sampling translation, output conversion;
+and end to end where `import vllm` works (GPU)."""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.multiproc import run_on_ranks
+from verl_mcore.rollout.base import SamplingParams
+from verl_mcore.rollout.vllm_engine import from_vllm_outputs, to_vllm_sampling, vllm_available
+
+
+def _stream_body(rank, world_size, hf_dir, tp_gen, bucket_bytes):
+    from tests.rollout import engine_bodies as eb
+    from verl_mcore.models.hf_weights import HFCheckpoint
+    from verl_mcore.rollout.vllm_engine import hf_weight_stream
+
+    groups = eb.setup(tp_gen, tp_gen)
+    arch, model = eb.generation_model(hf_dir, groups, tp_gen, tp_gen)
+    ckpt = HFCheckpoint(hf_dir)
+    seen, mismatched, buckets = [], [], []
+    for bucket in hf_weight_stream(model, arch, groups.gen_tp, bucket_bytes=bucket_bytes):
+        buckets.append([(n, t.numel() * t.element_size()) for n, t in bucket])
+        for name, tensor in bucket:
+            seen.append(name)
+            if not torch.equal(tensor, ckpt.read(name)):
+                mismatched.append(name)
+    return {"seen": seen, "names": ckpt.names(), "mismatched": mismatched, "buckets": buckets}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family, tp_gen", [("qwen2_untied", 1), ("qwen2_untied", 2), ("qwen3", 2)])
+def test_hf_stream_reproduces_checkpoint(tmp_path, family, tp_gen):
+    from tests.models.hf_factory import save_tiny_model
+
+    hf_dir = save_tiny_model(family, str(tmp_path / family), seed=5)
+    bucket_bytes = 40_000
+    results = run_on_ranks(_stream_body, tp_gen, args=(hf_dir, tp_gen, bucket_bytes), timeout=180)
+    for rank, r in enumerate(results):
+        assert r["mismatched"] == [], (rank, r["mismatched"])
+        assert sorted(r["seen"]) == sorted(r["names"]), rank  # every HF tensor exactly once
+        assert len(r["buckets"]) > 1
+        for bucket in r["buckets"]:  # bounded buckets; a larger tensor travels alone
+            assert sum(b for _, b in bucket) <= bucket_bytes or len(bucket) == 1
+    assert results[-1]["seen"] == results[0]["seen"]
+
+
+@dataclasses.dataclass
+class FakeVllmSampling:
+    """Duck type of vllm.SamplingParams: the keyword arguments it accepts."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: list
+    ignore_eos: bool
+    seed: object
+    logprobs: object
+    detokenize: bool
+
+
+def test_sampling_translation():
+    sp = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33,
+                        stop_token_ids=(2, 7), seed=11, logprobs=True)
+    v = to_vllm_sampling(sp, FakeVllmSampling)
+    assert (v.n, v.temperature, v.top_p, v.top_k, v.max_tokens) == (4, 0.7, 0.9, 20, 33)
+    assert v.stop_token_ids == [2, 7] and v.ignore_eos and v.seed == 11
+    assert v.logprobs == 0 and v.detokenize is False
+    off = to_vllm_sampling(SamplingParams(temperature=0.0, top_k=0), FakeVllmSampling)
+    assert off.top_k == -1 and off.logprobs is None and off.temperature == 0.0
+
+
+def _completion(index, tokens, reason, logprobs=None):
+    return SimpleNamespace(index=index, token_ids=tokens, finish_reason=reason, logprobs=logprobs)
+
+
+def test_output_conversion():
+    sp = SamplingParams(n=2, logprobs=True)
+    lp = lambda toks, vals: [{t: SimpleNamespace(logprob=v)} for t, v in zip(toks, vals)]  # noqa: E731
+    requests = [
+        SimpleNamespace(outputs=[_completion(1, [4, 2], "stop", lp([4, 2], [-0.5, -1.0])),
+                                 _completion(0, [9, 9, 9], "length", lp([9, 9, 9], [-0.1, -0.2, -0.3]))]),
+        SimpleNamespace(outputs=[_completion(0, [5], "length", [{5: -2.0}]),
+                                 _completion(1, [2], "stop", lp([2], [-0.25]))]),
+    ]
+    out = from_vllm_outputs(requests, sp)
+    assert [(o.prompt_index, o.sample_index) for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert out[0].token_ids == [9, 9, 9] and out[0].finish_reason == "length"
+    assert out[1].logprobs == [-0.5, -1.0] and out[1].finish_reason == "stop"
+    assert out[2].logprobs == [-2.0]
+    plain = from_vllm_outputs(requests, dataclasses.replace(sp, logprobs=False))
+    assert all(o.logprobs is None for o in plain)
+    with pytest.raises(RuntimeError, match="expected n=3"):
+        from_vllm_outputs(requests, dataclasses.replace(sp, n=3))
+    with pytest.raises(RuntimeError, match="'abort'"):
+        from_vllm_outputs([SimpleNamespace(outputs=[_completion(0, [1], "abort")])],
+                          SamplingParams(n=1))
+
+
+def test_vllm_missing_is_reported():
+    from verl_mcore.rollout.vllm_engine import require_vllm
+
+    if vllm_available():
+        pytest.skip("vllm is installed here")
+    with pytest.raises(ImportError, match="rollout.engine=native"):
+        require_vllm()
+
+
+def _vllm_body(rank, world_size, hf_dir):
+    from tests.rollout import engine_bodies as eb
+    from verl_mcore.config import Config
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.vllm_engine import VLLMEngine
+
+    groups = eb.setup(1, 1)
+    arch, model = eb.generation_model(hf_dir, groups, 1, 1)
+    model = model.cuda()
+    cfg = Config.load(None, ["rollout.gpu_memory_utilization=0.3"]).rollout
+    engine = VLLMEngine(hf_dir, arch, model, groups, cfg, max_model_len=64, dtype="float32")
+    engine.load_weights()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=eb.MAX_NEW, logprobs=True)
+    ours = NativeEngine(model, vocab_size=arch.vocab_size).generate(eb.PROMPTS, sp)
+    theirs = engine.generate(eb.PROMPTS, sp)
+    engine.sleep()
+    engine.wake()
+    engine.load_weights()
+    again = engine.generate(eb.PROMPTS, sp)
+    return {"ours": [o.token_ids for o in ours], "theirs": [o.token_ids for o in theirs],
+            "again": [o.token_ids for o in again],
+            "lp_diff": max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x.logprobs, y.logprobs))}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
+def test_vllm_engine_end_to_end(tmp_path):
+    from tests.models.hf_factory import save_tiny_model
+
+    hf_dir = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=3)
+    [r] = run_on_ranks(_vllm_body, 1, args=(hf_dir,), timeout=600, fresh=True)
+    assert r["theirs"] == r["ours"] and r["again"] == r["ours"]
+    assert r["lp_diff"] < 1e-3

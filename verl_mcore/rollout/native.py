@@ -1,0 +1,464 @@
+"""The native generation engine: the generation-layout megatron GPTModel with a KV cache.
+
+The engine drives the model's own megatron submodules one layer at a time, so tensor-parallel
+communication stays inside megatron's parallel linears and the weights are exactly the ones the
+repartition wrote (or the training model's, when the layouts agree):
+
+    embedding -> per layer: input_layernorm, linear_qkv -> q, k, v (megatron's group-interleaved
+    layout) -> q/k layernorm -> RoPE (the model's own inv_freq) -> cached attention -> linear_proj;
+    pre_mlp_layernorm, mlp -> final_layernorm -> output_layer (vocab-parallel logits)
+
+Continuous batching: `max_num_seqs` slots share one KV cache [layers, 2, slots, groups, len, hd].
+Waiting sequences are prefilled into free slots (the n samples of a prompt are prefilled once and
+their cache rows copied), then every decoding step advances all slots by one token; a sequence that
+samples a stop token or reaches max_new_tokens frees its slot for the next waiting one. Each slot
+has its own position and cache length; attention masks keys beyond a slot's length.
+
+Sampling: the vocab-parallel logits are all-gathered within the generation TP group, padding rows
+(ids >= the real vocabulary) are cut, and `sampling.sample` picks tokens with counter-based random
+numbers; TP rank 0's tokens are broadcast so every rank of the group continues with the same ones.
+
+On CUDA the decode step (embedding .. logits) is captured in CUDA graphs, one per attention-length
+bucket: small-batch decoding is otherwise dominated by per-kernel launch overhead.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections import deque
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verl_mcore.rollout import sampling as sampling_mod
+from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
+
+# Attention over the cache covers a multiple of this many positions (CUDA graph buckets).
+_ATTN_BUCKET = 256
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _CachedGPT:
+    """The layer-by-layer forward of a megatron GPTModel with a slot-indexed KV cache."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        cfg = model.config
+        unsupported = {
+            "sequence_parallel": cfg.sequence_parallel,
+            "rotary_interleaved": cfg.rotary_interleaved,
+            "apply_residual_connection_post_layernorm": cfg.apply_residual_connection_post_layernorm,
+            "multi_latent_attention": getattr(cfg, "multi_latent_attention", False),
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"native rollout engine: generation model config sets {bad}; build "
+                             "the generation model without them")
+        if getattr(model, "rotary_pos_emb", None) is None:
+            raise ValueError("native rollout engine: the model has no rotary_pos_emb (RoPE models only)")
+        if getattr(model, "position_embedding_type", "rope") != "rope":
+            raise ValueError("native rollout engine: only RoPE position embeddings are supported")
+        self.layers = list(model.decoder.layers)
+        attn = self.layers[0].self_attention
+        self.tp_size = attn.world_size if hasattr(attn, "world_size") else 1
+        if cfg.num_query_groups is not None and cfg.num_query_groups < self.tp_size:
+            raise ValueError(f"native rollout engine: {cfg.num_query_groups} KV groups over TP_g="
+                             f"{self.tp_size}: choose a generation TP that divides the KV groups")
+        self.heads = attn.num_attention_heads_per_partition
+        self.groups = attn.num_query_groups_per_partition
+        self.head_dim = attn.hidden_size_per_attention_head
+        self.scale = (cfg.softmax_scale if getattr(cfg, "softmax_scale", None)
+                      else 1.0 / math.sqrt(self.head_dim))
+        self.fp32_residual = cfg.fp32_residual_connection
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self._rope_len = 0
+        self._cos = self._sin = None
+
+    def rope_tables(self, length: int) -> None:
+        """cos/sin [length, hd] in the activation dtype, from the model's inv_freq (which
+        models/rope.py may have replaced, e.g. for Llama-3 scaling)."""
+        if length <= self._rope_len:
+            return
+        inv_freq = self.model.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
+        pos = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self._rope_len = length
+
+    def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
+        """x [s, b, H] (normed) -> q [s, b, nh, hd], k/v [s, b, ng, hd], RoPE applied."""
+        attn = layer.self_attention
+        s, b = x.shape[0], x.shape[1]
+        mixed, _ = attn.linear_qkv(x)  # bias (if any) is added inside: skip_bias_add=False
+        r = self.heads // self.groups
+        mixed = mixed.view(s, b, self.groups, (r + 2) * self.head_dim)
+        q, k, v = torch.split(mixed, [r * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q = q.reshape(s, b, self.heads, self.head_dim)
+        if attn.q_layernorm is not None:
+            q = attn.q_layernorm(q)
+        if attn.k_layernorm is not None:
+            k = attn.k_layernorm(k)
+        cos = self._cos[positions].transpose(0, 1).unsqueeze(2)  # [s, b, 1, hd]
+        sin = self._sin[positions].transpose(0, 1).unsqueeze(2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    @staticmethod
+    def _add(residual, out_bias):
+        out, bias = out_bias
+        return residual + out if bias is None else residual + out + bias
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """tokens/positions [b, s] -> final hidden states [s, b, H]; `attend(i, q, k, v)` returns
+        the attention output [s, b, nh * hd] of layer i and stores k/v in the cache."""
+        h = self.model.embedding(input_ids=tokens, position_ids=None)  # [s, b, H]
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, positions)
+            h = self._add(h, layer.self_attention.linear_proj(attend(i, q, k, v)))
+            h = self._add(h, layer.mlp(layer.pre_mlp_layernorm(h)))
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [s, b, H] -> vocab-parallel logits [s, b, V_local]."""
+        h = self.model.decoder.final_layernorm(h)
+        if self.fp32_residual:
+            h = h.to(self.dtype)
+        weight = (self.model.shared_embedding_or_output_weight()
+                  if self.model.share_embeddings_and_output_weights else None)
+        out, _ = self.model.output_layer(h, weight=weight)
+        return out
+
+
+class NativeEngine(RolloutEngine):
+    """Generation with the megatron model in the TP_g layout (the default engine).
+
+    model: the generation-layout GPTModel (built with `groups.gen`), or the training model itself
+        when `generation_model_is_training_model(...)`. tp_group: its TP group (`groups.gen_tp`,
+        None for TP_g = 1). vocab_size: the real (unpadded) vocabulary size.
+    repartitioner: the `Repartitioner` that fills `model` from the training chunks; None when the
+        model is the training model (nothing to copy).
+    keep_weights_buffer: keep the repartition buffer allocated across `sleep()`.
+    max_num_seqs: decoding slots. gpu_memory_utilization: on CUDA, the KV cache takes at most this
+        fraction of the free memory (fewer slots if needed). cuda_graphs: capture the decode step.
+    max_prefill_tokens: prompt tokens prefilled in one forward (bounds activation memory).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int, tp_group=None,
+                 repartitioner=None, keep_weights_buffer: bool = False, max_num_seqs: int = 256,
+                 gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
+                 max_prefill_tokens: int = 16384):
+        self.net = _CachedGPT(model)
+        self.model = model
+        self.vocab_size = vocab_size
+        padded = model.vocab_size if hasattr(model, "vocab_size") else None
+        if padded is not None and vocab_size > padded:
+            raise ValueError(f"NativeEngine: vocab_size {vocab_size} exceeds the model's padded "
+                             f"vocabulary {padded}")
+        self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        self.tp_src = dist.get_global_rank(self.tp_group, 0) if self.tp_group is not None else None
+        self.repartitioner = repartitioner
+        self.keep_weights_buffer = keep_weights_buffer
+        self.max_num_seqs = max_num_seqs
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.use_graphs = cuda_graphs and self.net.device.type == "cuda"
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache: Optional[torch.Tensor] = None  # [layers, 2, slots, groups, len, hd]
+        self._graphs: dict = {}
+        self._graph_pool = None
+        self.last_stats: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- weights and memory
+
+    def load_weights(self) -> dict[str, float]:
+        if self.repartitioner is None:
+            return {}  # the model is the training model: its weights are current
+        stats = self.repartitioner.run()
+        return {"rollout/repartition_seconds": stats.seconds,
+                "rollout/repartition_bytes_received": float(stats.bytes_received),
+                "rollout/repartition_bytes_sent": float(stats.bytes_sent),
+                "rollout/repartition_min_bytes_received": float(stats.min_bytes_received)}
+
+    def sleep(self) -> None:
+        self._graphs.clear()  # they hold addresses of the cache and the weights
+        self._graph_pool = None
+        self.cache = None
+        if self.repartitioner is not None and not self.keep_weights_buffer:
+            self.repartitioner.buffer.release()
+        if self.net.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self.repartitioner is not None:
+            self.repartitioner.buffer.restore()
+
+    def _ensure_cache(self, slots: int, length: int) -> int:
+        """Allocate (or reuse) a cache for `slots` x `length`; returns the slots to use (fewer
+        when the memory budget says so)."""
+        length = self._bucket(length, 1 << 62)
+        if self.cache is not None and self.cache.shape[2] >= slots and self.cache.shape[4] >= length:
+            return slots
+        self.cache, self._graphs, self._graph_pool = None, {}, None
+        net = self.net
+        per_slot = (len(net.layers) * 2 * net.groups * length * net.head_dim
+                    * torch.empty((), dtype=net.dtype).element_size())
+        if net.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(net.device)
+            fit = int(free * self.gpu_memory_utilization) // per_slot
+            if fit < 1:
+                raise RuntimeError(
+                    f"NativeEngine: one sequence of {length} tokens needs {per_slot / 2**20:.0f} MiB "
+                    f"of KV cache, more than rollout.gpu_memory_utilization="
+                    f"{self.gpu_memory_utilization} of the free {free / 2**30:.1f} GiB")
+            slots = min(slots, fit)
+        self.cache = torch.zeros(len(net.layers), 2, slots, net.groups, length, net.head_dim,
+                                 dtype=net.dtype, device=net.device)
+        return slots
+
+    def _bucket(self, length: int, cap: int) -> int:
+        """Attention length: rounded up for CUDA graphs (few shapes), exact otherwise."""
+        if self.use_graphs:
+            length = -(-length // _ATTN_BUCKET) * _ATTN_BUCKET
+        return min(length, cap)
+
+    # ---------------------------------------------------------------- forward passes
+
+    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """[b, V_local] -> [b, vocab_size] (full, padding cut) on every rank of the group."""
+        if self.tp_group is not None:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.tp_group))]
+            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+            local = torch.cat(parts, dim=-1)
+        return local[:, : self.vocab_size]
+
+    def _prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+        """Run `prompts` (right-padded, causal) into cache `slots`; logits of each prompt's last
+        token [n, V_local]."""
+        lengths = [len(p) for p in prompts]
+        s = max(lengths)
+        tokens = torch.zeros(len(prompts), s, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        tokens = tokens.to(self.net.device)
+        positions = torch.arange(s, device=self.net.device).expand(len(prompts), s)
+        cache = self.cache
+
+        def attend(i, q, k, v):
+            # [s, n, heads, hd] -> [n, heads, s, hd]; right padding never reaches a real token
+            # under the causal mask, and the padded cache rows are masked until overwritten.
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            cache[i, 0, slots, :, :s] = k
+            cache[i, 1, slots, :, :s] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.net.scale,
+                                                 enable_gqa=self.net.heads != self.net.groups)
+            return out.permute(2, 0, 1, 3).reshape(s, len(prompts), -1)
+
+        h = self.net.forward(tokens, positions, attend)  # [s, n, H]
+        last = torch.as_tensor(lengths, device=h.device) - 1
+        h = h[last, torch.arange(len(prompts), device=h.device)].unsqueeze(0)  # [1, n, H]
+        return self.net.logits(h)[0]
+
+    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, length: int
+                        ) -> torch.Tensor:
+        """One token per slot: tokens/positions [slots] -> logits [slots, V_local]. Keys at
+        cache positions > a slot's position are masked; attention reads `length` positions."""
+        cache = self.cache
+        b = tokens.shape[0]
+        r = self.net.heads // self.net.groups
+        rows = torch.arange(b, device=tokens.device)
+        keep = torch.arange(length, device=tokens.device).unsqueeze(0) <= positions.unsqueeze(1)
+        bias = torch.zeros(b, 1, 1, length, dtype=torch.float32, device=tokens.device)
+        bias = bias.masked_fill(~keep.view(b, 1, 1, length), float("-inf"))
+
+        def attend(i, q, k, v):
+            # q [1, b, nh, hd], k/v [1, b, ng, hd]; grouped-query attention without repeating K/V.
+            cache[i, 0, rows, :, positions] = k[0]
+            cache[i, 1, rows, :, positions] = v[0]
+            keys, values = cache[i, 0, :b, :, :length], cache[i, 1, :b, :, :length]
+            qg = q[0].view(b, self.net.groups, r, self.net.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.net.scale + bias
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            return torch.matmul(probs, values).reshape(1, b, -1)
+
+        h = self.net.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)
+        return self.net.logits(h)[0]
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        if not self.use_graphs:
+            return self._decode_forward(tokens, positions, length)
+        entry = self._graphs.get((tokens.shape[0], length))
+        if entry is None:
+            try:
+                entry = self._capture(tokens, positions, length)
+            except RuntimeError as e:  # e.g. an op that syncs with the host inside megatron
+                warnings.warn(f"NativeEngine: CUDA graph capture failed ({e}); decoding eagerly")
+                torch.cuda.synchronize()
+                self.use_graphs, self._graphs, self._graph_pool = False, {}, None
+                return self._decode_forward(tokens, positions, length)
+        graph, static_tokens, static_pos, out = entry
+        static_tokens.copy_(tokens)
+        static_pos.copy_(positions)
+        graph.replay()
+        return out
+
+    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, length: int):
+        """Capture the decode step for this batch and attention length. Warm-up and capture run
+        on this step's real inputs: they write the same K/V the replay then writes again."""
+        static_tokens, static_pos = tokens.clone(), positions.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # lazy initialisations and allocator warm-up outside the capture
+                self._decode_forward(static_tokens, static_pos, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._decode_forward(static_tokens, static_pos, length)
+        entry = (graph, static_tokens, static_pos, out)
+        self._graphs[(tokens.shape[0], length)] = entry
+        return entry
+
+    def _pick(self, logits_local: torch.Tensor, sp: SamplingParams, u: Optional[np.ndarray]
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sample from vocab-parallel logits; TP rank 0's tokens win (identical on all ranks)."""
+        full = self._gather_vocab(logits_local)
+        u_t = None if u is None else torch.from_numpy(u).to(full.device)
+        tokens = sampling_mod.sample(full, sp.temperature, sp.top_p, sp.top_k, u_t)
+        if self.tp_group is not None:
+            dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
+        logp = sampling_mod.token_logprobs(full, tokens, sp.temperature) if sp.logprobs else None
+        return tokens, logp
+
+    # ---------------------------------------------------------------- generation loop
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams
+                 ) -> list[SampleOutput]:
+        sp = sampling
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"NativeEngine.generate: prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"NativeEngine.generate: prompt {i} has token ids outside the "
+                                 f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if not prompts:
+            return []
+        start = time.perf_counter()
+        self.model.eval()
+        max_len = max(map(len, prompts)) + sp.max_new_tokens
+        max_pos = getattr(self.model, "max_sequence_length", None)
+        if max_pos is not None and max_len > max_pos:
+            raise ValueError(f"NativeEngine.generate: prompt + max_new_tokens = {max_len} exceeds "
+                             f"the model's max_position_embeddings {max_pos}")
+        n_seq = len(prompts) * sp.n
+        slots = self._ensure_cache(min(self.max_num_seqs, n_seq), max_len)
+        self.net.rope_tables(self.cache.shape[4])
+        device = self.net.device
+
+        seed = sp.seed if sp.seed is not None or sp.greedy else int(torch.randint(0, 2**62, ()).item())
+        keys = sampling_mod.sequence_keys(seed or 0, np.repeat(np.arange(len(prompts)), sp.n),
+                                          np.tile(np.arange(sp.n), len(prompts)))
+        stop = set(sp.stop_token_ids)
+        waiting = deque(range(n_seq))  # sequence s = prompt s // n, sample s % n
+        out_tokens: list[list[int]] = [[] for _ in range(n_seq)]
+        out_logp: list[list[float]] = [[] for _ in range(n_seq)]
+        finish: list[Optional[str]] = [None] * n_seq
+        slot_seq = [-1] * slots  # sequence held by each slot (-1: free)
+        pos = np.zeros(slots, dtype=np.int64)  # position of the token fed at the next step
+        last = np.zeros(slots, dtype=np.int64)  # that token
+        steps = decode_steps = prefill_tokens = 0
+
+        def record(seq_ids, toks, lps, slot_ids):
+            """Append one sampled token per sequence; free the slots of finished ones."""
+            for j, (s, slot) in enumerate(zip(seq_ids, slot_ids)):
+                t = int(toks[j])
+                out_tokens[s].append(t)
+                if lps is not None:
+                    out_logp[s].append(float(lps[j]))
+                if t in stop:
+                    finish[s] = "stop"
+                elif len(out_tokens[s]) >= sp.max_new_tokens:
+                    finish[s] = "length"
+                if finish[s] is not None:
+                    slot_seq[slot] = -1
+                else:
+                    last[slot] = t
+
+        while waiting or any(s >= 0 for s in slot_seq):
+            free = [i for i, s in enumerate(slot_seq) if s < 0]
+            if waiting and free:
+                # Admit whole prompts' worth of sequences up to the free slots and token budget.
+                admitted, budget = [], self.max_prefill_tokens
+                while waiting and len(admitted) < len(free):
+                    s = waiting[0]
+                    new_prompt = not admitted or s // sp.n != admitted[-1] // sp.n
+                    cost = len(prompts[s // sp.n]) if new_prompt else 0
+                    if admitted and cost > budget:
+                        break
+                    budget -= cost
+                    admitted.append(waiting.popleft())
+                seq_slots = free[: len(admitted)]
+                firsts: dict[int, int] = {}  # prompt -> slot of its first admitted sample
+                for s, slot in zip(admitted, seq_slots):
+                    firsts.setdefault(s // sp.n, slot)
+                uniq = list(firsts)
+                first_slots = torch.as_tensor([firsts[p] for p in uniq], device=device)
+                logits = self._prefill([prompts[p] for p in uniq], first_slots)
+                prefill_tokens += sum(len(prompts[p]) for p in uniq)
+                # The other samples of a prompt share its prompt cache: copy the rows.
+                dup = [(firsts[s // sp.n], slot) for s, slot in zip(admitted, seq_slots)
+                       if slot != firsts[s // sp.n]]
+                if dup:
+                    src = torch.as_tensor([a for a, _ in dup], device=device)
+                    dst = torch.as_tensor([b for _, b in dup], device=device)
+                    plen = max(len(prompts[p]) for p in uniq)
+                    self.cache[:, :, dst, :, :plen] = self.cache[:, :, src, :, :plen]
+                row = {p: i for i, p in enumerate(uniq)}
+                rows = torch.as_tensor([row[s // sp.n] for s in admitted], device=device)
+                u = None if sp.greedy else sampling_mod.uniforms(
+                    keys[admitted], np.zeros(len(admitted), dtype=np.int64))
+                toks, lps = self._pick(logits[rows], sp, u)
+                for s, slot in zip(admitted, seq_slots):
+                    slot_seq[slot] = s
+                    pos[slot] = len(prompts[s // sp.n])
+                record(admitted, toks.tolist(), None if lps is None else lps.tolist(), seq_slots)
+                continue  # admit more before decoding, if slots freed up (e.g. max_new_tokens=1)
+            active = [i for i, s in enumerate(slot_seq) if s >= 0]
+            length = self._bucket(int(pos[active].max()) + 1, self.cache.shape[4])
+            tokens_t = torch.from_numpy(last).to(device)
+            pos_t = torch.from_numpy(pos).to(device)
+            logits = self._decode(tokens_t, pos_t, length)
+            seq_ids = [slot_seq[i] for i in active]
+            u = None if sp.greedy else sampling_mod.uniforms(
+                keys[seq_ids], np.array([len(out_tokens[s]) for s in seq_ids], dtype=np.int64))
+            act = torch.as_tensor(active, device=device)
+            toks, lps = self._pick(logits[act], sp, u)
+            pos[active] += 1
+            record(seq_ids, toks.tolist(), None if lps is None else lps.tolist(), active)
+            decode_steps += 1
+        steps = sum(len(t) for t in out_tokens)
+        self.last_stats = {"rollout/seconds": time.perf_counter() - start,
+                           "rollout/response_tokens": float(steps),
+                           "rollout/prefill_tokens": float(prefill_tokens),
+                           "rollout/decode_steps": float(decode_steps),
+                           "rollout/slots": float(slots)}
+        return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
+                             token_ids=out_tokens[s],
+                             logprobs=out_logp[s] if sp.logprobs else None,
+                             finish_reason=finish[s])
+                for s in range(n_seq)]

@@ -1,0 +1,82 @@
+"""Token sampling from full-vocabulary logits, with counter-based random numbers.
+
+Each sequence draws one uniform number per step, a pure function of (seed, sequence key, step)
+(`uniforms`), and picks its token by inverting the CDF of its (temperature-scaled, top-k / top-p
+truncated) distribution. So a sequence's samples depend on neither the batch it shares nor the slot
+it sits in, and every rank that holds the same logits picks the same token.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that scrambles every bit (wrapping math)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sequence_keys(seed: int, prompt_index: np.ndarray, sample_index: np.ndarray) -> np.ndarray:
+    """uint64 key per sequence from the call's seed and its (prompt, sample) indices."""
+    with np.errstate(over="ignore"):
+        base = _mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) + _GOLDEN)
+        k = _mix64(base ^ (prompt_index.astype(np.uint64) * _GOLDEN))
+        return _mix64(k ^ (sample_index.astype(np.uint64) + np.uint64(1)))
+
+
+def uniforms(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """One float64 in [0, 1) per sequence for decoding step `steps` (53 random bits)."""
+    with np.errstate(over="ignore"):
+        bits = _mix64(keys ^ _mix64(steps.astype(np.uint64) * _GOLDEN + np.uint64(1)))
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[token] [b] (float32) for logits [b, V]; T = 1 for greedy (T = 0)."""
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+           u: Optional[torch.Tensor]) -> torch.Tensor:
+    """Tokens [b] (int64) from logits [b, V] (the real vocabulary only: padding rows cut off).
+
+    temperature 0: argmax. Otherwise the token is drawn with uniforms `u` [b] from
+    softmax(logits / T) restricted to the top_k largest and to the smallest prefix (by
+    probability) whose mass reaches top_p.
+    """
+    logits = logits.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = logits / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        probs = logp.exp()
+        vocab = probs.shape[-1]
+        k = top_k if 0 < top_k < vocab else vocab
+        if k < vocab or top_p < 1.0:
+            # Sorted descending: keep the first k, and the tokens whose preceding mass < top_p
+            # (the most likely token always stays).
+            sorted_p, order = torch.topk(probs, k, dim=-1) if k < vocab else probs.sort(
+                dim=-1, descending=True)
+            if top_p < 1.0:
+                before = sorted_p.cumsum(dim=-1) - sorted_p
+                sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+            cdf = sorted_p.cumsum(dim=-1)
+        else:
+            order, cdf = None, probs.cumsum(dim=-1)
+        target = (u.to(cdf.device, torch.float64) * cdf[:, -1].double()).to(cdf.dtype)
+        pick = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+        pick = pick.clamp_(max=cdf.shape[-1] - 1)
+        # A zero-probability entry cannot be picked, except by rounding at the very end of the
+        # CDF: step back to the last entry with mass.
+        last_nonzero = (cdf < cdf[:, -1:]).sum(dim=-1)
+        pick = torch.minimum(pick, last_nonzero)
+        tokens = pick if order is None else order.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+    return tokens

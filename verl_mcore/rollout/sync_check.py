@@ -1,0 +1,126 @@
+"""Weight-sync check: does the engine sample from the model the trainer is training?
+
+After a weight update the engine samples a few sequences with log-probs; the trainer recomputes the
+log-probs of the same tokens; the absolute differences (max and mean over all tokens of all ranks)
+are returned as `rollout/logprob_diff_max` / `rollout/logprob_diff_mean`, and above the bound every
+rank raises `WeightSyncError` together, so a broken repartition or weight push stops the run
+instead of silently training on samples from another model.
+
+The trainer side is a callable `(prompts, responses, temperature) -> per-sequence log-probs`;
+`model_logprobs_fn` makes one from a training model with no pipeline parallelism.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore.ops import logprob_entropy
+from verl_mcore.rollout.base import RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+TrainerLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], float],
+                           Sequence[torch.Tensor]]
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's log-probs disagree with the trainer's beyond the configured bound."""
+
+
+def model_logprobs_fn(model: torch.nn.Module, vocab_size: int, tp_group=None) -> TrainerLogprobs:
+    """Trainer log-probs from a GPTModel holding every layer (PP = 1), at any TP.
+
+    Each prompt + response is one right-padded row of a causal forward; the logits of padded
+    vocabulary ids (>= vocab_size) are pushed to -1e30 so they take no probability mass, as in
+    the engine. Uses `verl_mcore.ops.logprob_entropy` over the vocab-parallel logits.
+    """
+    if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        raise ValueError("model_logprobs_fn: the model is one pipeline stage; pass the trainer's "
+                         "own log-prob callable for PP > 1")
+
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+
+    @torch.no_grad()
+    def logprobs(prompts, responses, temperature):
+        mine = len(prompts)
+        offset = 0
+        if tp_size > 1:
+            # The TP ranks of the training model must run one batch together; each brings the
+            # sequences of its own generation replica.
+            everyone = [None] * tp_size
+            dist.all_gather_object(everyone, (list(prompts), list(responses)), group=tp_group)
+            offset = sum(len(p) for p, _ in everyone[: dist.get_rank(tp_group)])
+            prompts = [p for ps, _ in everyone for p in ps]
+            responses = [r for _, rs in everyone for r in rs]
+        device = next(model.parameters()).device
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        s = max(map(len, seqs))
+        tokens = torch.zeros(len(seqs), s, dtype=torch.long)
+        for i, q in enumerate(seqs):
+            tokens[i, : len(q)] = torch.as_tensor(q)
+        tokens = tokens.to(device)
+        positions = torch.arange(s, device=device).expand(len(seqs), s)
+        was_training = model.training
+        model.eval()
+        logits = model(tokens, positions, None)  # [b, s, V_local]
+        model.train(was_training)
+        v_local = logits.shape[-1]
+        start = (dist.get_rank(tp_group) if tp_group is not None else 0) * v_local
+        ids = torch.arange(start, start + v_local, device=device)
+        logits = logits.float().masked_fill(ids >= vocab_size, -1e30)
+        # Position t predicts token t + 1.
+        target = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        logp, _ = logprob_entropy(logits, target, tp_group=tp_group, temperature=temperature or 1.0,
+                                  vocab_start=start, compute_entropy=False)
+        return [logp[i, len(prompts[i]) - 1: len(prompts[i]) - 1 + len(responses[i])]
+                for i in range(offset, offset + mine)]
+
+    return logprobs
+
+
+def check_weight_sync(engine: RolloutEngine, trainer: TrainerLogprobs,
+                      prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                      max_abs_diff: float, group=None) -> dict[str, float]:
+    """Sample one response per prompt and compare engine vs trainer log-probs.
+
+    Every rank calls this (collective over `group`, default: the world): each generation replica
+    passes its own prompts; the max / mean are over every token of every rank. Raises
+    WeightSyncError on all ranks when the max exceeds `max_abs_diff`.
+    """
+    import dataclasses
+
+    sp = dataclasses.replace(sampling, n=1, logprobs=True)
+    outputs = engine.generate(prompts, sp)
+    responses = [o.token_ids for o in outputs]
+    theirs = trainer([prompts[o.prompt_index] for o in outputs], responses, sp.temperature)
+    diffs = [torch.as_tensor(o.logprobs, dtype=torch.float64)
+             - torch.as_tensor(t, dtype=torch.float64).detach().cpu().reshape(-1)
+             for o, t in zip(outputs, theirs)]
+    flat = torch.cat(diffs).abs() if diffs else torch.zeros(0, dtype=torch.float64)
+    stats = torch.tensor([flat.max().item() if flat.numel() else 0.0], dtype=torch.float64)
+    total = torch.tensor([flat.sum().item(), float(flat.numel())], dtype=torch.float64)
+    if dist.is_initialized():
+        backend_device = _collective_device(group)
+        stats, total = stats.to(backend_device), total.to(backend_device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    worst, mean = stats[0].item(), total[0].item() / max(total[1].item(), 1.0)
+    metrics = {"rollout/logprob_diff_max": worst, "rollout/logprob_diff_mean": mean}
+    logger.info("weight sync check: max |engine - trainer| log-prob %.3g, mean %.3g over %d tokens",
+                worst, mean, int(total[1].item()))
+    if not worst <= max_abs_diff:  # also catches NaN
+        raise WeightSyncError(
+            f"weight sync check failed: the rollout engine's log-probs differ from the trainer's by "
+            f"up to {worst:.4g} (mean {mean:.4g}) over {int(total[1].item())} sampled tokens, above "
+            f"rollout.logprob_check.max_abs_diff={max_abs_diff}. The generation weights do not "
+            "match the actor: check the repartition / weight push (or raise the bound for low "
+            "precision).")
+    return metrics
+
+
+def _collective_device(group: Optional[object]) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
