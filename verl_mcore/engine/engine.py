@@ -34,6 +34,7 @@ not supported yet (the engine refuses CP > 1).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable, Optional
@@ -254,7 +255,7 @@ class MegatronEngine:
         iterators = [iter(on_device) for _ in self.model]
         for m in self.model:
             m.train(not forward_only)
-        with torch.no_grad() if forward_only else _nullcontext():
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
             out = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -327,14 +328,6 @@ class MegatronEngine:
     def num_parameters(self) -> int:
         """Parameters of this rank's chunks (for logs)."""
         return sum(p.numel() for m in self.model for p in m.parameters())
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _device() -> torch.device:
