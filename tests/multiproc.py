@@ -116,8 +116,10 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
+            # Not daemonic: megatron's checkpoint writer starts a multiprocessing Manager, which a
+            # daemonic process may not do. close() (and atexit) end them instead.
             ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
-                        daemon=True)
+                        daemon=False)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -87,6 +87,10 @@ class Trainer:
         if not dist.is_initialized():
             setup_logging(self.launch.rank)
             init_distributed(self.launch, cfg.trainer.device, cfg.trainer.collective_timeout_s)
+        if not torch.cuda.is_available():
+            from verl_mcore.distributed import cpu_compat
+
+            cpu_compat.install()  # idempotent; also when the caller initialised torch.distributed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = build.resolve_run_dir(cfg)
         self.groups = build_groups(cfg)

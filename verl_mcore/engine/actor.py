@@ -29,7 +29,7 @@ from verl_mcore.algo.kl import kl_loss
 from verl_mcore.algo.policy_loss import PolicyLossParams, compute_policy_loss, entropy_bonus
 from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.engine import MegatronEngine
-from verl_mcore.engine.flops import peak_flops, sequence_flops
+from verl_mcore.engine.flops import measured_matmul_ceiling, peak_flops, sequence_flops
 from verl_mcore.engine.logprobs import response_logprobs
 
 
@@ -191,7 +191,8 @@ def summarize(prefix, steps, engine, batch, epochs, vocab_size) -> dict[str, flo
     tokens = int(batch.seq_lens.sum()) * epochs
     out[f"{prefix}/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
     flops = sequence_flops(engine.config, vocab_size, batch.seq_lens.tolist(), training=True) * epochs
-    peak = peak_flops()
+    # No datasheet peak (CPU): against a matmul ceiling measured here (engine/flops.py).
+    peak = peak_flops() or measured_matmul_ceiling()
     world = dist.get_world_size() if dist.is_initialized() else 1
     out[f"{prefix}/mfu"] = flops / (seconds * peak * world) if peak and seconds > 0 else None
     return out

@@ -63,3 +63,34 @@ def peak_flops(device_name: Optional[str] = None) -> Optional[float]:
         if key in device_name:
             return peak
     return None
+
+
+_MEASURED: dict[str, float] = {}
+
+
+def measured_matmul_ceiling(size: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of a square fp32 matmul on this process's device, measured once and cached.
+
+    The MFU denominator where no datasheet peak is known (the CPU machines): there MFU reads as
+    "fraction of what a plain matmul reaches here".
+    """
+    import time
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in _MEASURED:
+        a = torch.randn(size, size, device=device)
+        b = torch.randn(size, size, device=device)
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        _MEASURED[device] = 2 * size**3 / best
+    return _MEASURED[device]
