@@ -1,6 +1,7 @@
 """Watchdog: a hung collective ends every rank with its phase/operation/step within the timeout."""
 import io
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.multiproc import free_port
+from verl_mcore.distributed.preemption import PreemptionGuard
 from verl_mcore.distributed.watchdog import (EXIT_COLLECTIVE_TIMEOUT, Watchdog,
                                              process_group_timeout)
 
@@ -25,9 +27,11 @@ def _hang_main() -> None:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
+    timeout_s = float(os.environ.get("WATCHDOG_TIMEOUT_S", TIMEOUT_S))
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=process_group_timeout(TIMEOUT_S))
-    wd = Watchdog(TIMEOUT_S, rank=rank).start()
+                            timeout=process_group_timeout(timeout_s))
+    PreemptionGuard().install()  # SIGTERM sets a flag, as in the trainer
+    wd = Watchdog(timeout_s, rank=rank).start(watch_signals=True)
     dist.barrier()  # both ranks are up: the clock starts now
     print(f"entering {time.time():.3f}", flush=True)
     with wd.phase("step", step=12):
@@ -40,14 +44,22 @@ def _hang_main() -> None:
     print("finished without the watchdog", flush=True)
 
 
+EXPECTED = {0: "phase 'actor_update', operation 'all_reduce grads', step 12",
+            1: "phase 'compute_rewards', operation 'reward function', step 12"}
+
+
+def _start_ranks(**env_extra):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env_extra)
+    code = "from tests.distributed.test_watchdog import _hang_main; _hang_main()"
+    return [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, RANK=str(r)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(2)]
+
+
 @pytest.mark.distributed
 def test_hung_collective_reports_phase_on_every_rank():
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    code = "from tests.distributed.test_watchdog import _hang_main; _hang_main()"
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = _start_ranks()
     outs = []
     for p in procs:
         try:
@@ -57,16 +69,35 @@ def test_hung_collective_reports_phase_on_every_rank():
                 q.kill()
             pytest.fail("a rank outlived the watchdog by far (90 s)")
         outs.append((p.returncode, out, err, time.time()))
-    expected = {0: "phase 'actor_update', operation 'all_reduce grads', step 12 inside step",
-                1: "phase 'compute_rewards', operation 'reward function', step 12 inside step"}
     for rank, (rc, out, err, ended) in enumerate(outs):
         assert rc == EXIT_COLLECTIVE_TIMEOUT, f"rank {rank}: exit {rc}\n{err}"
-        assert f"[rank {rank}] WATCHDOG" in err and expected[rank] in err, err
+        assert f"[rank {rank}] WATCHDOG" in err and EXPECTED[rank] + " inside step" in err, err
         assert "finished without the watchdog" not in out
         entered = float(out.split("entering ")[1].split()[0])
         # Fires after the timeout, within a few polls of it (ended is an upper bound: rank 1 is
         # collected after rank 0).
         assert TIMEOUT_S <= ended - entered < TIMEOUT_S + 5, (rank, ended - entered)
+
+
+@pytest.mark.distributed
+def test_sigterm_during_a_hang_reports_where_each_rank_is():
+    """srun --kill-on-bad-exit SIGTERMs the ranks; rank 0 is blocked inside gloo's all_reduce,
+    where Python handlers cannot run, and still says where it was."""
+    procs = _start_ranks(WATCHDOG_TIMEOUT_S="120")
+    try:
+        lines = [p.stdout.readline() for p in procs]  # "entering ..." once both passed the barrier
+        assert all(line.startswith("entering") for line in lines), lines
+        time.sleep(1.0)  # rank 0 is now inside the all_reduce
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        time.sleep(3.0)
+        assert all(p.poll() is None for p in procs)  # the guard only recorded the signal
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, p in enumerate(procs):
+        err = p.stderr.read()
+        assert f"[rank {rank}] SIGNAL SIGTERM" in err and f"in {EXPECTED[rank]}" in err, err
 
 
 def _recorder():

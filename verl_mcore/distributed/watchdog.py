@@ -26,6 +26,14 @@ A phase left by an exception logs its name too, so a rank that fails fast says w
 
 The process-group timeout is the backstop for the case where this thread cannot run at all:
 `process_group_timeout(t)` is t plus a margin, so the readable message comes first.
+
+Signals while stuck: when the first rank exits, `srun --kill-on-bad-exit` sends SIGTERM to the
+others. A rank blocked inside a C++ collective cannot run its Python signal handler until the
+collective returns, i.e. never; so `start(watch_signals=True)` (from the main thread, after the
+PreemptionGuard installed its handlers) also registers a `signal.set_wakeup_fd` pipe, which the
+C-level handler writes to at once, and this thread prints where the rank was when a signal came
+("[rank 3] SIGNAL SIGTERM ... in phase ..."). It only reports; what to do about the signal stays
+with the PreemptionGuard (or with Slurm's SIGKILL).
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ import datetime
 import faulthandler
 import logging
 import os
+import select
+import signal
 import socket
 import sys
 import threading
@@ -91,11 +101,26 @@ class Watchdog:
         self._last_progress = time.monotonic()
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._wakeup: Optional[tuple[int, int]] = None  # (read end, write end) of the signal pipe
         self.expired_message: Optional[str] = None
 
     # -- used by the trainer ------------------------------------------------------------------
 
-    def start(self) -> "Watchdog":
+    def start(self, watch_signals: bool = False) -> "Watchdog":
+        """Start the thread. `watch_signals`: also report signals (main thread only; see above)."""
+        if watch_signals and self._wakeup is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            if previous != -1:  # someone else (an event loop) owns it: leave theirs in place
+                signal.set_wakeup_fd(previous)
+                os.close(r)
+                os.close(w)
+                log.warning("rank %d: signal wakeup fd already in use; the watchdog will not "
+                            "report signals received during a hang", self.rank)
+            else:
+                self._wakeup = (r, w)
         if self._thread is None:
             self._stopped.clear()
             self._thread = threading.Thread(target=self._watch, name="verl_mcore-watchdog", daemon=True)
@@ -107,6 +132,11 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=self.poll_s * 2 + 1)
             self._thread = None
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
 
     @contextlib.contextmanager
     def phase(self, name: str, step: Optional[int] = None, op: Optional[str] = None,
@@ -151,7 +181,13 @@ class Watchdog:
     # -- the thread ---------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        while not self._stopped.wait(self.poll_s):
+        while not self._stopped.is_set():
+            if self._wakeup is not None:
+                ready, _, _ = select.select([self._wakeup[0]], [], [], self.poll_s)
+                if ready:
+                    self._report_signals()
+            elif self._stopped.wait(self.poll_s):
+                return
             with self._lock:
                 if not self._stack:
                     continue
@@ -160,6 +196,31 @@ class Watchdog:
             if waited > top.timeout_s:
                 self._report(top, outer, waited)
                 return
+
+    def _report_signals(self) -> None:
+        try:
+            data = os.read(self._wakeup[0], 64)
+        except (BlockingIOError, OSError):
+            return
+        with self._lock:
+            top = self._stack[-1] if self._stack else None
+            waited = time.monotonic() - self._last_progress
+        where = f"in {self._describe(top)} (no progress for {waited:.1f} s)" if top else "outside any phase"
+        for signum in data:
+            try:
+                name = signal.Signals(signum).name
+            except ValueError:
+                name = f"signal {signum}"
+            self._write(f"[rank {self.rank}] SIGNAL {name} on {socket.gethostname()} "
+                        f"(pid {os.getpid()}) {where}")
+
+    def _write(self, text: str) -> None:
+        stream = self._stream or sys.stderr
+        try:
+            stream.write(text + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
     def _describe(self, p: _Phase) -> str:
         parts = [f"phase '{p.name}'"]
