@@ -125,5 +125,3 @@ def test_cli_convert_and_verify_exit_codes(root):
     assert run.returncode == 0 and "-> OK" in run.stdout, run.stdout + run.stderr[-3000:]
     run = _cli("verify", "--hf", other, "--ckpt", ckpt)  # different weights: must fail
     assert run.returncode == 1 and "-> FAILED" in run.stdout, run.stdout + run.stderr[-3000:]
-    run = _cli("mcore-to-hf", "--ckpt", ckpt, "--out", str(root / "cli_back"))
-    assert run.returncode == 0, run.stderr[-3000:]
