@@ -39,8 +39,8 @@ def init_single_rank() -> None:
     parallel_state.initialize_model_parallel(1, 1)
 
 
-def build_models(layers: int | None):
-    """(HF model, megatron model, arch) with identical bf16 weights on the GPU."""
+def build_models(hf_kwargs: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+    """(HF model, megatron model, arch) with identical weights (a random HF Qwen2 model)."""
     import transformers as T
 
     from verl_mcore.models import weight_map as wm
@@ -48,18 +48,15 @@ def build_models(layers: int | None):
     from verl_mcore.models.hf_config import read_hf_arch, transformer_config
     from verl_mcore.models.hf_weights import named_canonical_parameters
 
-    cfg = dict(QWEN25_1P5B)
-    if layers:
-        cfg["num_hidden_layers"] = layers
-    hf_config = T.Qwen2Config(**cfg, dtype="bfloat16")
+    hf_config = T.Qwen2Config(**hf_kwargs, dtype=str(dtype).removeprefix("torch."))
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = T.Qwen2ForCausalLM(hf_config).to(torch.bfloat16).eval()
+    with torch.device(device):
+        hf = T.Qwen2ForCausalLM(hf_config).to(dtype).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     arch = read_hf_arch(hf_config.to_dict())
-    model = build_gpt_model(arch, transformer_config(arch, dtype="bf16", perform_initialization=False),
-                            role="actor").cuda().eval()
+    model = build_gpt_model(arch, transformer_config(arch, dtype=dtype, perform_initialization=False),
+                            role="actor").to(device).eval()
     maps = {pm.mcore: pm for pm in wm.param_maps(arch, "actor")}
     hf_state = hf.state_dict()
     with torch.no_grad():
@@ -94,7 +91,10 @@ def main(argv=None) -> int:
     from verl_mcore.rollout.native import NativeEngine
 
     init_single_rank()
-    hf, model, arch = build_models(args.layers)
+    hf_kwargs = dict(QWEN25_1P5B)
+    if args.layers:
+        hf_kwargs["num_hidden_layers"] = args.layers
+    hf, model, arch = build_models(hf_kwargs)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, arch.vocab_size, (args.batch, args.prompt_len), generator=gen)
     tokens = args.batch * args.new_tokens

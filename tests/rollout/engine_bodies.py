@@ -90,6 +90,21 @@ def engine_body(rank, world_size, hf_dir: str, tp_gen: int):
     res["cache_after_sleep"] = engine.cache is None
     engine.wake()
     res["greedy_after_wake"] = run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))
+    if tp_gen > 1:
+        # A training model built with sequence parallelism serves generation as it is (TP_g =
+        # TP_t). Without TransformerEngine megatron refuses to build one (torch norms), so set
+        # the flags megatron would have set; the engine must switch them off and restore them.
+        from verl_mcore.rollout.native import _SP_FLAGS
+
+        flagged = [(m, f) for m in list(model.modules()) + [model.config] for f in _SP_FLAGS
+                   if hasattr(m, f) and not callable(getattr(m, f))]
+        for m, f in flagged:
+            setattr(m, f, True)
+        res["greedy_sequence_parallel"] = run(
+            SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW),
+            NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp))
+        res["sequence_parallel_flags"] = len(flagged)
+        res["sequence_parallel_restored"] = all(getattr(m, f) is True for m, f in flagged)
     return res
 
 

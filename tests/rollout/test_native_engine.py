@@ -60,6 +60,8 @@ def test_native_engine_tp2_identical_ranks(hf_model):
     hf_dir, tokens, logps = hf_model
     results = run_on_ranks(eb.engine_body, 2, args=(hf_dir, 2), timeout=240)
     _check_engine(results[0], tokens, logps)
+    assert [o[2] for o in results[0]["greedy_sequence_parallel"]] == tokens
+    assert results[0]["sequence_parallel_restored"] and results[0]["sequence_parallel_flags"] > 10
     assert results[1] == results[0]  # every TP rank samples the same tokens (and log-probs)
 
 

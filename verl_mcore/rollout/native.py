@@ -23,6 +23,7 @@ bucket: small-batch decoding is otherwise dominated by per-kernel launch overhea
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -46,6 +47,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+_SP_FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def _sequence_parallel_off(model: torch.nn.Module):
+    """Run a model built with sequence parallelism (the training model, when it serves
+    generation as it is) without it: a decode step has one token, which cannot be split over
+    TP. Megatron's parallel linears and embeddings read these flags (on themselves and on their
+    config) at forward time; they are restored afterwards."""
+    holders = [m for m in model.modules()] + list({id(m.config): m.config for m in model.modules()
+                                                   if hasattr(m, "config")}.values())
+    switched = [(h, f) for h in holders for f in _SP_FLAGS if getattr(h, f, False) is True]
+    for h, f in switched:
+        setattr(h, f, False)
+    try:
+        yield
+    finally:
+        for h, f in switched:
+            setattr(h, f, True)
+
+
 class _CachedGPT:
     """The layer-by-layer forward of a megatron GPTModel with a slot-indexed KV cache."""
 
@@ -53,7 +75,6 @@ class _CachedGPT:
         self.model = model
         cfg = model.config
         unsupported = {
-            "sequence_parallel": cfg.sequence_parallel,
             "rotary_interleaved": cfg.rotary_interleaved,
             "apply_residual_connection_post_layernorm": cfg.apply_residual_connection_post_layernorm,
             "multi_latent_attention": getattr(cfg, "multi_latent_attention", False),
@@ -145,8 +166,9 @@ class NativeEngine(RolloutEngine):
     """Generation with the megatron model in the TP_g layout (the default engine).
 
     model: the generation-layout GPTModel (built with `groups.gen`), or the training model itself
-        when `generation_model_is_training_model(...)`. tp_group: its TP group (`groups.gen_tp`,
-        None for TP_g = 1). vocab_size: the real (unpadded) vocabulary size.
+        (bare or DDP-wrapped) when `generation_model_is_training_model(...)`.
+    tp_group: the model's TP group (`groups.gen_tp`; None for TP_g = 1).
+    vocab_size: the real (unpadded) vocabulary size; logits of padding ids are never sampled.
     repartitioner: the `Repartitioner` that fills `model` from the training chunks; None when the
         model is the training model (nothing to copy).
     keep_weights_buffer: keep the repartition buffer allocated across `sleep()`.
@@ -159,6 +181,8 @@ class NativeEngine(RolloutEngine):
                  repartitioner=None, keep_weights_buffer: bool = False, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384):
+        while not hasattr(model, "decoder") and hasattr(model, "module"):
+            model = model.module  # DDP / Float16Module wrappers of the training model
         self.net = _CachedGPT(model)
         self.model = model
         self.vocab_size = vocab_size
@@ -344,9 +368,18 @@ class NativeEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation loop
 
-    @torch.no_grad()
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams
                  ) -> list[SampleOutput]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), _sequence_parallel_off(self.model):
+                return self._generate(prompt_token_ids, sampling)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams
+                  ) -> list[SampleOutput]:
         sp = sampling
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         for i, p in enumerate(prompts):
@@ -359,7 +392,6 @@ class NativeEngine(RolloutEngine):
         if not prompts:
             return []
         start = time.perf_counter()
-        self.model.eval()
         max_len = max(map(len, prompts)) + sp.max_new_tokens
         max_pos = getattr(self.model, "max_sequence_length", None)
         if max_pos is not None and max_len > max_pos:
