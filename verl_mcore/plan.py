@@ -598,6 +598,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="core attention that keeps no [s, s] scores (flash/varlen/TE) or megatron's "
                          "local one that does")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--full", action="store_true",
+                    help="list every group and node (default: the first 8 of each)")
     ap.add_argument("overrides", nargs="*", metavar="a.b.c=value")
     return ap.parse_intermixed_args(argv)
 
@@ -629,7 +631,7 @@ def main(argv=None) -> int:
         n_params = total_params(dims)
         print(f"Model: {cfg.model.path} ({n_params / 1e9:.2f} B parameters; {dims.num_layers} layers, "
               f"hidden {dims.hidden_size}, heads {dims.num_attention_heads}/{dims.num_key_value_heads} KV)")
-        print(layout_report(cfg, world, nodes, gpn, names))
+        print(layout_report(cfg, world, nodes, gpn, names, limit=world if args.full else 8))
         print(memory_report(memory, knobs))
     if bad:
         found = suggest(cfg, args.overrides, args.config, dims, world, nodes, knobs, bad)

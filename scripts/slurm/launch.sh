@@ -25,6 +25,7 @@
 #   VERL_MCORE_SKIP_PLAN=1  skip step 1 (a model the planner cannot read)
 #   VERL_MCORE_MAX_RESTARTS requeue at most this many times (default 20)
 #   PLAN_GPU_MEMORY_GB      GiB per GPU for the planner (default: nvidia-smi, else 80)
+#   PLAN_NODES, PLAN_GPUS_PER_NODE  --dry-run only: plan for another allocation than the header's
 #   PYTHON                  interpreter (default python)
 set -euo pipefail
 
@@ -87,8 +88,8 @@ if [[ -n ${SLURM_JOB_ID:-} && $dry_run == 0 ]]; then
   gpus_per_node=${gpus_per_node%%(*}
   [[ -n $gpus_per_node ]] || die "set #SBATCH --ntasks-per-node (one task per GPU)"
 else
-  nodes=$(sbatch_value "$recipe" nodes)
-  gpus_per_node=$(sbatch_value "$recipe" ntasks-per-node)
+  nodes=${PLAN_NODES:-$(sbatch_value "$recipe" nodes)}
+  gpus_per_node=${PLAN_GPUS_PER_NODE:-$(sbatch_value "$recipe" ntasks-per-node)}
   [[ -n $nodes && -n $gpus_per_node ]] ||
     die "$recipe has no '#SBATCH --nodes=N' / '#SBATCH --ntasks-per-node=G' lines"
 fi
@@ -114,8 +115,12 @@ if [[ ${VERL_MCORE_SKIP_PLAN:-0} != 1 ]]; then
   fi
 fi
 
+# Since Slurm 22.05 srun no longer inherits the batch script's --cpus-per-task: pass it on, or
+# every rank would be confined to one core (data loading, reward workers).
+cpus=${SLURM_CPUS_PER_TASK:-}
 if [[ $launcher == srun ]]; then
   cmd=(srun --ntasks="$world" --ntasks-per-node="$gpus_per_node" --kill-on-bad-exit=1
+    ${cpus:+--cpus-per-task="$cpus"}
     "$python" -u -m "$module" --config "$config" "${overrides[@]}")
 elif [[ $launcher == torchrun ]]; then
   # One agent per node. torchrun forwards SIGTERM to its workers and kills them 30 s later, so in
@@ -123,6 +128,7 @@ elif [[ $launcher == torchrun ]]; then
   head_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2> /dev/null | head -n 1 || echo localhost)
   port=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
   cmd=(srun --ntasks="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1
+    ${cpus:+--cpus-per-task="$((cpus * gpus_per_node))"}
     "$python" -m torch.distributed.run --nnodes="$nodes" --nproc-per-node="$gpus_per_node"
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="${SLURM_JOB_ID:-0}"
     -m "$module" --config "$config" "${overrides[@]}")
@@ -192,5 +198,8 @@ if ((rc == EXIT_PREEMPTED)) || [[ -s $marker ]]; then
 fi
 if ((rc == EXIT_COLLECTIVE_TIMEOUT)); then
   log "a collective timed out (trainer.collective_timeout_s): each rank's WATCHDOG line names its phase, operation and step"
+elif ((rc != 0)); then
+  # srun reports 143 once it has terminated the remaining ranks after the first failure.
+  log "the job step failed: the first failing rank's error, and WATCHDOG / SIGNAL lines with each rank's phase, are above"
 fi
 exit "$rc"

@@ -10,11 +10,12 @@ protocol. A "step" is a short sleep plus an all_reduce; the "checkpoint" is
 after a barrier; `metrics.jsonl` gets one line per step. A rerun resumes from the checkpoint
 (checkpoint.resume=auto), as the trainer will.
 
-Environment: FAKE_TRAIN_STEP_S, seconds per step (default 0.5).
+Every step runs under the collective Watchdog (trainer.collective_timeout_s), as the trainer's
+will. Environment: FAKE_TRAIN_STEP_S, seconds per step (default 0.5); FAKE_TRAIN_HANG_STEP: at
+that step rank 1 gets stuck computing rewards and never joins rank 0's all_reduce.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ import time
 from verl_mcore.config import Config
 from verl_mcore.distributed.launch import detect_launch, setup_logging
 from verl_mcore.distributed.preemption import PreemptionGuard
+from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
 
 
 def _save(path: str, steps_done: int) -> None:
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
 
     dist.init_process_group("gloo", init_method=f"tcp://{info.master_addr}:{info.master_port}",
                             rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=process_group_timeout(cfg.trainer.collective_timeout_s))
+    wd = Watchdog(cfg.trainer.collective_timeout_s, rank=info.rank).start(watch_signals=True)
     run_dir = cfg.trainer.run_dir
     ckpt = os.path.join(run_dir, "checkpoint.json")
     start = 0
@@ -57,10 +60,17 @@ def main(argv=None) -> int:
     print(f"[rank {info.rank}/{info.world_size}] launcher={info.launcher} restart={restart} "
           f"resuming at step {start}", flush=True)
     step_s = float(os.environ.get("FAKE_TRAIN_STEP_S", "0.5"))
+    hang_step = int(os.environ.get("FAKE_TRAIN_HANG_STEP", "-1"))
     for step in range(start, cfg.trainer.total_steps):
-        time.sleep(step_s)
-        total = torch.tensor([float(info.rank + 1)])
-        dist.all_reduce(total)
+        with wd.phase("step", step=step):
+            if step == hang_step and info.rank == 1:
+                with wd.phase("compute_rewards", op="reward function"):
+                    time.sleep(3600)
+            with wd.phase("actor_update", op="forward_backward"):
+                time.sleep(step_s)
+                wd.set_op("all_reduce grads")
+                total = torch.tensor([float(info.rank + 1)])
+                dist.all_reduce(total)
         if info.rank == 0:
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, "restart": restart, "world_size": info.world_size,

@@ -3,7 +3,9 @@
 Case 1: `sbatch` of a 2-task job runs the planner, then srun's two ranks, which write metrics and
 a checkpoint. Case 2: `scancel --signal=USR1 --batch` mid-run: the launcher forwards the signal,
 the ranks agree to stop, checkpoint and exit 75, the launcher requeues, and the rerun
-(SLURM_RESTART_COUNT=1) resumes from the checkpoint and finishes.
+(SLURM_RESTART_COUNT=1) resumes from the checkpoint and finishes. Case 3: one rank hangs; the
+job fails within seconds of trainer.collective_timeout_s, each rank naming its phase, and is not
+requeued.
 
 Needs root and apt (or the packages already installed); skipped otherwise. Takes ~60-90 s on
 the 2-core CPU machine including the package install, hence `slow`. The stand-in program is
@@ -12,6 +14,7 @@ verl_mcore.train with configs/quickstart.yaml).
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -75,9 +78,9 @@ def job_dir(tmp_path):
     return tmp_path
 
 
-def _submit(slurm_env, job_dir, *overrides, step_s="0.3"):
+def _submit(slurm_env, job_dir, *overrides, step_s="0.3", **env_extra):
     env = dict(slurm_env, VERL_MCORE_ROOT=str(ROOT), VERL_MCORE_MODULE="tests.hpc.fake_train",
-               FAKE_TRAIN_STEP_S=step_s, PYTHON=shutil.which("python") or "python")
+               FAKE_TRAIN_STEP_S=step_s, PYTHON=shutil.which("python") or "python", **env_extra)
     out = subprocess.run(["sbatch", "--parsable", str(RECIPE), str(job_dir / "job.yaml"), *overrides],
                          cwd=job_dir, env=env, check=True, capture_output=True, text=True, timeout=30)
     return out.stdout.strip().split(";")[0]
@@ -145,3 +148,20 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, job_dir):
     assert first and first == list(range(len(first))) and len(first) < 12
     assert f"[rank 0/2] launcher=slurm restart=1 resuming at step {len(first)}" in log
     assert json.loads((job_dir / "run" / "checkpoint.json").read_text()) == {"steps_done": 12}
+
+
+def test_hung_rank_fails_fast_naming_each_ranks_phase(slurm, job_dir):
+    t0 = time.monotonic()
+    job_id = _submit(slurm, job_dir, "trainer.total_steps=6", "trainer.collective_timeout_s=3",
+                     FAKE_TRAIN_HANG_STEP="2")
+    info = _wait_done(slurm, job_id, job_dir)
+    log = _log(job_dir, job_id)
+    print(f"slurm: hung rank -> failed job {time.monotonic() - t0:.1f} s")
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log
+    assert "[rank 1] WATCHDOG" in log and \
+        "phase 'compute_rewards', operation 'reward function', step 2 inside step" in log
+    # Rank 0 waited in the all_reduce: gloo raises when the peer exits (NCCL would not; then its
+    # own WATCHDOG or the SIGNAL line from srun's SIGTERM names the same place).
+    assert re.search(r"\[rank 0\].*phase 'actor_update', operation 'all_reduce grads', step 2", log), log
+    assert "scontrol requeue" not in log and "the job step failed" in log
+    assert [m["step"] for m in _metrics(job_dir)] == [0, 1]
