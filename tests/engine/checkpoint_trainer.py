@@ -38,7 +38,7 @@ TOTAL_STEPS = 8  # LR schedule length
 
 def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
     """(chunks, optimizer, scheduler) of the tiny GPT at TP × PP (DP = the rest), same initial
-    weights at every layout. Initialises megatron's parallel_state (the caller destroys it)."""
+    weights at every layout. (Re-)initialises megatron's parallel_state (the caller destroys it)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -52,6 +52,8 @@ def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
     from verl_mcore.distributed import cpu_compat
 
     cpu_compat.install()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()  # a second model in the same test body
     parallel_state.initialize_model_parallel(1, 1)
     full = tiny_gpt.reference_state_dict(seed)
     parallel_state.destroy_model_parallel()
@@ -149,6 +151,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
             assert loaded.rng_restored and loaded.optimizer_restored
             step = loaded.extra_state["step"]
             assert loaded.extra_state["data_position"] == step * GLOBAL_BATCH
+            _log(rank, args.log, {"resumed_from": step})
     if args.crash_in_save_at is not None:
         commit = ckpt._commit
 
@@ -166,13 +169,25 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
                  "kl_controller": {"value": 0.1 * step, "history": [loss]}}
         ckpt.save(step, chunks, optimizer, scheduler, extra)
         ckpt.maybe_finalize(blocking=True)
-        if rank == 0:
-            with open(args.log, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        _log(rank, args.log, {"step": step, "loss": loss})
     ckpt.close()
     torch.distributed.destroy_process_group()
+
+
+def _log(rank: int, path: str, record: dict) -> None:
+    if rank == 0:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")  # json floats round-trip exactly
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def main(argv=None) -> None:
@@ -187,11 +202,12 @@ def main(argv=None) -> None:
     parser.add_argument("--crash-in-save-at", type=int, default=None)
     args = parser.parse_args(argv)
 
+    if args.world == 1:
+        _rank_main(0, 1, _free_port(), args)  # in this process: one interpreter fewer to start
+        return
     import multiprocessing as mp
 
-    from tests.multiproc import free_port
-
-    port = free_port()
+    port = _free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, args))
              for r in range(args.world)]

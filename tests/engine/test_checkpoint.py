@@ -1,0 +1,142 @@
+"""Checkpoint directory logic (no megatron): completeness, `latest`, fallback, rotation; RNG capture.
+
+The checkpoints here are fakes with the files `is_complete` looks at; real saves and loads are in
+test_checkpoint_layouts.py (gloo ranks) and test_checkpoint_resume.py (killed training runs).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from verl_mcore.engine import checkpoint as ck
+from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
+
+
+def _fake_checkpoint(root, step, complete=True, meta_format=ck.FORMAT):
+    path = os.path.join(root, ck.checkpoint_name(step))
+    os.makedirs(os.path.join(path, ck.DIST_DIR))
+    open(os.path.join(path, ck.DIST_DIR, "metadata.json"), "w").write("{}")
+    torch.save({"scheduler": None, "extra": {"step": step}}, os.path.join(path, ck.TRAINER_STATE))
+    if complete:
+        json.dump({"format": meta_format, "step": step}, open(os.path.join(path, ck.META), "w"))
+    return path
+
+
+def _point_latest(root, name):
+    open(os.path.join(root, ck.LATEST), "w").write(name + "\n")
+
+
+def test_no_checkpoint(tmp_path):
+    assert ck.find_latest_checkpoint(str(tmp_path / "missing")) is None
+    assert ck.find_latest_checkpoint(str(tmp_path)) is None
+    assert ck.list_checkpoints(str(tmp_path)) == []
+
+
+def test_latest_pointer_is_followed(tmp_path):
+    root = str(tmp_path)
+    for step in (3, 5, 7):
+        _fake_checkpoint(root, step)
+    _point_latest(root, ck.checkpoint_name(5))
+    # `latest` wins over a higher step number (a resume from an older load_path wrote it last).
+    assert ck.find_latest_checkpoint(root) == os.path.join(root, "step_00000005")
+
+
+def test_incomplete_and_temporary_directories_are_ignored(tmp_path):
+    root = str(tmp_path)
+    _fake_checkpoint(root, 2)
+    _fake_checkpoint(root, 4, complete=False)  # renamed but no meta.json (a hand-copied dir)
+    _fake_checkpoint(root, 6, meta_format=ck.FORMAT + 1)  # a format this code cannot read
+    os.makedirs(os.path.join(root, ck.TMP_PREFIX + ck.checkpoint_name(8), ck.DIST_DIR))
+    assert [s for s, _ in ck.list_checkpoints(root)] == [2]
+    assert ck.find_latest_checkpoint(root) == os.path.join(root, "step_00000002")
+
+
+@pytest.mark.parametrize("pointer", ["step_00000009", "step_00000004", "garbage/../x", ""])
+def test_broken_latest_falls_back_to_newest_complete(tmp_path, pointer):
+    root = str(tmp_path)
+    _fake_checkpoint(root, 1)
+    _fake_checkpoint(root, 3)
+    _fake_checkpoint(root, 4, complete=False)
+    _point_latest(root, pointer)
+    assert ck.find_latest_checkpoint(root) == os.path.join(root, "step_00000003")
+
+
+def test_missing_dist_metadata_is_incomplete(tmp_path):
+    path = _fake_checkpoint(str(tmp_path), 1)
+    assert ck.is_complete(path)
+    os.remove(os.path.join(path, ck.DIST_DIR, "metadata.json"))
+    assert not ck.is_complete(path)
+
+
+def test_rotation_keeps_newest_and_removes_stale_temporaries(tmp_path):
+    root = str(tmp_path)
+    for step in range(1, 6):
+        _fake_checkpoint(root, step)
+    _fake_checkpoint(root, 6, complete=False)
+    for step in (2, 7):
+        os.makedirs(os.path.join(root, ck.TMP_PREFIX + ck.checkpoint_name(step)))
+    ck._rotate(root, keep_last=2, current_step=5)
+    assert [s for s, _ in ck.list_checkpoints(root)] == [4, 5]
+    remaining = sorted(os.listdir(root))
+    # The incomplete step 6 is not a checkpoint to rotate; a temporary of a later step may be
+    # an async save still in flight; the temporary of step 2 is a killed save.
+    assert remaining == [".tmp.step_00000007", "step_00000004", "step_00000005", "step_00000006"]
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    root = str(tmp_path)
+    for step in (10, 11, 12):
+        _fake_checkpoint(root, step)  # left over from a run that was abandoned at step 12
+    _fake_checkpoint(root, 3)  # just written after resuming from an older checkpoint
+    ck._rotate(root, keep_last=1, current_step=3)
+    assert [s for s, _ in ck.list_checkpoints(root)] == [3, 12]
+
+
+def test_keep_last_zero_keeps_everything(tmp_path):
+    root = str(tmp_path)
+    for step in range(1, 5):
+        _fake_checkpoint(root, step)
+    ck._rotate(root, keep_last=0, current_step=4)
+    assert len(ck.list_checkpoints(root)) == 4
+
+
+def test_atomic_text_write_leaves_no_temporary(tmp_path):
+    path = str(tmp_path / "latest")
+    ck._write_text_atomic(path, "step_00000001")
+    ck._write_text_atomic(path, "step_00000002")
+    assert open(path).read() == "step_00000002\n"
+    assert os.listdir(tmp_path) == ["latest"]
+
+
+def _draw() -> tuple:
+    return (random.random(), float(np.random.rand()), torch.rand(3).tolist(),
+            np.random.randn(2).tolist())
+
+
+def test_rng_round_trip_through_weights_only_load():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.randn()  # leaves a cached Gaussian in numpy's state, which must survive too
+    buffer = io.BytesIO()
+    torch.save(capture_rng_state(), buffer)
+    expected = _draw()
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    buffer.seek(0)
+    restore_rng_state(torch.load(buffer, weights_only=True))
+    assert _draw() == expected
+
+
+def test_rng_rejects_unknown_format():
+    state = capture_rng_state()
+    state["format"] = 99
+    with pytest.raises(ValueError, match="format"):
+        restore_rng_state(state)
