@@ -26,12 +26,13 @@ from megatron.core.transformer.module import MegatronModule
 
 @functools.lru_cache(maxsize=1)
 def _varlen_attn():
-    """torch's flash varlen attention and whether it takes `enable_gqa` (None if absent)."""
+    """torch's flash varlen attention (None if absent) and the keyword arguments it accepts
+    (`scale` and `enable_gqa` are not in every torch version that has it)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None, False
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 class SDPAttention(MegatronModule):
@@ -89,12 +90,19 @@ class SDPAttention(MegatronModule):
             else params.cu_seqlens_q
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None \
             else params.cu_seqlens_kv
-        varlen, has_gqa_arg = _varlen_attn()
-        if varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-            kwargs = {"enable_gqa": True} if has_gqa_arg and key.shape[1] != query.shape[1] else {}
+        varlen, accepted = _varlen_attn()
+        default_scale = self.softmax_scale == 1.0 / math.sqrt(query.shape[-1])
+        if (varlen is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+                and ("scale" in accepted or default_scale)):
+            kwargs = {}
+            if "scale" in accepted:
+                kwargs["scale"] = self.softmax_scale
+            if "enable_gqa" in accepted and key.shape[1] != query.shape[1]:
+                kwargs["enable_gqa"] = True
+            # window_size=(-1, 0): causal (no is_causal argument in varlen_attn).
             out = varlen(query, key, value, cu_q.to(torch.int32), cu_k.to(torch.int32),
                          int(params.max_seqlen_q), int(params.max_seqlen_kv),
-                         scale=self.softmax_scale, window_size=(-1, 0), **kwargs)
+                         window_size=(-1, 0), **kwargs)
             return out.reshape(out.shape[0], -1)
         # Per sequence: [len, heads, hn] -> [1, heads, len, hn], causal within the sequence.
         out = torch.zeros_like(query)  # tokens after the last sequence stay zero
