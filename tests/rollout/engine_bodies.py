@@ -70,6 +70,11 @@ def engine_body(rank, world_size, hf_dir: str, tp_gen: int):
                 for o in eng.generate(PROMPTS, sp)]
 
     res["greedy"] = run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, logprobs=True))
+    # n = 2 greedy: the second sample decodes from the copied prompt cache. A prefill budget
+    # below the prompt lengths admits one prompt per round.
+    res["greedy_n2"] = run(SamplingParams(n=2, temperature=0.0, max_new_tokens=MAX_NEW),
+                           NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp,
+                                        max_num_seqs=4, max_prefill_tokens=4))
     sampled = SamplingParams(n=3, temperature=0.9, top_p=0.95, top_k=40, max_new_tokens=6, seed=7,
                              logprobs=True)
     res["sampled"] = run(sampled)

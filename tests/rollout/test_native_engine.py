@@ -21,6 +21,7 @@ def _check_engine(res, hf_tokens, hf_logps):
     for g, ref in zip(greedy, hf_logps):
         assert max(abs(a - b) for a, b in zip(g[3], ref)) < 1e-4
         assert g[4] == "length" and len(g[2]) == eb.MAX_NEW
+    assert [o[2] for o in res["greedy_n2"]] == [t for t in hf_tokens for _ in range(2)]
     # n > 1: every prompt gets samples 0..2, each of max_new_tokens (no stop tokens given).
     sampled = res["sampled"]
     assert [(o[0], o[1]) for o in sampled] == [(p, j) for p in range(len(eb.PROMPTS)) for j in range(3)]

@@ -235,6 +235,8 @@ class NativeEngine(RolloutEngine):
             return slots
         self.cache, self._graphs, self._graph_pool = None, {}, None
         net = self.net
+        if net.device.type == "cuda":
+            torch.cuda.empty_cache()  # so the free-memory reading below includes the old cache
         per_slot = (len(net.layers) * 2 * net.groups * length * net.head_dim
                     * torch.empty((), dtype=net.dtype).element_size())
         if net.device.type == "cuda":
