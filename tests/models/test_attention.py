@@ -87,3 +87,22 @@ def test_refuses_what_it_does_not_implement():
                   packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(ValueError, match="attention_bias"):
         _module()(q, q, q, None, attention_bias=torch.zeros(1))
+
+
+@pytest.mark.gpu
+def test_packed_varlen_on_cuda_matches_per_sequence_sdpa():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lengths = [100, 37, 300, 1]
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, n, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+               for n in (8, 2, 2))
+    cu = torch.tensor([0, 100, 137, 437, 438], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=300, max_seqlen_kv=300)
+    module = _module(heads=8, groups=2, hd=64).cuda()
+    ours = module(q, k, v, None, packed_seq_params=params)
+    ref = torch.cat([module(q[a:b].unsqueeze(1), k[a:b].unsqueeze(1), v[a:b].unsqueeze(1),
+                            None)[:, 0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    assert (ours.float() - ref.float()).abs().max().item() < 2e-2

@@ -134,3 +134,14 @@ def test_stage_layers_match_megatron(layers, pp, first, last):
         assert ours == range(offset, offset + count), rank
         covered += list(ours)
     assert covered == list(range(layers))
+
+
+def test_hf_tensors_from_mcore_skips_heads_without_hf_names():
+    arch = _arch("qwen2")  # tied embeddings
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(256, arch.hidden_size, generator=g)
+    head = torch.randn(1, arch.hidden_size, generator=g)
+    out = dict(wm.hf_tensors_from_mcore(arch, [("embedding.word_embeddings.weight", emb),
+                                               ("output_layer.weight", head)], role="critic"))
+    assert list(out) == ["model.embed_tokens.weight"]
+    assert torch.equal(out["model.embed_tokens.weight"], emb[:250])

@@ -35,7 +35,7 @@ class HFCheckpoint:
         else:
             raise FileNotFoundError(f"{self.hf_dir}: no model.safetensors or "
                                     "model.safetensors.index.json (only safetensors are supported)")
-        self._meta: dict[str, tuple[list[int], str]] = {}
+        self._headers: dict[str, tuple[list[int], torch.dtype]] | None = None
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -46,17 +46,19 @@ class HFCheckpoint:
         return self.files[name]
 
     def shape_dtype(self, name: str) -> tuple[list[int], torch.dtype]:
-        """Shape and dtype from the safetensors header (reads no data)."""
-        if not self._meta:
-            for path in sorted(set(self.files.values())):
-                with safe_open(path, "pt") as f:
+        """Shape and dtype from the safetensors headers (reads no tensor data)."""
+        path = self._file(name)
+        if self._headers is None:
+            self._headers = {}
+            for shard in sorted(set(self.files.values())):
+                with safe_open(shard, "pt") as f:
                     for key in f.keys():
                         sl = f.get_slice(key)
-                        self._meta[key] = (list(sl.get_shape()), sl.get_dtype())
-        shape, dtype = self._meta[name] if name in self._meta else (None, None)
-        if shape is None:
-            self._file(name)  # raises with the file name
-        return shape, _SAFETENSORS_DTYPES[dtype]
+                        self._headers[key] = (list(sl.get_shape()),
+                                              _SAFETENSORS_DTYPES[sl.get_dtype()])
+        if name not in self._headers:
+            raise KeyError(f"{path}: tensor {name!r} is listed in the index but not in the file")
+        return self._headers[name]
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int = -1) -> torch.Tensor:
         """Tensor `name`, or its [start, stop) range along `dim` (stop -1: to the end).
@@ -70,6 +72,20 @@ class HFCheckpoint:
             sl = f.get_slice(name)
             index = (slice(None),) * dim + (slice(start, None if stop == -1 else stop),)
             return sl[index]
+
+
+def resolve_hf_dir(path_or_id: str) -> str:
+    """A local HF directory as is; otherwise a hub id, downloaded (config, safetensors and
+    tokenizer files only) through huggingface_hub into its cache. Needs network for a hub id."""
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise FileNotFoundError(f"{path_or_id}: not a directory, and huggingface_hub is not "
+                                "installed to resolve it as a hub id") from e
+    return snapshot_download(path_or_id, allow_patterns=[
+        "*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"])
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -196,6 +196,20 @@ def mcore_to_hf(pm: ParamMap, arch: HFArch, full: torch.Tensor) -> dict[str, tor
     if pm.kind == "vocab":
         return {pm.hf[0]: full[: arch.vocab_size].contiguous()}
     return {pm.hf[0]: full}
+
+
+def hf_tensors_from_mcore(arch: HFArch, full_params: Iterable[tuple[str, torch.Tensor]],
+                          role: str = "actor") -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (HF name, tensor) from (canonical name, full TP=1 tensor) pairs, in any order.
+
+    For weight export (rollout, converters): parameters without an HF counterpart (a critic's
+    value head, the last stage's copy of a tied embedding) are skipped.
+    """
+    maps = {pm.mcore: pm for pm in param_maps(arch, role)}
+    for name, full in full_params:
+        pm = maps.get(name)
+        if pm is not None:
+            yield from mcore_to_hf(pm, arch, full).items()
 
 
 # --------------------------------------------------------------------------------------------
