@@ -7,16 +7,20 @@ cosine decay (so the LR differs every step and a lost scheduler state shows in t
 torch's, Python's and numpy's global generators, so a resume that restored any of them wrongly
 gives different data and different losses.
 
-As a script it trains on `--world` spawned gloo ranks (no torchrun), checkpointing with
-verl_mcore.engine.checkpoint, and appends {"step", "loss"} per step to `--log` after that step's
-checkpoint is committed:
+As a script it trains on `--world` gloo ranks (1: in the script's own process; more: spawned;
+no torchrun), checkpointing with verl_mcore.engine.checkpoint, and appends {"step", "loss"} per
+step to `--log` after that step's checkpoint is committed ({"resumed_from": step} on resume):
 
-    python tests/engine/checkpoint_trainer.py --root R --log L --steps 6 --world 2 [--resume]
-        [--crash-in-save-at K]   SIGKILL every rank inside the save of step K, after all its
-                                 files are written and before the commit (rename)
+    python tests/engine/checkpoint_trainer.py --root R --log L --steps 6 [--world 2] [--resume]
+        [--async-save] [--pause-in-save-at K]
 
-The spawned ranks re-import this file, hence the __main__ guard (the checkpoint writer's spawn
-Manager needs it too).
+--pause-in-save-at K: inside the save of step K, once every rank's files are written and before
+the commit (rename), create the file L.paused and sleep, so a test can SIGKILL the run half-way
+through a save.
+
+Spawned processes (the ranks, and the checkpoint writer's spawn Manager) re-import this file:
+hence the __main__ guard, and torch / numpy / megatron imported only inside functions, so that
+the Manager's re-import costs no time.
 """
 from __future__ import annotations
 
@@ -24,11 +28,8 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
-
-import numpy as np
-import torch
+import time
 
 SEED = 1234
 GLOBAL_BATCH = 4
@@ -39,6 +40,7 @@ TOTAL_STEPS = 8  # LR schedule length
 def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
     """(chunks, optimizer, scheduler) of the tiny GPT at TP × PP (DP = the rest), same initial
     weights at every layout. (Re-)initialises megatron's parallel_state (the caller destroys it)."""
+    import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -81,13 +83,20 @@ def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
 
 
 def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
-def next_batch() -> dict[str, torch.Tensor]:
-    """tokens/labels [GLOBAL_BATCH, SEQ] drawn from the global torch, Python and numpy RNGs."""
+def next_batch() -> dict:
+    """tokens/labels [GLOBAL_BATCH, SEQ] int64, drawn from the global torch, Python and numpy
+    RNGs."""
+    import numpy as np
+    import torch
+
     from tests.distributed import tiny_gpt
 
     tokens = torch.randint(0, tiny_gpt.VOCAB, (GLOBAL_BATCH, tiny_gpt.SEQ + 1))
@@ -100,6 +109,7 @@ def next_batch() -> dict[str, torch.Tensor]:
 
 def train_step(chunks, optimizer, scheduler, batch) -> float:
     """One optimizer step on the global batch; the global token-mean loss (same on all ranks)."""
+    import torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -137,6 +147,8 @@ def train_step(chunks, optimizer, scheduler, batch) -> float:
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from verl_mcore.engine import checkpoint
@@ -152,16 +164,18 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
             step = loaded.extra_state["step"]
             assert loaded.extra_state["data_position"] == step * GLOBAL_BATCH
             _log(rank, args.log, {"resumed_from": step})
-    if args.crash_in_save_at is not None:
+    if args.pause_in_save_at is not None:
         commit = ckpt._commit
 
-        def crashing_commit(pending, meta):
-            if pending.step == args.crash_in_save_at:
+        def pausing_commit(pending, meta):
+            if pending.step == args.pause_in_save_at:
                 torch.distributed.barrier()  # all ranks have written their files
-                os.kill(os.getpid(), signal.SIGKILL)
+                if rank == 0:
+                    open(args.log + ".paused", "w").close()
+                time.sleep(3600)  # until the test kills the run
             commit(pending, meta)
 
-        ckpt._commit = crashing_commit
+        ckpt._commit = pausing_commit
     while step < args.steps:
         loss = train_step(chunks, optimizer, scheduler, next_batch())
         step += 1
@@ -199,7 +213,7 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--async-save", action="store_true")
-    parser.add_argument("--crash-in-save-at", type=int, default=None)
+    parser.add_argument("--pause-in-save-at", type=int, default=None)
     args = parser.parse_args(argv)
 
     if args.world == 1:
