@@ -123,15 +123,16 @@ class JsonlTracker:
 
 
 class ConsoleTracker:
-    KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
-            "response_length/mean", "perf/throughput")
+    KEYS = (("score", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
+            ("entropy", "actor/entropy"), ("kl", "actor/ppo_kl"),
+            ("resp_len", "response_length/mean"), ("tok/s/gpu", "perf/throughput"))
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stdout
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        shown = [f"{k.split('/', 1)[-1] if k.count('/') == 1 else k}={metrics[k]:.4g}"
-                 for k in self.KEYS if k in metrics]
+        shown = [f"{label}={metrics[k]:.4g}" for label, k in self.KEYS if k in metrics]
+        shown += [f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("val/")]
         print(f"[step {step}] " + " ".join(shown), file=self.stream, flush=True)
 
     def close(self) -> None:

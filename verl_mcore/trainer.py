@@ -108,6 +108,7 @@ class Trainer:
             self.train_data, self.val_data = build.build_datasets(cfg, self.info)
             self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
         self.rewards = build.build_reward_manager(cfg)
+        self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
         self.checkpoints = build.build_checkpointers(cfg, self.run_dir)
         self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,

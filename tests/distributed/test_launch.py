@@ -96,7 +96,8 @@ def test_pmi_env_broadcasts_master_from_rank0():
 
 def test_single_process_default():
     info = detect_launch({})
-    assert (info.rank, info.world_size, info.launcher) == (0, 1, "single")
+    assert (info.rank, info.world_size, info.launcher) == (0, 1, "single") and info.master_port > 0
+    assert detect_launch({"MASTER_PORT": "4321"}).master_port == 4321
 
 
 def test_bad_integer_names_variable():

@@ -53,7 +53,7 @@ def test_jsonl_always_on_and_rank0_only(tmp_path):
     t.close()
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["bad"] is None
-    assert "score/mean=0.5" in (tmp_path / "c.txt").read_text()
+    assert "score=0.5" in (tmp_path / "c.txt").read_text()
     other = tmp_path / "r1"
     Tracking(["console"], str(other), rank=1).log(1, {"a": 1.0})
     assert not other.exists()

@@ -109,8 +109,10 @@ def detect_launch(env: Optional[Mapping[str, str]] = None, mpi_comm=None) -> Lau
                                ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", "PMIX_SIZE")]:
         if rank_var in env:
             return _from_mpi(env, rank_var, size_var, mpi_comm)
+    # One process rendezvous with itself: any free port does, so two runs on one machine
+    # (or a run beside a test) never collide on a fixed port.
     return LaunchInfo(0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"),
-                      _int(env, "MASTER_PORT") or DEFAULT_PORT, "single")
+                      _int(env, "MASTER_PORT") or _free_port(), "single")
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
