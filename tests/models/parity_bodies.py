@@ -89,3 +89,24 @@ def packed_body(rank: int, world_size: int, hf_dir: str, lengths: list[int]):
         alone = torch.cat([model(s.unsqueeze(0), torch.arange(len(s)).unsqueeze(0), None)[0]
                            for s in seqs])
     return {"packed": packed, "alone": alone}
+
+
+def save_body(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ckpt_dir: str):
+    """Build at TP x PP from the HF dir and save with megatron's own dist_checkpointing.save."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.models.hf_config import read_hf_arch, transformer_config
+    from verl_mcore.models.hf_weights import load_hf_weights
+
+    setup_megatron(tp, pp)
+    arch = read_hf_arch(hf_dir)
+    model = build_gpt_model(arch, transformer_config(arch, tp=tp, pp=pp, dtype="fp32"))
+    load_hf_weights(model, arch, hf_dir)
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    return None
