@@ -110,6 +110,12 @@ def engine_body(rank, world_size, hf_dir: str, tp_gen: int):
             NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp))
         res["sequence_parallel_flags"] = len(flagged)
         res["sequence_parallel_restored"] = all(getattr(m, f) is True for m, f in flagged)
+        # Different prompts on the ranks of one group: an error on every rank, not a hang.
+        try:
+            engine.generate(PROMPTS if rank == 0 else PROMPTS[:2], SamplingParams())
+            res["mismatch_error"] = None
+        except ValueError as e:
+            res["mismatch_error"] = "different prompts" in str(e)
     return res
 
 

@@ -63,6 +63,7 @@ def test_native_engine_tp2_identical_ranks(hf_model):
     _check_engine(results[0], tokens, logps)
     assert [o[2] for o in results[0]["greedy_sequence_parallel"]] == tokens
     assert results[0]["sequence_parallel_restored"] and results[0]["sequence_parallel_flags"] > 10
+    assert results[0]["mismatch_error"] is True
     assert results[1] == results[0]  # every TP rank samples the same tokens (and log-probs)
 
 

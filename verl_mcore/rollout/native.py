@@ -24,6 +24,7 @@ bucket: small-batch decoding is otherwise dominated by per-kernel launch overhea
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 import warnings
@@ -380,6 +381,22 @@ class NativeEngine(RolloutEngine):
         finally:
             self.model.train(was_training)
 
+    def _check_same_call(self, prompts: list[list[int]], sp: SamplingParams) -> None:
+        """The ranks of a TP group decode in lockstep: different prompts would hang them in a
+        collective. One small all-gather per call turns that into an error on every rank."""
+        if self.tp_group is None:
+            return
+        digest = hashlib.sha1(repr((prompts, sp)).encode()).hexdigest()  # stable across processes
+        mine = (digest, len(prompts))
+        everyone = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(everyone, mine, group=self.tp_group)
+        if any(e != everyone[0] for e in everyone):
+            ranks = dist.get_process_group_ranks(self.tp_group)
+            raise ValueError(f"NativeEngine.generate: the ranks {ranks} of a generation TP group "
+                             f"were given different prompts or sampling parameters (prompt counts "
+                             f"{[e[1] for e in everyone]}); every rank of the group must pass the "
+                             "same ones")
+
     def _generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams
                   ) -> list[SampleOutput]:
         sp = sampling
@@ -391,6 +408,7 @@ class NativeEngine(RolloutEngine):
             if bad:
                 raise ValueError(f"NativeEngine.generate: prompt {i} has token ids outside the "
                                  f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        self._check_same_call(prompts, sp)
         if not prompts:
             return []
         start = time.perf_counter()
