@@ -34,6 +34,9 @@ SHAPES = {
     # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B)
     "1.5b": dict(num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_heads=12, num_kv_heads=2,
                  head_dim=128, vocab_size=151936, tie_embeddings=True, theta=1e6),
+    # Qwen2.5-3B (config.json of Qwen/Qwen2.5-3B)
+    "3b": dict(num_layers=36, hidden_size=2048, ffn_hidden_size=11008, num_heads=16, num_kv_heads=2,
+               head_dim=128, vocab_size=151936, tie_embeddings=True, theta=1e6),
     "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_heads=4, num_kv_heads=2,
                  head_dim=16, vocab_size=512, tie_embeddings=True, theta=1e6),
 }
@@ -82,6 +85,23 @@ def _batch(num: int, seq: int, vocab: int, seed: int):
     )
 
 
+def _matmul_ceiling(n: int = 8192, repeats: int = 10) -> float:
+    """bf16 dense matmul FLOP/s on random data, median of CUDA-event-timed repeats (same run)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / sorted(times)[len(times) // 2]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
@@ -127,14 +147,11 @@ def main(argv=None) -> dict:
     engine = MegatronEngine(provider, config, pg, dtype=args.dtype, optim=actor_cfg.optim,
                             recompute_activations=args.recompute, lr_decay_steps=args.warmup + args.iters)
     actor = Actor(engine, actor_cfg, mini_batch_size=args.samples)
-    batch = _batch(args.samples, args.seq, arch.vocab_size, args.seed)
-    tokens = int(batch.seq_lens.sum())
-    flops = sequence_flops(engine.config, actor.vocab_size, batch.seq_lens.tolist())
-    n_micro = len(engine.micro_batches(batch, max_tokens=actor_cfg.max_tokens_per_microbatch))
-
     cuda = torch.cuda.is_available()
-    times = []
+    # Fresh random sequences every update (same length distribution), median over updates.
+    per_update = []  # (seconds, tokens, model flops)
     for it in range(args.warmup + args.iters):
+        batch = _batch(args.samples, args.seq, arch.vocab_size, args.seed + it)
         if cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,15 +165,22 @@ def main(argv=None) -> dict:
         else:
             seconds = time.perf_counter() - t0
         if it >= args.warmup:
-            times.append(seconds)
-    mean = sum(times) / len(times)
+            per_update.append((seconds, int(batch.seq_lens.sum()),
+                               sequence_flops(engine.config, actor.vocab_size, batch.seq_lens.tolist())))
+    n_micro = len(engine.micro_batches(batch, max_tokens=actor_cfg.max_tokens_per_microbatch))
+    rates = sorted(per_update, key=lambda u: u[2] / u[0])
+    seconds, tokens, flops = rates[len(rates) // 2]  # the median update by achieved FLOP/s
+    mean = seconds
     peak = peak_flops()
+    ceiling = _matmul_ceiling() if cuda else None
     result = {
         "shape": args.shape, "seq": args.seq, "samples": args.samples, "tokens_per_update": tokens,
         "micro_batches": n_micro, "max_tokens": actor_cfg.max_tokens_per_microbatch, "dtype": args.dtype,
-        "recompute": args.recompute, "seconds_per_update": mean, "min_seconds": min(times),
+        "recompute": args.recompute, "seconds_per_update": mean, "min_seconds": min(u[0] for u in per_update),
         "tokens_per_s": tokens / mean, "model_tflops_per_update": flops / 1e12,
         "achieved_tflops": flops / mean / 1e12, "mfu": (flops / mean / peak) if peak else None,
+        "matmul_ceiling_tflops": ceiling / 1e12 if ceiling else None,
+        "mfu_vs_matmul_ceiling": (flops / mean / ceiling) if ceiling else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "grad_norm": summary["actor/grad_norm"], "loss": summary["actor/loss"],
