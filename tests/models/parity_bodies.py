@@ -19,7 +19,8 @@ def setup_megatron(tp: int, pp: int, seed: int = 0) -> None:
 def logits_body(rank: int, world_size: int, hf_dir: str, source: str, tp: int, pp: int,
                 role: str, tokens: torch.Tensor, ckpt_dir: str | None = None,
                 core_attention: str = "sdpa"):
-    """Build `role` at TP x PP from `source` ("hf" dir or "ckpt" dist checkpoint).
+    """Build `role` at TP x PP from `source`: "hf" (weights from the HF dir), "ckpt" (dist
+    checkpoint, config from the HF dir) or "ckpt_only" (dist checkpoint alone).
 
     Returns {"out": gathered outputs on the last stage's TP rank 0 (None elsewhere),
     "read_bytes": bytes this rank read from the HF files, "head": a scalar head's weight}.
@@ -27,35 +28,28 @@ def logits_body(rank: int, world_size: int, hf_dir: str, source: str, tp: int, p
     from megatron.core import parallel_state
 
     from tools.convert_hf.verify import megatron_logits
-    from verl_mcore.models.checkpoint import load_dist_checkpoint
-    from verl_mcore.models.gpt import build_gpt_model
-    from verl_mcore.models.hf_config import read_hf_arch, transformer_config
-    from verl_mcore.models.hf_weights import load_hf_weights
-
     from verl_mcore.models.hf_weights import HFCheckpoint
+    from verl_mcore.models.load import build_and_load
 
     setup_megatron(tp, pp)
-    arch = read_hf_arch(hf_dir)
-    model = build_gpt_model(arch, transformer_config(arch, tp=tp, pp=pp, dtype="fp32"), role=role,
-                            core_attention=core_attention)
+    # Count what this rank reads from the HF files: only its own slice should be read.
     read_bytes = 0
-    if source == "hf":
-        # Count what this rank reads from the HF files: only its own slice should be read.
-        original = HFCheckpoint.read
+    original = HFCheckpoint.read
 
-        def counting_read(self, *args, **kwargs):
-            nonlocal read_bytes
-            t = original(self, *args, **kwargs)
-            read_bytes += t.numel() * t.element_size()
-            return t
+    def counting_read(self, *args, **kwargs):
+        nonlocal read_bytes
+        t = original(self, *args, **kwargs)
+        read_bytes += t.numel() * t.element_size()
+        return t
 
-        HFCheckpoint.read = counting_read
-        try:
-            load_hf_weights(model, arch, hf_dir, role=role)
-        finally:
-            HFCheckpoint.read = original
-    else:
-        load_dist_checkpoint(model, ckpt_dir, role=role)
+    HFCheckpoint.read = counting_read
+    try:
+        # "ckpt_only": the architecture too comes from the checkpoint's stored config.json.
+        model, _ = build_and_load(role, hf_path=None if source == "ckpt_only" else hf_dir,
+                                  checkpoint=None if source == "hf" else ckpt_dir,
+                                  dtype="fp32", tp=tp, pp=pp, core_attention=core_attention)
+    finally:
+        HFCheckpoint.read = original
     head = None
     if role in ("critic", "reward") and parallel_state.is_pipeline_last_stage():
         head = model.output_layer.weight.detach().clone()

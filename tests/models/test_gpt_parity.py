@@ -89,13 +89,17 @@ def test_reward_model_from_sequence_classification(hf_dirs, tokens):
         assert _rel(ours, ref) <= TOL, (tp, pp)
 
 
-def test_critic_from_actor_checkpoint_has_fresh_head(hf_dirs, tokens):
-    """Critic = actor trunk + new scalar head: values = final hidden states @ head."""
+def test_critic_from_actor_checkpoint_has_fresh_head(hf_dirs, tokens, tmp_path):
+    """Critic = actor trunk + new scalar head: values = final hidden states @ head. Built from
+    the HF dir, and from a converted actor checkpoint alone."""
     import transformers
 
+    from tools.convert_hf.convert import convert_hf_to_mcore
+
     hf_dir = hf_dirs["qwen2"]
-    for tp, pp in [(1, 1), (1, 2)]:
-        ours, results = _run(hf_dir, "hf", tp, pp, "critic", tokens)
+    ckpt = convert_hf_to_mcore(hf_dir, str(tmp_path / "actor.mcore"), progress=False)
+    for source, tp, pp in [("hf", 1, 1), ("hf", 1, 2), ("ckpt_only", 2, 1)]:
+        ours, results = _run(hf_dir, source, tp, pp, "critic", tokens, ckpt_dir=ckpt)
         head = [r["head"] for r in results if r["head"] is not None][0]  # [1, H]
         model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         with torch.no_grad():

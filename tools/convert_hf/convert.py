@@ -30,8 +30,8 @@ from tools.convert_hf.safetensors_stream import write_safetensors
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint
+from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR as HF_CONFIG_SUBDIR
 
-HF_CONFIG_SUBDIR = "hf_config"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3

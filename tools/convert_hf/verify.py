@@ -90,9 +90,8 @@ def _rank_main(rank: int, world_size: int, port: int, hf_dir: str, ckpt_dir: str
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from verl_mcore.models.checkpoint import load_dist_checkpoint
-    from verl_mcore.models.gpt import build_gpt_model
-    from verl_mcore.models.hf_config import read_hf_arch, transformer_config
+    from verl_mcore.models.hf_config import read_hf_arch
+    from verl_mcore.models.load import build_and_load
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -113,8 +112,8 @@ def _rank_main(rank: int, world_size: int, port: int, hf_dir: str, ckpt_dir: str
     model_parallel_cuda_manual_seed(0)
     arch = read_hf_arch(hf_dir)
     role = "reward" if arch.num_labels is not None else "actor"
-    model = build_gpt_model(arch, transformer_config(arch, tp=tp, pp=pp, dtype="fp32"), role=role)
-    load_dist_checkpoint(model, ckpt_dir, role=role)
+    model, _ = build_and_load(role, hf_path=hf_dir, checkpoint=ckpt_dir, dtype="fp32", tp=tp,
+                              pp=pp)
     out = megatron_logits(model, tokens)
     if out is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         out = out[..., : arch.vocab_size] if role == "actor" else out
