@@ -18,7 +18,7 @@ def _run_steps(rank, world_size, signal_rank, signal_step, signum, total_steps):
                 os.kill(os.getpid(), signum)  # delivered like Slurm's: the process keeps running
             if guard.should_stop():
                 stopped_at = step
-                code = guard.preempted_exit(step)  # collective: rank 0 writes the marker first
+                code = guard.preempted_exit(step, rank)  # collective: rank 0 writes the marker first
                 marker = os.environ[MARKER_ENV]
                 seen = open(marker).read() if os.path.exists(marker) else None
                 break

@@ -106,19 +106,21 @@ class PreemptionGuard:
             log.warning("preemption requested (%s): stopping at this step boundary", name)
         return self._stop_agreed
 
-    def preempted_exit(self, step: int) -> int:
+    def preempted_exit(self, step: int, rank: Optional[int] = None) -> int:
         """Call on every rank once the checkpoint is complete; returns EXIT_PREEMPTED.
 
-        Rank 0 writes the launcher's marker file (when MARKER_ENV is set), then all ranks meet in
-        a barrier, so no rank exits before the marker exists: srun --kill-on-bad-exit kills the
-        remaining ranks as soon as the first one exits, and the step's exit code may then be
-        143 instead of 75.
+        Rank 0 (`rank`, default the global rank) writes the launcher's marker file (when
+        MARKER_ENV is set), then all ranks meet in a barrier, so no rank exits before the marker
+        exists: srun --kill-on-bad-exit kills the remaining ranks as soon as the first one exits,
+        and the step's exit code may then be 143 instead of 75.
         """
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if distributed else 0
         path = os.environ.get(MARKER_ENV)
-        if path and (not distributed or dist.get_rank() == 0):
+        if path and rank == 0:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
                 f.write(f"{step}\n")
