@@ -5,8 +5,6 @@ offsets megatron derives from each layer's global number, both directions load e
 """
 from __future__ import annotations
 
-import torch
-
 from tests.models import hf_factory, parity_bodies
 from tests.multiproc import run_on_ranks
 from tools.convert_hf.verify import prompts, transformers_logits

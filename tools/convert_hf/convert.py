@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from tqdm import tqdm
