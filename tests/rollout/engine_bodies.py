@@ -135,9 +135,12 @@ def sync_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int):
     train = build_gpt_model(arch, transformer_config(arch, tp=tp_train, dtype="fp32"), role="actor")
     load_hf_weights(train, arch, hf_dir, role="actor")
     rep = Repartitioner([train], gen, groups, gated_linear_unit=True)
-    engine = NativeEngine(gen, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=4,
-                          repartitioner=rep)
-    res = {"load": engine.load_weights()}
+    from verl_mcore.config import Config
+
+    rollout_cfg = Config.load(None, ["rollout.max_num_seqs=4"]).rollout
+    engine = NativeEngine.from_config(rollout_cfg, gen, vocab_size=arch.vocab_size, groups=groups,
+                                      repartitioner=rep)
+    res = {"load": engine.load_weights(), "slots": engine.max_num_seqs}
     trainer = model_logprobs_fn(train, arch.vocab_size, groups.train.tp)
     # Each generation replica checks its own prompts (as in training).
     prompts = PROMPTS[groups.gen_dp_rank::groups.layout.dp_gen]

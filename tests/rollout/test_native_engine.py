@@ -79,5 +79,6 @@ def test_weight_sync_check_after_repartition(hf_model):
         assert res["greedy"] == tokens
         assert res["buffer_released"] and res["greedy_after_wake"] == tokens
         assert res["load"]["rollout/repartition_bytes_received"] > 0
+        assert res["slots"] == 4
         # Rank 0's copy was corrupted; both ranks stop together.
         assert res["corrupt"] is not None and "logprob_check.max_abs_diff" in res["corrupt"], rank

@@ -204,6 +204,16 @@ class NativeEngine(RolloutEngine):
         self._graph_pool = None
         self.last_stats: dict[str, float] = {}
 
+    @classmethod
+    def from_config(cls, rollout_cfg, model: torch.nn.Module, *, vocab_size: int, groups,
+                    repartitioner=None) -> "NativeEngine":
+        """The engine for `rollout` config settings (max_num_seqs, gpu_memory_utilization,
+        keep_weights_buffer) on the generation TP group of `groups`."""
+        return cls(model, vocab_size=vocab_size, tp_group=groups.gen_tp, repartitioner=repartitioner,
+                   keep_weights_buffer=rollout_cfg.keep_weights_buffer,
+                   max_num_seqs=rollout_cfg.max_num_seqs,
+                   gpu_memory_utilization=rollout_cfg.gpu_memory_utilization)
+
     # ---------------------------------------------------------------- weights and memory
 
     def load_weights(self) -> dict[str, float]:
