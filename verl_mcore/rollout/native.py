@@ -261,6 +261,9 @@ class NativeEngine(RolloutEngine):
             slots = min(slots, fit)
         self.cache = torch.zeros(len(net.layers), 2, slots, net.groups, length, net.head_dim,
                                  dtype=net.dtype, device=net.device)
+        # RoPE tables cover the cache; they only grow here, where the graphs (which hold their
+        # addresses) were just dropped.
+        net.rope_tables(length)
         return slots
 
     def _bucket(self, length: int, cap: int) -> int:
@@ -429,7 +432,6 @@ class NativeEngine(RolloutEngine):
                              f"the model's max_position_embeddings {max_pos}")
         n_seq = len(prompts) * sp.n
         slots = self._ensure_cache(min(self.max_num_seqs, n_seq), max_len)
-        self.net.rope_tables(self.cache.shape[4])
         device = self.net.device
 
         seed = sp.seed if sp.seed is not None or sp.greedy else int(torch.randint(0, 2**62, ()).item())
