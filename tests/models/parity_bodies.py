@@ -104,3 +104,25 @@ def save_body(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ckpt_di
     torch.distributed.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     return None
+
+
+def critic_resume_body(rank: int, world_size: int, hf_dir: str, ckpt_dir: str):
+    """Save a critic (fresh head) with dist_checkpointing, resume it into a new critic: the head
+    must come back (not be re-initialised). Returns (restored, differs_from_a_fresh_head)."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from verl_mcore.models.checkpoint import load_dist_checkpoint
+    from verl_mcore.models.load import build_and_load
+
+    setup_megatron(1, 1)
+    saved, _ = build_and_load("critic", hf_path=hf_dir, dtype="fp32")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist_checkpointing.save(saved.sharded_state_dict(), ckpt_dir)
+    torch.manual_seed(123)  # a different fresh head than the saved one
+    resumed, _ = build_and_load("critic", hf_path=hf_dir, dtype="fp32")
+    fresh = resumed.output_layer.weight.detach().clone()
+    load_dist_checkpoint(resumed, ckpt_dir, role="critic")
+    head = saved.output_layer.weight
+    return (torch.equal(resumed.output_layer.weight, head), not torch.equal(fresh, head))

@@ -24,3 +24,11 @@ def test_megatron_saved_checkpoint_reshards_between_tp2_and_pp2(tmp_path):
         ours = [r["out"] for r in results if r["out"] is not None][0][..., :ref.shape[-1]]
         rel = ((ours - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-4, ((save_tp, save_pp), (load_tp, load_pp), rel)
+
+
+def test_critic_checkpoint_resumes_its_head(tmp_path):
+    hf_dir = hf_factory.save_tiny_model("qwen2", str(tmp_path / "hf"), seed=2)
+    restored, was_different = run_on_ranks(parity_bodies.critic_resume_body, 1,
+                                           args=(hf_dir, str(tmp_path / "critic")),
+                                           timeout=240)[0]
+    assert was_different and restored

@@ -12,9 +12,10 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike, role: str = "actor"
                          skip: Sequence[str] = ()) -> None:
     """Fill `model` (this rank's TP/PP slice) from the dist checkpoint at `ckpt_dir`.
 
-    A critic starts from an actor checkpoint: its scalar head (`output_layer.weight`) is not
-    read and keeps its fresh initialisation. Keys in `skip` (sharded-state-dict keys) are not
-    read either. Anything else missing from the checkpoint is an error (megatron names the key).
+    A critic's scalar head is read when the checkpoint has one of the same shape (resuming a
+    critic); from an actor checkpoint (an LM head or a tied embedding) it keeps its fresh
+    initialisation. Keys in `skip` (sharded-state-dict keys) are not read either. Anything else
+    missing from the checkpoint is an error (megatron names the key).
     """
     from megatron.core import dist_checkpointing
 
@@ -23,7 +24,7 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike, role: str = "actor"
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron dist checkpoint (no metadata.json)")
     sharded = model.sharded_state_dict()
     dropped = set(skip)
-    if role == "critic":
+    if role == "critic" and not _has_scalar_head(ckpt_dir, sharded.get("output_layer.weight")):
         dropped.add("output_layer.weight")
     for key in dropped:
         sharded.pop(key, None)
@@ -33,3 +34,14 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike, role: str = "actor"
     if missing or unexpected:
         raise KeyError(f"load_dist_checkpoint({ckpt_dir}): parameters not loaded {missing}, "
                        f"unexpected {unexpected}")
+
+
+def _has_scalar_head(ckpt_dir: str, head) -> bool:
+    """Whether the checkpoint stores an `output_layer.weight` shaped like this model's head."""
+    if head is None:
+        return False  # not the last pipeline stage
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata.get(
+        "output_layer.weight")
+    return stored is not None and tuple(stored.size) == tuple(head.global_shape)
