@@ -107,6 +107,9 @@ class Trainer:
         with self.watchdog.phase("load data"):
             self.train_data, self.val_data = build.build_datasets(cfg, self.info)
             self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
+        for role in (self.actor, self.critic):
+            if role is not None:
+                role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
         self.rewards = build.build_reward_manager(cfg)
         self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
@@ -194,6 +197,7 @@ class Trainer:
                 actor_metrics, _ = self.actor.update(batch)
             self.check_finite(step, "actor update", actor_metrics)
             metrics.update(actor_metrics)
+            metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics.update(sync_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
@@ -324,12 +328,24 @@ class Trainer:
         return m
 
     def check_finite(self, step: int, phase: str, metrics: dict) -> None:
+        """trainer.on_nonfinite=stop: a non-finite loss or grad norm stops the run, naming the
+        phase and the last good step. =skip: the engine already refused those optimizer steps
+        (engine.optimizer_step); they are counted in `actor/skipped` and `train/skipped_updates`."""
+        if self.cfg.trainer.on_nonfinite == "skip":
+            self.skipped_updates += int(round(metrics.get("actor/skipped", 0.0) *
+                                              max(1, self._updates_per_step())))
+            return
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)
                and (k.endswith("loss") or k.endswith("grad_norm"))]
         if bad:
             raise NonFiniteError(f"non-finite {bad} in the {phase} at step {step}; the last good "
                                  f"step is {self.last_good_step} (its checkpoint, if saved, is "
-                                 f"intact). Lower the learning rate or check the data/rewards.")
+                                 f"intact). Lower the learning rate or check the data/rewards, or "
+                                 f"set trainer.on_nonfinite=skip to skip such updates.")
+
+    def _updates_per_step(self) -> int:
+        a = self.cfg.actor
+        return a.ppo_epochs * (self.cfg.data.train_batch_size // a.ppo_mini_batch_size)
 
     # ------------------------------------------------------------------ validation
 

@@ -96,3 +96,54 @@ def test_trainer_four_ranks_tp2_pp2_gen_tp2(tiny_model, tmp_path, algo):
                          timeout=900, fresh=True)
     assert codes == [0, 0, 0, 0]
     _check_run(run_dir, algo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite losses: stop with the phase and last good step, or skip the update and count it.
+
+def _nan_reward_overrides(model_dir, run_dir, mode, tmp_path):
+    # A scorer that fails for half the digits, with a NaN fallback: NaN scores reach the loss.
+    fn = tmp_path / "nan_reward.py"
+    fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    if ground_truth in '01234':\n"
+                  "        raise ValueError('no score')\n"
+                  "    return 0.5\n")
+    return _overrides(model_dir, run_dir, "grpo", (1, 1, 1)) + [
+        f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score", "reward.fallback_score=.nan",
+        f"trainer.on_nonfinite={mode}",
+        "trainer.val_every=0", "checkpoint.save_every=0", "trainer.total_steps=2"]
+
+
+def _train_catch(rank, world_size, overrides):
+    from verl_mcore.config import Config
+    from verl_mcore.trainer import NonFiniteError, Trainer
+
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit(), None
+    except NonFiniteError as e:
+        return None, str(e)
+    finally:
+        trainer.finish()
+
+
+@pytest.mark.slow
+def test_nonfinite_stop_names_phase_and_last_good_step(tiny_model, tmp_path):
+    [(code, message)] = run_on_ranks(
+        _train_catch, 1, args=(_nan_reward_overrides(tiny_model, tmp_path / "r", "stop", tmp_path),),
+        timeout=300, fresh=True)
+    assert code is None and "actor update at step 1" in message and "last good step is 0" in message
+
+
+@pytest.mark.slow
+def test_nonfinite_skip_counts_and_keeps_weights_finite(tiny_model, tmp_path):
+    run_dir = tmp_path / "r"
+    [(code, message)] = run_on_ranks(
+        _train_catch, 1, args=(_nan_reward_overrides(tiny_model, run_dir, "skip", tmp_path),),
+        timeout=300, fresh=True)
+    assert code == 0 and message is None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["train/skipped_updates"] > 0
+    # the weights stayed finite: the second step's log-probs and entropy are finite
+    assert math.isfinite(rows[-1]["actor/old_entropy"])

@@ -120,6 +120,7 @@ class MegatronEngine:
 
         self.pg = pg_collection
         self.vocab_size = vocab_size
+        self.skip_nonfinite = False  # trainer.on_nonfinite=skip sets it (see optimizer_step)
         self.dtype = dtype
         self.config = role_config(config, dtype, recompute_activations)
         self.tp_size = self.pg.tp.size()
@@ -271,16 +272,36 @@ class MegatronEngine:
         """Step the optimizer and (when the step was taken) the LR schedule.
 
         Returns {"grad_norm": global norm before clipping, "lr": the LR this step used,
-        "skipped": 1.0 when fp16 loss scaling found inf/nan and skipped the step}.
+        "skipped": 1.0 when the step was not taken}. A step is skipped when fp16 loss scaling
+        finds inf/nan, and, with `skip_nonfinite` set (trainer.on_nonfinite=skip), whenever the
+        global gradient norm is not finite: megatron's clipping would otherwise scale every
+        gradient by nan and write nan into every weight. The norm is reduced over all model- and
+        data-parallel ranks, so every rank takes the same decision.
         """
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.optimizer.step()
+        if self.skip_nonfinite:
+            ok, grad_norm = self._guarded_step()
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         out = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr, "skipped": 0.0 if ok else 1.0}
         if self.dtype == "fp16":
             out["loss_scale"] = float(self.optimizer.get_loss_scale())
         return out
+
+    def _guarded_step(self) -> tuple[bool, Optional[float]]:
+        """megatron's MegatronOptimizer.step (prepare, clip, step) with a finiteness check of the
+        global grad norm before anything is written."""
+        if self.optimizer.prepare_grads():  # fp16 loss scaler found inf/nan
+            return False, None
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            return False, grad_norm
+        if self.optimizer.config.clip_grad > 0.0:
+            self.optimizer.clip_grad_norm(self.optimizer.config.clip_grad)
+        return bool(self.optimizer.step_with_ready_grads()), grad_norm
 
     # ------------------------------------------------------------------ reductions
 
