@@ -430,99 +430,126 @@ class NativeEngine(RolloutEngine):
         if max_pos is not None and max_len > max_pos:
             raise ValueError(f"NativeEngine.generate: prompt + max_new_tokens = {max_len} exceeds "
                              f"the model's max_position_embeddings {max_pos}")
-        n_seq = len(prompts) * sp.n
-        slots = self._ensure_cache(min(self.max_num_seqs, n_seq), max_len)
-        device = self.net.device
-
-        seed = sp.seed if sp.seed is not None or sp.greedy else int(torch.randint(0, 2**62, ()).item())
-        keys = sampling_mod.sequence_keys(seed or 0, np.repeat(np.arange(len(prompts)), sp.n),
-                                          np.tile(np.arange(sp.n), len(prompts)))
-        stop = set(sp.stop_token_ids)
-        waiting = deque(range(n_seq))  # sequence s = prompt s // n, sample s % n
-        out_tokens: list[list[int]] = [[] for _ in range(n_seq)]
-        out_logp: list[list[float]] = [[] for _ in range(n_seq)]
-        finish: list[Optional[str]] = [None] * n_seq
-        slot_seq = [-1] * slots  # sequence held by each slot (-1: free)
-        pos = np.zeros(slots, dtype=np.int64)  # position of the token fed at the next step
-        last = np.zeros(slots, dtype=np.int64)  # that token
-        steps = decode_steps = prefill_tokens = 0
-
-        def record(seq_ids, toks, lps, slot_ids):
-            """Append one sampled token per sequence; free the slots of finished ones."""
-            for j, (s, slot) in enumerate(zip(seq_ids, slot_ids)):
-                t = int(toks[j])
-                out_tokens[s].append(t)
-                if lps is not None:
-                    out_logp[s].append(float(lps[j]))
-                if t in stop:
-                    finish[s] = "stop"
-                elif len(out_tokens[s]) >= sp.max_new_tokens:
-                    finish[s] = "length"
-                if finish[s] is not None:
-                    slot_seq[slot] = -1
-                else:
-                    last[slot] = t
-
-        while waiting or any(s >= 0 for s in slot_seq):
-            free = [i for i, s in enumerate(slot_seq) if s < 0]
-            if waiting and free:
-                # Admit whole prompts' worth of sequences up to the free slots and token budget.
-                admitted, budget = [], self.max_prefill_tokens
-                while waiting and len(admitted) < len(free):
-                    s = waiting[0]
-                    new_prompt = not admitted or s // sp.n != admitted[-1] // sp.n
-                    cost = len(prompts[s // sp.n]) if new_prompt else 0
-                    if admitted and cost > budget:
-                        break
-                    budget -= cost
-                    admitted.append(waiting.popleft())
-                seq_slots = free[: len(admitted)]
-                firsts: dict[int, int] = {}  # prompt -> slot of its first admitted sample
-                for s, slot in zip(admitted, seq_slots):
-                    firsts.setdefault(s // sp.n, slot)
-                uniq = list(firsts)
-                first_slots = torch.as_tensor([firsts[p] for p in uniq], device=device)
-                logits = self._prefill([prompts[p] for p in uniq], first_slots)
-                prefill_tokens += sum(len(prompts[p]) for p in uniq)
-                # The other samples of a prompt share its prompt cache: copy the rows.
-                dup = [(firsts[s // sp.n], slot) for s, slot in zip(admitted, seq_slots)
-                       if slot != firsts[s // sp.n]]
-                if dup:
-                    src = torch.as_tensor([a for a, _ in dup], device=device)
-                    dst = torch.as_tensor([b for _, b in dup], device=device)
-                    plen = max(len(prompts[p]) for p in uniq)
-                    self.cache[:, :, dst, :, :plen] = self.cache[:, :, src, :, :plen]
-                row = {p: i for i, p in enumerate(uniq)}
-                rows = torch.as_tensor([row[s // sp.n] for s in admitted], device=device)
-                u = None if sp.greedy else sampling_mod.uniforms(
-                    keys[admitted], np.zeros(len(admitted), dtype=np.int64))
-                toks, lps = self._pick(logits[rows], sp, u)
-                for s, slot in zip(admitted, seq_slots):
-                    slot_seq[slot] = s
-                    pos[slot] = len(prompts[s // sp.n])
-                record(admitted, toks.tolist(), None if lps is None else lps.tolist(), seq_slots)
-                continue  # admit more before decoding, if slots freed up (e.g. max_new_tokens=1)
-            active = [i for i, s in enumerate(slot_seq) if s >= 0]
-            length = self._bucket(int(pos[active].max()) + 1, self.cache.shape[4])
-            tokens_t = torch.from_numpy(last).to(device)
-            pos_t = torch.from_numpy(pos).to(device)
-            logits = self._decode(tokens_t, pos_t, length)
-            seq_ids = [slot_seq[i] for i in active]
-            u = None if sp.greedy else sampling_mod.uniforms(
-                keys[seq_ids], np.array([len(out_tokens[s]) for s in seq_ids], dtype=np.int64))
-            act = torch.as_tensor(active, device=device)
-            toks, lps = self._pick(logits[act], sp, u)
-            pos[active] += 1
-            record(seq_ids, toks.tolist(), None if lps is None else lps.tolist(), active)
-            decode_steps += 1
-        steps = sum(len(t) for t in out_tokens)
+        slots = self._ensure_cache(min(self.max_num_seqs, len(prompts) * sp.n), max_len)
+        seed = sp.seed
+        if seed is None and not sp.greedy:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        st = _Schedule(prompts, sp, slots, seed or 0)
+        while st.waiting or st.any_active():
+            if st.waiting and st.free_slots():
+                self._admit(st)  # then admit again if slots freed up (e.g. max_new_tokens = 1)
+            else:
+                self._step(st)
         self.last_stats = {"rollout/seconds": time.perf_counter() - start,
-                           "rollout/response_tokens": float(steps),
-                           "rollout/prefill_tokens": float(prefill_tokens),
-                           "rollout/decode_steps": float(decode_steps),
+                           "rollout/response_tokens": float(sum(map(len, st.tokens))),
+                           "rollout/prefill_tokens": float(st.prefill_tokens),
+                           "rollout/decode_steps": float(st.decode_steps),
                            "rollout/slots": float(slots)}
         return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
-                             token_ids=out_tokens[s],
-                             logprobs=out_logp[s] if sp.logprobs else None,
-                             finish_reason=finish[s])
-                for s in range(n_seq)]
+                             token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
+                             finish_reason=st.finish[s])
+                for s in range(st.n_seq)]
+
+    def _admit(self, st: "_Schedule") -> None:
+        """Prefill waiting sequences into free slots and sample their first tokens."""
+        sp, n, device = st.sp, st.sp.n, self.net.device
+        free = st.free_slots()
+        # Whole prompts' worth of sequences, up to the free slots and the prompt-token budget.
+        admitted, budget = [], self.max_prefill_tokens
+        while st.waiting and len(admitted) < len(free):
+            s = st.waiting[0]
+            cost = len(st.prompts[s // n]) if not admitted or s // n != admitted[-1] // n else 0
+            if admitted and cost > budget:
+                break
+            budget -= cost
+            admitted.append(st.waiting.popleft())
+        seq_slots = free[: len(admitted)]
+        firsts: dict[int, int] = {}  # prompt -> slot of its first admitted sample
+        for s, slot in zip(admitted, seq_slots):
+            firsts.setdefault(s // n, slot)
+        uniq = list(firsts)
+        logits = self._prefill([st.prompts[p] for p in uniq],
+                               torch.as_tensor([firsts[p] for p in uniq], device=device))
+        st.prefill_tokens += sum(len(st.prompts[p]) for p in uniq)
+        # The other samples of a prompt share its prompt cache: copy the rows.
+        dup = [(firsts[s // n], slot) for s, slot in zip(admitted, seq_slots)
+               if slot != firsts[s // n]]
+        if dup:
+            src = torch.as_tensor([a for a, _ in dup], device=device)
+            dst = torch.as_tensor([b for _, b in dup], device=device)
+            plen = max(len(st.prompts[p]) for p in uniq)
+            self.cache[:, :, dst, :, :plen] = self.cache[:, :, src, :, :plen]
+        row = {p: i for i, p in enumerate(uniq)}
+        rows = torch.as_tensor([row[s // n] for s in admitted], device=device)
+        for s, slot in zip(admitted, seq_slots):
+            st.slot_seq[slot] = s
+            st.pos[slot] = len(st.prompts[s // n])
+        toks, lps = self._pick(logits[rows], sp, st.uniforms(admitted))
+        st.record(admitted, seq_slots, toks.tolist(), None if lps is None else lps.tolist())
+
+    def _step(self, st: "_Schedule") -> None:
+        """One decoding step of every slot; sample for the active ones."""
+        device = self.net.device
+        active = st.active_slots()
+        length = self._bucket(int(st.pos[active].max()) + 1, self.cache.shape[4])
+        logits = self._decode(torch.from_numpy(st.last).to(device),
+                              torch.from_numpy(st.pos).to(device), length)
+        seq_ids = [st.slot_seq[i] for i in active]
+        toks, lps = self._pick(logits[torch.as_tensor(active, device=device)], st.sp,
+                               st.uniforms(seq_ids))
+        st.pos[active] += 1
+        st.record(seq_ids, active, toks.tolist(), None if lps is None else lps.tolist())
+        st.decode_steps += 1
+
+
+class _Schedule:
+    """Host-side state of one generate call: which sequence sits in which slot, its next input
+    token and position, and what each sequence has produced. Sequence s is sample s % n of
+    prompt s // n."""
+
+    def __init__(self, prompts: list[list[int]], sp: SamplingParams, slots: int, seed: int):
+        self.prompts, self.sp = prompts, sp
+        self.n_seq = len(prompts) * sp.n
+        self.keys = sampling_mod.sequence_keys(seed, np.repeat(np.arange(len(prompts)), sp.n),
+                                               np.tile(np.arange(sp.n), len(prompts)))
+        self.stop = set(sp.stop_token_ids)
+        self.waiting = deque(range(self.n_seq))
+        self.tokens: list[list[int]] = [[] for _ in range(self.n_seq)]
+        self.logprobs: list[list[float]] = [[] for _ in range(self.n_seq)]
+        self.finish: list[Optional[str]] = [None] * self.n_seq
+        self.slot_seq = [-1] * slots  # sequence held by each slot (-1: free)
+        self.pos = np.zeros(slots, dtype=np.int64)  # position of the token fed at the next step
+        self.last = np.zeros(slots, dtype=np.int64)  # that token
+        self.prefill_tokens = self.decode_steps = 0
+
+    def free_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slot_seq) if s < 0]
+
+    def active_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slot_seq) if s >= 0]
+
+    def any_active(self) -> bool:
+        return any(s >= 0 for s in self.slot_seq)
+
+    def uniforms(self, seq_ids: list[int]) -> Optional[np.ndarray]:
+        """Each sequence's random number for its next token (None for greedy)."""
+        if self.sp.greedy:
+            return None
+        steps = np.array([len(self.tokens[s]) for s in seq_ids], dtype=np.int64)
+        return sampling_mod.uniforms(self.keys[seq_ids], steps)
+
+    def record(self, seq_ids, slot_ids, toks, lps) -> None:
+        """Append one sampled token per sequence; free the slots of finished ones."""
+        for j, (s, slot) in enumerate(zip(seq_ids, slot_ids)):
+            t = int(toks[j])
+            self.tokens[s].append(t)
+            if lps is not None:
+                self.logprobs[s].append(float(lps[j]))
+            if t in self.stop:
+                self.finish[s] = "stop"
+            elif len(self.tokens[s]) >= self.sp.max_new_tokens:
+                self.finish[s] = "length"
+            if self.finish[s] is not None:
+                self.slot_seq[slot] = -1
+            else:
+                self.last[slot] = t
