@@ -165,3 +165,35 @@ def test_hung_rank_fails_fast_naming_each_ranks_phase(slurm, job_dir):
     assert re.search(r"\[rank 0\].*phase 'actor_update', operation 'all_reduce grads', step 2", log), log
     assert "scontrol requeue" not in log and "the job step failed" in log
     assert [m["step"] for m in _metrics(job_dir)] == [0, 1]
+
+
+REAL_TRAINER_ENV = "VERL_MCORE_SLURM_REAL_TRAINER"
+
+
+@pytest.mark.skipif(os.environ.get(REAL_TRAINER_ENV) != "1",
+                    reason=f"the real-trainer Slurm case takes ~2.5 min on 2 cores: set {REAL_TRAINER_ENV}=1")
+def test_quickstart_trainer_preempts_requeues_and_resumes(slurm, tmp_path):
+    """The same as case 2 with `python -m verl_mcore.train` on configs/quickstart.yaml, 2 ranks."""
+    model = tmp_path / "tiny_model"
+    subprocess.run([shutil.which("python") or "python", "-m", "tools.make_tiny_model", "--out", str(model)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    env = dict(slurm, VERL_MCORE_ROOT=str(ROOT), VERL_MCORE_MODULE="verl_mcore.train",
+               PYTHON=shutil.which("python") or "python")
+    run_dir = tmp_path / "run"
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", str(RECIPE), "configs/quickstart.yaml", f"model.path={model}",
+         "trainer.total_steps=30", f"trainer.run_dir={run_dir}", "checkpoint.save_every=0",
+         "trainer.val_every=0"],
+        cwd=tmp_path, env=env, check=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    out = tmp_path / f"stand_in-{job_id}.out"
+    deadline = time.monotonic() + 300
+    while "[step 3]" not in (out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline, _log(tmp_path, job_id)
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True, timeout=30)
+    info = _wait_done(slurm, job_id, tmp_path)
+    log = _log(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert "exiting with 75 (EXIT_PREEMPTED)" in log and "resumed from step" in log
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 31)), steps
