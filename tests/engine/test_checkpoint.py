@@ -1,4 +1,4 @@
-"""Checkpoint directory logic (no megatron): completeness, `latest`, fallback, rotation; RNG capture.
+"""Checkpoint directory logic (no megatron): completeness, `latest`, fallback, rotation; RNG.
 
 The checkpoints here are fakes with the files `is_complete` looks at; real saves and loads are in
 test_checkpoint_layouts.py (gloo ranks) and test_checkpoint_resume.py (killed training runs).

@@ -131,3 +131,32 @@ def test_async_save_commits_on_finalize_with_values_of_its_step(tmp_path):
         assert r["early"] is None
         assert os.path.basename(r["committed"]) == "step_00000001"
         assert r["same"] and r["step"] == 1
+
+
+def _load_with_mismatched_config(rank, world_size, root):
+    from megatron.core import parallel_state
+
+    from tests.distributed import tiny_gpt
+    from verl_mcore.distributed import cpu_compat
+    from verl_mcore.engine.checkpoint import Checkpointer
+
+    cpu_compat.install()
+    parallel_state.initialize_model_parallel(1, 2)
+    # parallel_state says PP=2, the config PP=1: every stage builds all layers. Unchecked, this
+    # reaches dist_checkpointing, which raises "Invalid access pattern" on rank 0 only and
+    # leaves rank 1 waiting in a collective.
+    model = tiny_gpt.build_model(tiny_gpt.make_config(tp=1, pp=1))
+    try:
+        Checkpointer(root).load([model])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_model_built_for_another_layout_fails_on_every_rank(tp2_checkpoint):
+    root, _ = tp2_checkpoint
+    errors = run_on_ranks(_load_with_mismatched_config, 2, (root,), timeout=TIMEOUT)
+    for rank, error in enumerate(errors):
+        assert error is not None and f"rank {rank}" in error
+        assert "pipeline_model_parallel_size=1 but parallel_state has 2" in error

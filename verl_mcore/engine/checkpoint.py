@@ -375,6 +375,8 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
     """{"model0": ..., "model1": ..., "optimizer": ...}. The keys inside are global tensor names
     (layer numbers offset by pipeline stage), so the dict nesting does not tie a checkpoint to a
     number of chunks."""
+    for chunk in model_chunks:
+        _check_layout_matches(_unwrap(chunk))
     model_sd = {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
     sharded = dict(model_sd)
     if optimizer is not None:
@@ -384,6 +386,33 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
             metadata={"distrib_optim_sharding_type": optimizer_sharding},
         )
     return sharded
+
+
+def _check_layout_matches(model: torch.nn.Module) -> None:
+    """Fail on every rank when the model was built for another layout than parallel_state's.
+
+    A PP=2 run whose TransformerConfig still says pipeline_model_parallel_size=1 builds every layer
+    on every stage; dist_checkpointing then sees each layer claimed twice and raises "Invalid
+    access pattern" on rank 0 only, while the other ranks wait in the next collective (a hang).
+    """
+    from megatron.core import parallel_state as ps
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    expected = {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+    }
+    wrong = {k: (getattr(config, k), v) for k, v in expected.items() if getattr(config, k) != v}
+    if wrong:
+        detail = ", ".join(
+            f"config.{k}={c} but parallel_state has {p}" for k, (c, p) in wrong.items()
+        )
+        raise ValueError(
+            f"checkpoint: rank {dist.get_rank()}: the model was built for another layout "
+            f"({detail}); build it with a TransformerConfig of the current layout"
+        )
 
 
 def _allocate_optimizer_state(optimizer: Any) -> None:
@@ -432,7 +461,8 @@ def _load_optimizer(optimizer: Any, state: dict) -> None:
     for opt, opt_state in parts:
         inner = getattr(opt, "optimizer", None)
         plain_adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
-        if not (isinstance(opt, DistributedOptimizer) and plain_adam and "param_state" in opt_state):
+        affected = isinstance(opt, DistributedOptimizer) and plain_adam
+        if not (affected and "param_state" in opt_state):
             opt.load_state_dict(opt_state)
             continue
         opt_state = dict(opt_state)
