@@ -5,11 +5,14 @@ offsets megatron derives from each layer's global number, both directions load e
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.models import hf_factory, parity_bodies
 from tests.multiproc import run_on_ranks
 from tools.convert_hf.verify import prompts, transformers_logits
 
 
+@pytest.mark.slow
 def test_megatron_saved_checkpoint_reshards_between_tp2_and_pp2(tmp_path):
     hf_dir = hf_factory.save_tiny_model("qwen3", str(tmp_path / "hf"), seed=4)
     tokens = prompts(hf_factory.COMMON["vocab_size"], seq_len=10)
