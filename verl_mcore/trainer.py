@@ -252,7 +252,7 @@ class Trainer:
                 samples.append((prompt_ids, row, response, finish))
                 group_ids.append(base + prompt_index)
             base += 1 + max((o[0] for o in part), default=-1)
-        return _make_rollout(samples, group_ids, self.info)
+        return make_rollout(samples, group_ids, self.info)
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rule / custom / model scores [B]: each rank scores a slice, then all-gather."""
@@ -420,7 +420,7 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------------
 
-def _make_rollout(samples, group_ids, info) -> Rollout:
+def make_rollout(samples, group_ids, info) -> Rollout:
     from verl_mcore.engine.batch import TrainBatch
 
     b = len(samples)

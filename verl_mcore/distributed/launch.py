@@ -197,13 +197,15 @@ def init_distributed(info: LaunchInfo, device: str = "auto", timeout_s: float = 
 
         cpu_compat.install()
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if info.world_size == 1:
+            # Nobody to meet: an in-memory store, no port to bind or to race for.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                    rank=info.rank, world_size=info.world_size, timeout=timeout)
     return "cuda" if use_cuda else "cpu"
 
 
