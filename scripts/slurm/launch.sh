@@ -11,9 +11,12 @@
 #      for the node and GPU counts.
 #   2. launch one task per GPU with srun (default), or one torchrun per node
 #      (VERL_MCORE_LAUNCHER=torchrun), running `python -m $VERL_MCORE_MODULE --config ... k=v ...`.
-#   3. forward SIGUSR1/SIGTERM (Slurm's pre-timeout warning from `#SBATCH --signal=B:USR1@N`,
-#      and preemption) to the job step and keep waiting for it; the trainer then finishes its
-#      step, writes a checkpoint and exits with EXIT_PREEMPTED (75).
+#   3. on SIGUSR1/SIGTERM to this shell (Slurm's pre-timeout warning from
+#      `#SBATCH --signal=B:USR1@N`, or `scancel --signal=USR1 --batch`), create the stop-request
+#      file $VERL_MCORE_STOP_REQUEST and keep waiting; the trainer's PreemptionGuard sees it at
+#      the next step boundary, writes a checkpoint and exits with EXIT_PREEMPTED (75). The signal
+#      is not forwarded: Slurm would deliver it to every process of the step, and the trainer's
+#      helper processes (reward workers, checkpoint writers) die of a SIGUSR1.
 #   4. on 75 (or the marker file rank 0 writes with it), `scontrol requeue` the job; the rerun
 #      resumes from the newest checkpoint (checkpoint.resume=auto). Exit 86 means the collective
 #      watchdog fired: not requeued, the log's WATCHDOG lines say where each rank was.
@@ -123,8 +126,7 @@ if [[ $launcher == srun ]]; then
     ${cpus:+--cpus-per-task="$cpus"}
     "$python" -u -m "$module" --config "$config" "${overrides[@]}")
 elif [[ $launcher == torchrun ]]; then
-  # One agent per node. torchrun forwards SIGTERM to its workers and kills them 30 s later, so in
-  # this mode a checkpoint must fit in 30 s; srun mode has no such limit.
+  # One agent per node (rendezvous on the first node).
   head_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2> /dev/null | head -n 1 || echo localhost)
   port=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
   cmd=(srun --ntasks="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1
@@ -142,29 +144,25 @@ if ((dry_run)); then
 fi
 [[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job: submit with sbatch (or use --dry-run)"
 
-# Rank 0 writes this file when it exits with EXIT_PREEMPTED after a complete checkpoint: the
-# exit code alone does not survive torchrun, or srun killing the other ranks of the step.
-marker="${TMPDIR:-/tmp}/verl_mcore_preempted.${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
-rm -f "$marker"
-export VERL_MCORE_PREEMPT_MARKER=$marker PYTHONUNBUFFERED=1
+# Both files live on this (the first) node, where rank 0 runs. Rank 0 writes the marker when it
+# exits with EXIT_PREEMPTED after a complete checkpoint: the exit code alone does not survive
+# torchrun, or srun terminating the other ranks of the step once the first one has exited.
+tag="${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
+marker="${TMPDIR:-/tmp}/verl_mcore_preempted.$tag"
+request="${TMPDIR:-/tmp}/verl_mcore_stop_request.$tag"
+rm -f "$marker" "$request"
+export VERL_MCORE_PREEMPT_MARKER=$marker VERL_MCORE_STOP_REQUEST=$request PYTHONUNBUFFERED=1
 
-# 3. Signals: Slurm sends --signal=B:USR1 to this shell only; pass it on to the step. The
-# handler only records and forwards; the trainer decides at its next step boundary.
-step_pid=""
+# 3. Signals: Slurm sends --signal=B:USR1 to this shell only.
 interrupted=0
 # shellcheck disable=SC2317  # invoked by the traps below
-forward() {
+request_stop() {
   interrupted=1
-  log "received SIG$1: forwarding it to the job step (the trainer checkpoints at its next step boundary)"
-  if [[ -n $step_pid ]]; then
-    local sig=$1
-    # torchrun dies on USR1 (no handler) but forwards TERM to its workers.
-    [[ $launcher == torchrun ]] && sig=TERM
-    kill -s "$sig" "$step_pid" 2> /dev/null || true
-  fi
+  log "received SIG$1: asking the trainer to checkpoint and stop at its next step boundary ($request)"
+  touch "$request"
 }
-trap 'forward USR1' USR1
-trap 'forward TERM' TERM
+trap 'request_stop USR1' USR1
+trap 'request_stop TERM' TERM
 
 # 2. Launch in the background and wait: bash runs traps only between commands, and `wait` is
 # interruptible where a foreground srun is not.
@@ -181,6 +179,7 @@ while :; do
   break
 done
 log "job step exited with $rc"
+rm -f "$request"
 
 # 4. Requeue on preemption.
 if ((rc == EXIT_PREEMPTED)) || [[ -s $marker ]]; then

@@ -41,6 +41,23 @@ def test_one_signalled_rank_stops_all_at_same_step(signal_rank, signum, tmp_path
         assert r["code"] == EXIT_PREEMPTED and r["marker"] == "3\n"
 
 
+def _run_with_request_file(rank, world_size, path, create_at, total_steps):
+    """Only rank 0 (the batch host) can see the launcher's file; it appears during `create_at`."""
+    guard = PreemptionGuard(request_file=path if rank == 0 else path + ".not-on-this-node")
+    for step in range(total_steps):
+        if rank == 0 and step == create_at:
+            open(path, "w").close()
+        if guard.should_stop():
+            return step
+    return None
+
+
+@pytest.mark.distributed
+def test_stop_request_file_on_one_rank_stops_all(tmp_path):
+    steps = run_on_ranks(_run_with_request_file, 4, args=(str(tmp_path / "stop"), 2, 10), timeout=60)
+    assert steps == [2, 2, 2, 2]
+
+
 @pytest.mark.distributed
 def test_no_signal_never_stops():
     results = run_on_ranks(_run_steps, 4, args=(-1, 0, signal.SIGUSR1, 5), timeout=60,

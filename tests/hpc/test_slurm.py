@@ -1,8 +1,8 @@
 """A real one-node Slurm (Debian's packages), the real launcher, a stand-in training program.
 
 Case 1: `sbatch` of a 2-task job runs the planner, then srun's two ranks, which write metrics and
-a checkpoint. Case 2: `scancel --signal=USR1 --batch` mid-run: the launcher forwards the signal,
-the ranks agree to stop, checkpoint and exit 75, the launcher requeues, and the rerun
+a checkpoint. Case 2: `scancel --signal=USR1 --batch` mid-run: the launcher creates the
+stop-request file, the ranks agree to stop, checkpoint and exit 75, the launcher requeues, and the rerun
 (SLURM_RESTART_COUNT=1) resumes from the checkpoint and finishes. Case 3: one rank hangs; the
 job fails within seconds of trainer.collective_timeout_s, each rank naming its phase, and is not
 requeued.
@@ -138,7 +138,8 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, job_dir):
     log = _log(job_dir, job_id)
     print(f"slurm: preempt + requeue + resume {time.monotonic() - t0:.1f} s")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
-    assert "received SIGUSR1: forwarding it to the job step" in log
+    assert "received SIGUSR1: asking the trainer to checkpoint and stop" in log
+    assert "preemption requested (stop-request file" in log  # no signal reached the ranks
     assert "exiting with 75 (EXIT_PREEMPTED)" in log and "scontrol requeue" in log
     assert "restart count 1" in log
     metrics = _metrics(job_dir)

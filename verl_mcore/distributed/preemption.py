@@ -16,8 +16,16 @@ arbitrary bytecode, possibly in the middle of a collective. `should_stop()` all-
 (MAX) so that one rank receiving the signal is enough and all ranks stop after the *same* step;
 a rank that acted on its own flag would leave the others waiting in the next step's collectives.
 
-The launcher (scripts/slurm/launch.sh) turns EXIT_PREEMPTED into `scontrol requeue`; on the
-rerun `checkpoint.resume=auto` picks up the newest complete checkpoint.
+Two ways to ask, both seen by should_stop():
+- a signal to the rank (SIGTERM from Slurm's preemption or time limit, or SIGUSR1 sent by hand);
+- the stop-request file named by $VERL_MCORE_STOP_REQUEST, which scripts/slurm/launch.sh creates
+  when *it* receives Slurm's warning signal. The launcher does not forward the signal to the job
+  step, because Slurm would deliver it to every process of the step, including the trainer's
+  helper processes (reward workers, checkpoint writers), which die of a SIGUSR1 they do not
+  handle. The file is on the batch host, which also runs rank 0; one rank seeing it is enough.
+
+The launcher turns EXIT_PREEMPTED into `scontrol requeue`; on the rerun `checkpoint.resume=auto`
+picks up the newest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -41,6 +49,9 @@ EXIT_PREEMPTED = 75
 # that file ("<step>\n") just before exiting with EXIT_PREEMPTED.
 MARKER_ENV = "VERL_MCORE_PREEMPT_MARKER"
 
+# The launcher creates this file to ask for a checkpoint-and-stop (see the module docstring).
+REQUEST_ENV = "VERL_MCORE_STOP_REQUEST"
+
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -52,9 +63,12 @@ class PreemptionGuard:
     local flag decides alone (single-process runs).
     """
 
-    def __init__(self, group=None, signals: Iterable[int] = DEFAULT_SIGNALS):
+    def __init__(self, group=None, signals: Iterable[int] = DEFAULT_SIGNALS,
+                 request_file: Optional[str] = None):
         self.group = group
         self.signals = tuple(signals)
+        # Checked with one stat() per should_stop() call.
+        self.request_file = request_file or os.environ.get(REQUEST_ENV) or None
         self.received: Optional[int] = None  # the first signal number seen on this rank
         self._previous: dict[int, object] = {}
         self._stop_agreed = False
@@ -77,8 +91,11 @@ class PreemptionGuard:
 
     @property
     def requested(self) -> bool:
-        """This rank's flag (no communication). Use should_stop() for the decision."""
-        return self.received is not None
+        """This rank's view (no communication). Use should_stop() for the decision."""
+        return self.received is not None or self._file_requested()
+
+    def _file_requested(self) -> bool:
+        return bool(self.request_file) and os.path.exists(self.request_file)
 
     def should_stop(self) -> bool:
         """True on every rank if any rank received a signal. Collective: call on all ranks.
@@ -102,7 +119,12 @@ class PreemptionGuard:
             local = int(flag.item())
         self._stop_agreed = bool(local)
         if self._stop_agreed:
-            name = signal.Signals(self.received).name if self.received else "a signal on another rank"
+            if self.received:
+                name = signal.Signals(self.received).name
+            elif self._file_requested():
+                name = f"stop-request file {self.request_file}"
+            else:
+                name = "by another rank"
             log.warning("preemption requested (%s): stopping at this step boundary", name)
         return self._stop_agreed
 
