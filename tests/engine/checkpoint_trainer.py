@@ -37,9 +37,10 @@ MICRO_BATCH = 1
 TOTAL_STEPS = 8  # LR schedule length
 
 
-def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
+def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED, bf16: bool = False):
     """(chunks, optimizer, scheduler) of the tiny GPT at TP × PP (DP = the rest), same initial
-    weights at every layout. (Re-)initialises megatron's parallel_state (the caller destroys it)."""
+    weights at every layout. (Re-)initialises megatron's parallel_state (the caller destroys it).
+    bf16: bf16 parameters in a Float16Module, fp32 main parameters in the optimizer."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import (
@@ -49,6 +50,7 @@ def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
 
     from tests.distributed import tiny_gpt
     from verl_mcore.distributed import cpu_compat
@@ -61,9 +63,13 @@ def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the tracker attention dropout uses
-    config = tiny_gpt.make_config(tp=tp, pp=pp, hidden_dropout=dropout, attention_dropout=dropout)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = tiny_gpt.make_config(tp=tp, pp=pp, hidden_dropout=dropout, attention_dropout=dropout,
+                                  bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
     model = tiny_gpt.build_model(config)
     tiny_gpt.load_sharded(model, full)
+    if bf16:
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
     )
@@ -71,7 +77,7 @@ def build(tp: int = 1, pp: int = 1, dropout: float = 0.0, seed: int = SEED):
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01, clip_grad=1.0,
-                        use_distributed_optimizer=True, params_dtype=torch.float32),
+                        use_distributed_optimizer=True, params_dtype=dtype, bf16=bf16),
         chunks,
     )
     scheduler = OptimizerParamScheduler(

@@ -125,3 +125,37 @@ def test_training_after_offload_matches_training_without():
         assert a["losses"] == b["losses"]  # bitwise
         assert all(f > 0 for f in b["freed"])
     assert len(set(plain[0]["losses"])) == 4
+
+
+def _bf16_round_trip(rank, world_size):
+    from tests.distributed import tiny_gpt
+    from tests.engine import checkpoint_trainer as ct
+    from verl_mcore.engine.offload import HostOffloader
+
+    ct.seed_everything(0)
+    batches = tiny_gpt.make_batches(seed=3, steps=2, global_batch=ct.GLOBAL_BATCH)
+    chunks, optimizer, scheduler = ct.build(bf16=True)
+    ct.train_step(chunks, optimizer, scheduler, batches[0])
+    before = _snapshot(chunks, optimizer)
+    offloader = HostOffloader(chunks, optimizer)
+    moved = offloader.offload().bytes
+    offloader.onload()
+    after = _snapshot(chunks, optimizer)
+    shard_numel = sum(p.numel() for g in optimizer.chained_optimizers[0].optimizer.param_groups
+                      for p in g["params"])
+    return {
+        "moved": moved, "shard_numel": shard_numel,
+        "mismatched": [k for k in before if not k.startswith("main_grad:")
+                       and not torch.equal(before[k], after[k])],
+        "dtypes": sorted({str(v.dtype) for k, v in before.items() if k.startswith("param:")}),
+    }
+
+
+@pytest.mark.slow
+def test_bf16_optimizer_state_includes_fp32_main_params():
+    for r in run_on_ranks(_bf16_round_trip, 2, timeout=TIMEOUT):
+        assert r["dtypes"] == ["torch.bfloat16"]
+        assert r["mismatched"] == []
+        assert r["moved"]["params"] == 0
+        # fp32 main params + exp_avg + exp_avg_sq (4 bytes each) + one step scalar per param.
+        assert r["moved"]["optimizer"] >= 12 * r["shard_numel"]

@@ -438,7 +438,7 @@ def _allocate_optimizer_state(optimizer: Any) -> None:
 
 
 def _load_optimizer(optimizer: Any, state: dict) -> None:
-    """optimizer.load_state_dict(state), working around two megatron-core 0.16.1 bugs of the
+    """optimizer.load_state_dict(state), working around three megatron-core 0.16.1 bugs of the
     distributed optimizer over torch.optim.Adam (no TransformerEngine / apex):
 
     1. Its load_state_dict gives every parameter's state the *same* 'step' tensor, and torch's
@@ -448,6 +448,9 @@ def _load_optimizer(optimizer: Any, state: dict) -> None:
     2. load_parameter_state_from_fully_reshardable copies every key of the live state, 'step'
        included, from the loaded tensors, which have no 'step' (KeyError: 'step'). The steps are
        set aside while the parameter state loads.
+    3. load_parameter_state_from_dp_reshardable copies in place into the main params without
+       torch.no_grad(); with fp32 parameters those are views of leaf parameters that require
+       grad, and autograd refuses ("a view of a leaf Variable ... in-place operation").
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -477,7 +480,8 @@ def _load_optimizer(optimizer: Any, state: dict) -> None:
             }
             if sharding not in loaders:
                 raise ValueError(f"checkpoint: optimizer state in unsupported format {sharding!r}")
-            loaders[sharding](param_state)
+            with torch.no_grad():  # fp32 training: main params are views of leaf parameters
+                loaders[sharding](param_state)
         finally:
             for p, step in steps.items():
                 inner.state[p]["step"] = step
