@@ -7,8 +7,51 @@ import pytest
 import torch
 
 from tests.multiproc import run_on_ranks
+from verl_mcore.engine.offload import HostOffloader
 
 TIMEOUT = 600
+
+
+def test_plain_module_and_torch_optimizer_on_this_device():
+    """No megatron: a torch optimizer, parameters moved too. On CUDA this also checks that the
+    allocator really gets the memory back (the figure to measure during generation)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 256, device=device)
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {(i, k): v.clone() for i, s in enumerate(optimizer.state.values())
+             for k, v in s.items()}
+    offloader = HostOffloader([model], optimizer, params=True)
+    report = offloader.offload()
+    numel = sum(p.numel() for p in model.parameters())
+    assert report.bytes["params"] == 4 * numel
+    assert report.bytes["grads"] == 0  # no DDP grad buffers
+    steps = 4 * len(optimizer.state) if device == "cpu" else 0  # AdamW keeps `step` on the CPU
+    assert report.bytes["optimizer"] == 2 * 4 * numel + steps
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    if device == "cuda":
+        freed = report.cuda_allocated_before - report.cuda_allocated_after
+        assert freed >= report.total_bytes
+    offloader.onload()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in params.items())
+    assert all(torch.equal(v, list(optimizer.state.values())[i][k]) for (i, k), v in state.items())
+    model(x).square().mean().backward()
+    optimizer.step()  # training continues on the restored storages
+
+
+def test_offload_twice_or_onload_first_is_an_error():
+    offloader = HostOffloader([torch.nn.Linear(2, 2)], None, params=True)
+    with pytest.raises(RuntimeError, match="nothing is offloaded"):
+        offloader.onload()
+    offloader.offload()
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        offloader.offload()
+    offloader.onload()
 
 
 def _snapshot(chunks, optimizer) -> dict[str, torch.Tensor]:
@@ -29,7 +72,6 @@ def _snapshot(chunks, optimizer) -> dict[str, torch.Tensor]:
 def _round_trip(rank, world_size):
     from tests.distributed import tiny_gpt
     from tests.engine import checkpoint_trainer as ct
-    from verl_mcore.engine.offload import HostOffloader
 
     ct.seed_everything(0)
     batches = tiny_gpt.make_batches(seed=3, steps=2, global_batch=ct.GLOBAL_BATCH)
@@ -98,7 +140,6 @@ def test_round_trip_is_bitwise_and_releases_storage():
 def _train(rank, world_size, offload_between_steps):
     from tests.distributed import tiny_gpt
     from tests.engine import checkpoint_trainer as ct
-    from verl_mcore.engine.offload import HostOffloader
 
     ct.seed_everything(0)
     batches = tiny_gpt.make_batches(seed=5, steps=4, global_batch=ct.GLOBAL_BATCH)
@@ -130,7 +171,6 @@ def test_training_after_offload_matches_training_without():
 def _bf16_round_trip(rank, world_size):
     from tests.distributed import tiny_gpt
     from tests.engine import checkpoint_trainer as ct
-    from verl_mcore.engine.offload import HostOffloader
 
     ct.seed_everything(0)
     batches = tiny_gpt.make_batches(seed=3, steps=2, global_batch=ct.GLOBAL_BATCH)

@@ -63,6 +63,10 @@ def cuda_memory_allocated() -> int | None:
 class HostOffloader:
     """Offloads and onloads the training state of one model (its chunks and optimizer).
 
+    model_chunks: megatron DDP-wrapped chunks (their grad buffers can move) or bare modules.
+    optimizer: a megatron optimizer (distributed or not, possibly chained), a torch optimizer,
+        or None.
+
         offloader = HostOffloader(engine.model, engine.optimizer)
         report = offloader.offload()      # before generation; report.total_bytes freed
         ...generate...
@@ -219,18 +223,23 @@ def _grad_buffers(chunks: Sequence[torch.nn.Module]) -> Iterable[torch.Tensor]:
                     yield buffer.grad_data
 
 
-def _megatron_optimizers(optimizer: Any) -> list[Any]:
-    """The MegatronOptimizers inside a (possibly chained) optimizer."""
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer (possibly chained), or the optimizer
+    itself when it is a plain torch one."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
     chained = getattr(optimizer, "chained_optimizers", None)
-    return list(chained) if chained is not None else [optimizer]
+    out = []
+    for opt in chained if chained is not None else [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and not getattr(opt, "is_stub_optimizer", False):
+            out.append(inner)  # (a stub: a rank with no parameters of this kind)
+    return out
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
     """Tensors the torch optimizer(s) own: the params it updates and every state tensor."""
-    for opt in _megatron_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or getattr(opt, "is_stub_optimizer", False):
-            continue  # a rank with no parameters of this kind
+    for inner in _torch_optimizers(optimizer):
         for group in inner.param_groups:
             yield from group["params"]
         for state in inner.state.values():
