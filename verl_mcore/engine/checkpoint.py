@@ -6,7 +6,8 @@ On disk, under one root directory shared by all ranks:
       latest                    "step_00000012\\n", rewritten (atomically) after each commit
       step_00000010/            a complete checkpoint
         dist/                   megatron-core dist_checkpointing: model + optimizer, sharded by
-                                global tensor, so it loads at any TP / PP / VPP / DP layout
+                                global tensor, so it loads at another TP / PP / DP layout
+                                (tested: TP2·DP1 -> TP1·DP2 and -> PP2; VPP is not tested)
         trainer_state.pt        LR scheduler + the caller's trainer state (step, data position,
                                 KL controller, ...), written by rank 0
         rng/rank_00000.pt       each rank's RNG states (utils/rng.py)
@@ -26,7 +27,8 @@ Model and optimizer use dist_checkpointing: each chunk's `sharded_state_dict()` 
       parameter's global shape, like the model; it loads at any TP / PP / DP layout. Costs a DP
       all-gather of the state at save (host memory on every rank: its TP×PP shard of the state).
   "dp_reshardable": each rank writes its own flat buffer shards, no communication; it loads only
-      at the same TP × PP (DP may change). For frequent saves of large models.
+      at the same TP × PP (megatron documents DP changes as supported; tested here only at the
+      same layout). For frequent saves of large models.
 ('fully_sharded_model_space', megatron's default, fails in megatron-core 0.16.1 with
 "ShardedTensor.flattened_range is not supported".) The format is recorded in meta.json and the
 loader follows it.
@@ -308,8 +310,8 @@ def load_checkpoint(
     optimizer: Any = None,
     scheduler: Any = None,
 ) -> LoadedCheckpoint:
-    """Load a complete checkpoint into models built at the current layout (any TP / PP / VPP /
-    DP: dist_checkpointing reads each rank's slices). Collective.
+    """Load a complete checkpoint into models built at the current layout (which may differ from
+    the saved one: dist_checkpointing reads each rank's slices). Collective.
 
     The optimizer state is loaded when the checkpoint has it and `optimizer` is given; otherwise
     the optimizer's main parameters are refreshed from the loaded model parameters.
