@@ -17,7 +17,8 @@ The estimate is for the pipeline stage with the highest total (usually the first
   parameters          b·P.  P per rank: every decoder layer of the stage (matrices / t, norms whole)
                       plus the vocab-parallel embedding (first stage) and output layer (last
                       stage; with tied embeddings and p = 1 they are one tensor). Vocabulary
-                      padded as megatron does (model.make_vocab_size_divisible_by × t).
+                      padded as our builder does (a multiple of lcm(make_vocab_size_divisible_by,
+                      t)). The critic has a [h, 1] value head instead of the output layer.
   gradients           4·P: megatron's DDP accumulates and reduces gradients in an fp32 buffer
                       for bf16 models (the buffer is whole on every DP rank, also with the
                       distributed optimizer).
@@ -166,7 +167,8 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def padded_vocab(dims: ModelDims, tp: int, divisible_by: int) -> int:
-    multiple = divisible_by * tp
+    """As verl_mcore.models.hf_config.padded_vocab_size: a multiple of lcm(divisible_by, tp)."""
+    multiple = math.lcm(divisible_by, tp)
     return math.ceil(dims.vocab_size / multiple) * multiple
 
 
