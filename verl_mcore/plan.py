@@ -60,7 +60,8 @@ temporaries not modelled above).
 
 Colocation policy (DESIGN.md): between phases the optimizer states and gradient buffers of the
 actor and critic live in pinned host memory; parameters of the actor, critic and reference stay
-on the GPU unless reference.offload_params. Phases: generate; score (forward-only log-probs and
+on the GPU unless reference.offload_params. `--no-offload` plans for keeping everything on the
+GPU instead. Phases: generate; score (forward-only log-probs and
 values); actor_update; critic_update (GAE only). Host memory per node = GPUs per node × what a
 GPU offloads. Reward models are not modelled yet.
 """
@@ -232,6 +233,7 @@ class Knobs:
     gpu_memory_gib: float = 80.0
     host_memory_gib: Optional[float] = None  # per node; None: not checked
     attention: str = "flash"  # "flash" (varlen / TE) or "materialized" (megatron local spec)
+    offload: bool = True  # grads + optimizer states in host memory outside their update phase
 
 
 def _micro_tokens(cfg: Config, role: str) -> tuple[int, int]:
@@ -350,12 +352,25 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
         total, stage, comps = max(candidates, key=lambda c: c[0])
         phases[name] = {"stage": stage, "components": comps, "total": total}
 
+    trained = ["actor"] + (["critic"] if cfg.uses_critic else [])
+
     def actor_params(stage):
         t = training_bytes(cfg, dims, world, "actor", stage, knobs)
         return {"actor parameters": t["parameters"]}
 
+    def idle_state(stage, busy: Optional[str] = None) -> dict[str, int]:
+        """Gradients and optimizer states of models not being updated: on the GPU without offload."""
+        if knobs.offload:
+            return {}
+        out = {}
+        for role in trained:
+            if role != busy:
+                t = training_bytes(cfg, dims, world, role, stage, knobs)
+                out[f"{role} gradients"], out[f"{role} optimizer"] = t["gradients"], t["optimizer"]
+        return out
+
     best("generate", lambda s: {**actor_params(s), **_resident_params(cfg, dims, s, ["reference", "critic"]),
-                                **generation_bytes(cfg, dims, world, knobs)})
+                                **idle_state(s), **generation_bytes(cfg, dims, world, knobs)})
 
     def score(stage):
         t = training_bytes(cfg, dims, world, "actor", stage, knobs)
@@ -363,7 +378,7 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
         per_layer = activation_bytes_per_token_layer(dims, p.tensor_model_parallel_size,
                                                      p.sequence_parallel) * tokens
         comps = {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"]),
-                 "forward activations": per_layer}
+                 **idle_state(stage), "forward activations": per_layer}
         if "logits" in t:
             comps["logits"] = t["logits"] // 2
         return comps
@@ -373,7 +388,8 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
     def update(role, others):
         def f(stage):
             t = training_bytes(cfg, dims, world, role, stage, knobs)
-            return {f"{role} {k}": v for k, v in t.items()} | _resident_params(cfg, dims, stage, others)
+            return ({f"{role} {k}": v for k, v in t.items()} | _resident_params(cfg, dims, stage, others)
+                    | idle_state(stage, busy=role))
         return f
 
     best("actor_update", update("actor", ["reference", "critic"]))
@@ -383,8 +399,7 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
     host = {}
     for stage in range(pp):
         per = {}
-        roles = ["actor"] + (["critic"] if cfg.uses_critic else [])
-        for role in roles:
+        for role in trained if knobs.offload else []:
             t = training_bytes(cfg, dims, world, role, stage, knobs)
             per[f"{role} gradients"] = t["gradients"]
             per[f"{role} optimizer"] = t["optimizer"]
@@ -554,7 +569,9 @@ def _span(values: list[int]) -> str:
 def memory_report(memory: dict, knobs: Knobs) -> str:
     usable = knobs.gpu_memory_gib * USABLE_FRACTION
     lines = [f"Memory per GPU (GiB; fits when <= {usable:.1f} = {USABLE_FRACTION:.0%} of "
-             f"{knobs.gpu_memory_gib:g}; attention={knobs.attention}):"]
+             f"{knobs.gpu_memory_gib:g}; attention={knobs.attention}; "
+             + ("gradients and optimizer states offloaded to host between their updates"
+                if knobs.offload else "nothing offloaded") + "):"]
     for name, ph in memory.items():
         if name == "host":
             continue
@@ -599,6 +616,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attention", choices=["flash", "materialized"], default="flash",
                     help="core attention that keeps no [s, s] scores (flash/varlen/TE) or megatron's "
                          "local one that does")
+    ap.add_argument("--no-offload", action="store_true",
+                    help="keep gradients and optimizer states on the GPU in every phase (default: "
+                         "in pinned host memory outside their model's update, DESIGN.md)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--full", action="store_true",
                     help="list every group and node (default: the first 8 of each)")
@@ -610,7 +630,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     nodes = args.nodes or _env_int("SLURM_JOB_NUM_NODES", "SLURM_NNODES") or 1
     gpn = args.gpus_per_node or _env_int("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE") or 1
-    knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention)
+    knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention, not args.no_offload)
     world = nodes * gpn
     try:
         cfg = Config.load(args.config, args.overrides)

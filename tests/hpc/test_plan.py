@@ -117,3 +117,19 @@ def test_host_memory_limit_and_json(capsys):
 def test_shipped_recipes_fit_80gb(config, nodes, capsys):
     assert plan.main(["--config", str(ROOT / "configs" / config), "--nodes", str(nodes),
                       "--gpus-per-node", "8", "--gpu-memory-gb", "80"]) == 0
+
+
+def test_no_offload_keeps_idle_state_on_gpu():
+    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    cfg = _cfg()
+    off = plan.plan_memory(cfg, dims, 64, plan.Knobs())
+    on_gpu = plan.plan_memory(cfg, dims, 64, plan.Knobs(offload=False))
+    assert on_gpu["host"]["per_node"] == 0 and off["host"]["per_node"] > 0
+    gen = on_gpu["generate"]["components"]
+    assert "actor optimizer" in gen and "critic gradients" in gen
+    assert "actor optimizer" not in off["generate"]["components"]
+    # While the actor updates, the critic's idle state stays too (and vice versa).
+    assert "critic optimizer" in on_gpu["actor_update"]["components"]
+    assert on_gpu["generate"]["total"] - off["generate"]["total"] == \
+        off["host"]["per_gpu"]["actor gradients"] + off["host"]["per_gpu"]["actor optimizer"] \
+        + off["host"]["per_gpu"]["critic gradients"] + off["host"]["per_gpu"]["critic optimizer"]
