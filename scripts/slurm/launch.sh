@@ -29,6 +29,7 @@
 #   VERL_MCORE_MAX_RESTARTS requeue at most this many times (default 20)
 #   PLAN_GPU_MEMORY_GB      GiB per GPU for the planner (default: nvidia-smi, else 80)
 #   PLAN_NODES, PLAN_GPUS_PER_NODE  --dry-run only: plan for another allocation than the header's
+#   PLAN_ARGS               extra planner options, e.g. "--no-offload --host-memory-gb 1000"
 #   PYTHON                  interpreter (default python)
 set -euo pipefail
 
@@ -110,8 +111,9 @@ log "job ${SLURM_JOB_ID:-none}, restart count ${SLURM_RESTART_COUNT:-0}"
 # 1. Plan (seconds; no GPU work).
 if [[ ${VERL_MCORE_SKIP_PLAN:-0} != 1 ]]; then
   plan_rc=0
+  read -r -a plan_args <<< "${PLAN_ARGS:-}"
   "$python" -m verl_mcore.plan --config "$config" --nodes "$nodes" --gpus-per-node "$gpus_per_node" \
-    --gpu-memory-gb "$gpu_mem" "${overrides[@]}" || plan_rc=$?
+    --gpu-memory-gb "$gpu_mem" "${plan_args[@]}" "${overrides[@]}" || plan_rc=$?
   if ((plan_rc != 0)); then
     log "the planner rejected this config for this allocation (exit $plan_rc); nothing was launched"
     exit "$plan_rc"
