@@ -219,3 +219,13 @@ def build_checkpointers(cfg: Config, run_dir: str):
     from verl_mcore.checkpoints import RunCheckpoints
 
     return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic)
+
+
+def build_offloaders(cfg: Config, actor, critic) -> list:
+    """HostOffloaders for the trainable roles (trainer.offload_between_phases)."""
+    if not cfg.trainer.offload_between_phases:
+        return []
+    from verl_mcore.engine.offload import HostOffloader
+
+    return [HostOffloader(role.engine.model, role.engine.optimizer)
+            for role in (actor, critic) if role is not None]

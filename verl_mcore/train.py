@@ -41,6 +41,7 @@ def main(argv=None) -> int:
         return 0
 
     from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
+    from verl_mcore.distributed.watchdog import process_group_timeout
 
     info = detect_launch()
     setup_logging(info.rank)
@@ -52,7 +53,10 @@ def main(argv=None) -> int:
         if info.rank == 0:
             print(f"config error: {e}", file=sys.stderr)
         return 2
-    init_distributed(info, cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    # The process groups wait a margin longer than the watchdog, so its readable
+    # per-rank report comes first (distributed/watchdog.py).
+    init_distributed(info, cfg.trainer.device,
+                     process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
     if info.rank == 0:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:

@@ -79,24 +79,28 @@ class Trainer:
         from verl_mcore.distributed.groups import build_groups
         from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
         from verl_mcore.distributed.preemption import PreemptionGuard
-        from verl_mcore.distributed.watchdog import Watchdog
+        from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
         from verl_mcore.tracking import Tracking
 
         self.cfg = cfg
         self.launch = launch or detect_launch()
         if not dist.is_initialized():
             setup_logging(self.launch.rank)
-            init_distributed(self.launch, cfg.trainer.device, cfg.trainer.collective_timeout_s)
+            init_distributed(self.launch, cfg.trainer.device,
+                             process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
         if not torch.cuda.is_available():
             from verl_mcore.distributed import cpu_compat
 
             cpu_compat.install()  # idempotent; also when the caller initialised torch.distributed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = build.resolve_run_dir(cfg)
-        self.groups = build_groups(cfg)
+        self.groups = build_groups(
+            cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
         _seed_everything(cfg.trainer.seed, self.rank)
-        self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank).start()
+        self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank)
         self.guard = PreemptionGuard().install()
+        # After the guard's handlers: a rank blocked in a collective still reports a signal.
+        self.watchdog.start(watch_signals=True)
 
         with self.watchdog.phase("build models"):
             self.info = build.load_model_info(cfg)
@@ -110,6 +114,7 @@ class Trainer:
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
+        self.offloaders = build.build_offloaders(cfg, self.actor, self.critic)
         self.rewards = build.build_reward_manager(cfg)
         self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
@@ -160,6 +165,7 @@ class Trainer:
         t0 = time.perf_counter()
 
         prompts = next(self.loader)  # this generation replica's prompts
+        offload_metrics = self.offload_training_state()
         with phase("sync"):
             sync_metrics = self.rollout.begin(step, prompts.input_ids)  # weights + sync check
         with phase("gen"):
@@ -168,6 +174,7 @@ class Trainer:
             if cfg.algorithm.adv_estimator == "remax":
                 baseline = self.generate(prompts, self.sampling(1, 0.0, seed_offset=1))
             self.rollout.end()  # release the KV cache (and the weight buffer) before training
+        self.onload_training_state()
         batch = rollout.train
         mask = batch.response_mask
         with phase("reward"):
@@ -199,6 +206,7 @@ class Trainer:
             metrics.update(actor_metrics)
             metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics.update(sync_metrics)
+        metrics.update(offload_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
         metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))
@@ -218,6 +226,17 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
+
+    def offload_training_state(self) -> dict[str, float]:
+        """Optimizer state and grad buffers to host memory for the generation phase."""
+        freed = 0
+        for offloader in self.offloaders:
+            freed += offloader.offload().total_bytes
+        return {"perf/offloaded_gb": freed / 2**30} if self.offloaders else {}
+
+    def onload_training_state(self) -> None:
+        for offloader in self.offloaders:
+            offloader.onload()
 
     def sampling(self, n: int, temperature: float, seed_offset: int = 0):
         from verl_mcore.rollout.base import SamplingParams
@@ -359,6 +378,7 @@ class Trainer:
                               world_size=self.groups.layout.dp_gen, shuffle=False, drop_last=False,
                               num_epochs=1)
         by_source: dict[str, list[list[float]]] = {}
+        self.offload_training_state()
         self.rollout.begin(step)
         for prompts in loader:
             rollout = self.generate(prompts, self.sampling(r.val_n, r.val_temperature, seed_offset=7))
@@ -369,6 +389,7 @@ class Trainer:
             for source, values in per_prompt.values():
                 by_source.setdefault(source, []).append(values)
         self.rollout.end()
+        self.onload_training_state()
         out = {}
         n = r.val_n
         for source, groups in by_source.items():

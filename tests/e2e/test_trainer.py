@@ -18,7 +18,7 @@ COMMON = [
     "response_length/mean", "response_length/max", "response_length/clip_ratio",
     "prompt_length/mean", "timing_s/gen", "timing_s/actor", "timing_s/old_logp", "timing_s/ref",
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "reward/rule/mean",
-    "reward/errors", "rollout/logprob_diff_max",
+    "reward/errors", "rollout/logprob_diff_max", "perf/offloaded_gb",
 ]
 WITH_CRITIC = ["critic/values/mean", "critic/vf_explained_var", "critic/vf_loss", "timing_s/values",
                "timing_s/critic"]

@@ -223,6 +223,9 @@ class TrainerConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     collective_timeout_s: float = 1800.0
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # Before each generation phase, move the actor's and critic's optimizer state and gradient
+    # buffers to (pinned) host memory, and back afterwards, so generation gets the GPU memory.
+    offload_between_phases: bool = True
 
 
 @dataclass

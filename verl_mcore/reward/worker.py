@@ -39,8 +39,11 @@ def score_one(fn, args: tuple) -> Outcome:
 
 
 def serve(conn: Connection) -> None:
-    # Ctrl-C reaches the whole process group; the parent decides what happens, not the worker.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, Slurm's warning signal (USR1) and a preemption SIGTERM reach the whole process
+    # group; the trainer decides what happens (finish the step, checkpoint), not the worker. A
+    # worker whose trainer is gone sees its pipe close and exits.
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         path, specs = conn.recv()
         sys.path[:] = path  # the parent's, so a scorer file can import what the parent could
