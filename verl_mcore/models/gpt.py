@@ -136,4 +136,11 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
     if post and not lm_head:
         out = arch.num_labels if role == "reward" and arch.num_labels else 1
         model.output_layer = ScalarHead(config, out)
+        tp_group = model.pg_collection.tp
+        if tp_group.size() > 1:
+            # The replicated head must start equal on every TP rank, whatever each rank's
+            # CPU generator state was.
+            torch.distributed.broadcast(model.output_layer.weight.data,
+                                        src=torch.distributed.get_global_rank(tp_group, 0),
+                                        group=tp_group)
     return model
