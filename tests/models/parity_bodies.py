@@ -18,7 +18,7 @@ def setup_megatron(tp: int, pp: int, seed: int = 0) -> None:
 
 def logits_body(rank: int, world_size: int, hf_dir: str, source: str, tp: int, pp: int,
                 role: str, tokens: torch.Tensor, ckpt_dir: str | None = None,
-                core_attention: str = "sdpa"):
+                core_attention: str = "sdpa", config_overrides: dict | None = None):
     """Build `role` at TP x PP from `source`: "hf" (weights from the HF dir), "ckpt" (dist
     checkpoint, config from the HF dir) or "ckpt_only" (dist checkpoint alone).
 
@@ -47,7 +47,8 @@ def logits_body(rank: int, world_size: int, hf_dir: str, source: str, tp: int, p
         # "ckpt_only": the architecture too comes from the checkpoint's stored config.json.
         model, _ = build_and_load(role, hf_path=None if source == "ckpt_only" else hf_dir,
                                   checkpoint=None if source == "hf" else ckpt_dir,
-                                  dtype="fp32", tp=tp, pp=pp, core_attention=core_attention)
+                                  dtype="fp32", tp=tp, pp=pp, core_attention=core_attention,
+                                  **(config_overrides or {}))
     finally:
         HFCheckpoint.read = original
     head = None

@@ -73,6 +73,18 @@ def test_tp2_pp2_from_hf_dir_match_transformers(hf_dirs, tokens, family, tp, pp)
         assert r["read_bytes"] < 0.7 * total, (r["read_bytes"], total)
 
 
+def test_uneven_pipeline_stages(hf_dirs, tokens):
+    """PP=2 with 1 layer on the first stage and 3 on the last (megatron's uneven split)."""
+    ref = transformers_logits(hf_dirs["qwen3"], tokens)
+    results = run_on_ranks(parity_bodies.logits_body, 2,
+                           args=(hf_dirs["qwen3"], "hf", 1, 2, "actor", tokens, None, "sdpa",
+                                 {"num_layers_in_first_pipeline_stage": 1}), timeout=240)
+    ours = [r["out"] for r in results if r["out"] is not None][0]
+    assert _rel(ours[..., :VOCAB], ref) <= TOL
+    # The first stage read 1 of 4 layers (plus the embedding), the last stage 3 (plus the head).
+    assert results[0]["read_bytes"] < results[1]["read_bytes"]
+
+
 def _hf_state(hf_dir):
     from verl_mcore.models.hf_weights import HFCheckpoint
 
