@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from verl_mcore.rollout.base import SamplingParams
@@ -71,17 +70,7 @@ class GenerationPhase:
         if not seqs:
             return []
         offset = sum(len(part) for r, part in parts if r < self.groups.gen_dp_rank)
-        resp = [r if r else [self.pad] for _, r in seqs]
-        p_lens = torch.tensor([len(p) for p, _ in seqs])
-        r_lens = torch.tensor([len(r) for r in resp])
-        ids = torch.full((len(seqs), int((p_lens + r_lens).max())), self.pad, dtype=torch.int64)
-        mask = torch.zeros(len(seqs), int(r_lens.max()))
-        for i, ((p, _), r) in enumerate(zip(seqs, resp)):
-            ids[i, :len(p)] = torch.tensor(p)
-            ids[i, len(p):len(p) + len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1.0
-        batch = TrainBatch(input_ids=ids, prompt_lens=p_lens, seq_lens=p_lens + r_lens,
-                           response_mask=mask)
+        batch = TrainBatch.from_sequences([p for p, _ in seqs], [r for _, r in seqs], self.pad)
         logp, _ = self.actor.compute_log_prob(batch)
         return [logp[offset + i, :len(r)].cpu() for i, r in enumerate(responses)]
 

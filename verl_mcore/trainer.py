@@ -442,31 +442,16 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------
 
 def make_rollout(samples, group_ids, info) -> Rollout:
+    """samples: [(prompt ids, dataset row, response ids, finish reason)] -> Rollout."""
     from verl_mcore.engine.batch import TrainBatch
 
-    b = len(samples)
-    prompt_lens = torch.tensor([len(s[0]) for s in samples], dtype=torch.int64)
-    # Every sample needs one response token for the engine's layout; an empty response (the
-    # engine stopped at once) gets the EOS token, masked out of every loss and metric.
-    responses = [s[2] if s[2] else [info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id]
-                 for s in samples]
-    empty = [not s[2] for s in samples]
-    resp_lens = torch.tensor([len(r) for r in responses], dtype=torch.int64)
-    seq_lens = prompt_lens + resp_lens
-    width_s, width_r = int(seq_lens.max()), int(resp_lens.max())
-    input_ids = torch.full((b, width_s), info.pad_token_id, dtype=torch.int64)
-    response_mask = torch.zeros(b, width_r, dtype=torch.float32)
-    for i, ((prompt, _, _, _), resp) in enumerate(zip(samples, responses)):
-        input_ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.int64)
-        input_ids[i, len(prompt):len(prompt) + len(resp)] = torch.tensor(resp, dtype=torch.int64)
-        if not empty[i]:
-            response_mask[i, :len(resp)] = 1.0
-    train = TrainBatch(input_ids=input_ids, prompt_lens=prompt_lens, seq_lens=seq_lens,
-                       response_mask=response_mask)
+    # An empty response (the engine stopped at once) gets one masked EOS token.
+    pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
+    train = TrainBatch.from_sequences([s[0] for s in samples], [s[2] for s in samples], pad)
     texts = info.tokenizer.batch_decode([s[2] for s in samples], skip_special_tokens=True)
     return Rollout(train=train, rows=[s[1] for s in samples],
                    group_ids=torch.tensor(group_ids, dtype=torch.int64), responses=texts,
-                   finish=[s[3] for s in samples], prompt_lens=prompt_lens.tolist())
+                   finish=[s[3] for s in samples], prompt_lens=train.prompt_lens.tolist())
 
 
 @contextlib.contextmanager

@@ -97,6 +97,26 @@ class TrainBatch:
             if t is not None and t.shape != (b, r):
                 raise ValueError(f"TrainBatch.{name} must be [B, R]=[{b}, {r}], got {tuple(t.shape)}")
 
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                       pad_token_id: int) -> "TrainBatch":
+        """Samples given as token-id lists. A sample with an empty response gets one `pad_token_id`
+        response token (the layout needs one) that is masked out of every loss and metric."""
+        b = len(prompts)
+        filled = [list(r) if len(r) else [pad_token_id] for r in responses]
+        prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        resp_lens = torch.tensor([len(r) for r in filled], dtype=torch.int64)
+        seq_lens = prompt_lens + resp_lens
+        input_ids = torch.full((b, int(seq_lens.max())), pad_token_id, dtype=torch.int64)
+        response_mask = torch.zeros(b, int(resp_lens.max()), dtype=torch.float32)
+        for i, (p, r, original) in enumerate(zip(prompts, filled, responses)):
+            input_ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+            input_ids[i, len(p):len(p) + len(r)] = torch.as_tensor(r, dtype=torch.int64)
+            if len(original):
+                response_mask[i, :len(r)] = 1.0
+        return cls(input_ids=input_ids, prompt_lens=prompt_lens, seq_lens=seq_lens,
+                   response_mask=response_mask)
+
     def select(self, rows: Sequence[int] | Tensor) -> "TrainBatch":
         """The samples at `rows` (in that order), e.g. one mini-batch."""
         idx = torch.as_tensor(rows, dtype=torch.long)
