@@ -132,6 +132,10 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
         vp_stage=vp_stage,
         **kwargs,
     )
+    if torch.cuda.is_available():
+        # Megatron's parallel linears allocate on the GPU, but the torch-norm fallback (no
+        # apex / TE) and our head are built on the CPU: megatron's trainers call .cuda() too.
+        model.cuda(torch.cuda.current_device())
     install_rope(model, arch.rope, arch.head_dim)
     if post and not lm_head:
         out = arch.num_labels if role == "reward" and arch.num_labels else 1
