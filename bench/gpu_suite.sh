@@ -19,10 +19,10 @@ run() {  # name, timeout, command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "exit $?"; grep -v -i "warn" "$OUT/$name.log" | tail -${TAIL:-30}
 }
-TAIL=25 run actor_1.5b 150 python3 bench/bench_actor.py --shape 1.5b --seq 4096 --samples 32
-TAIL=12 run rollout 150 python3 bench/bench_rollout.py
-TAIL=25 run actor_3b 150 python3 bench/bench_actor.py --shape 3b --seq 4096 --samples 32
-TAIL=15 run quickstart_gpu 90 bash -c "python3 -m tools.make_tiny_model --out /tmp/tiny && \
+TAIL=25 run actor_1.5b 110 python3 bench/bench_actor.py --shape 1.5b --seq 4096 --samples 32
+TAIL=12 run rollout 120 python3 bench/bench_rollout.py
+TAIL=25 run actor_3b 100 python3 bench/bench_actor.py --shape 3b --seq 4096 --samples 32
+TAIL=15 run quickstart_gpu 60 bash -c "python3 -m tools.make_tiny_model --out /tmp/tiny && \
   python3 -m verl_mcore.train --config configs/quickstart.yaml model.path=/tmp/tiny \
   trainer.device=cuda trainer.total_steps=20 trainer.val_every=10 trainer.run_dir=/tmp/qs"
-TAIL=12 run gpu_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+TAIL=12 run gpu_tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests
