@@ -22,6 +22,7 @@ run() {  # name, timeout, command...
 TAIL=25 run actor_1.5b 110 python3 bench/bench_actor.py --shape 1.5b --seq 4096 --samples 32
 TAIL=12 run rollout 120 python3 bench/bench_rollout.py
 TAIL=25 run actor_3b 100 python3 bench/bench_actor.py --shape 3b --seq 4096 --samples 32
+[ "${FULL:-0}" = 1 ] || exit 0  # the rest: FULL=1 bash bench/gpu_suite.sh
 TAIL=15 run quickstart_gpu 60 bash -c "python3 -m tools.make_tiny_model --out /tmp/tiny && \
   python3 -m verl_mcore.train --config configs/quickstart.yaml model.path=/tmp/tiny \
   trainer.device=cuda trainer.total_steps=20 trainer.val_every=10 trainer.run_dir=/tmp/qs"
