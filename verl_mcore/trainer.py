@@ -153,6 +153,7 @@ class Trainer:
                     self.save_checkpoint(step)
                 if not last and self.guard.should_stop():
                     self.save_checkpoint(step)
+                    self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
         finally:
             progress.close()
@@ -176,7 +177,6 @@ class Trainer:
             self.rollout.end()  # release the KV cache (and the weight buffer) before training
         self.onload_training_state()
         batch = rollout.train
-        mask = batch.response_mask
         with phase("reward"):
             scores, reward_metrics = self.score(rollout)
             if baseline is not None:  # ReMax: the greedy response's score, for each sample
@@ -197,8 +197,7 @@ class Trainer:
         if self.critic is not None:
             with phase("critic"):
                 critic_metrics, _ = self.critic.update(batch)
-            metrics.update({k.replace("critic/", "critic/vf_", 1) if k == "critic/loss" else k: v
-                            for k, v in critic_metrics.items()})
+            metrics.update(critic_metrics)
         if step > cfg.critic.warmup_steps or self.critic is None:
             with phase("actor"):
                 actor_metrics, _ = self.actor.update(batch)
@@ -424,7 +423,7 @@ class Trainer:
             log.info("resumed from step %d%s", self.step_index,
                      f" (SLURM_RESTART_COUNT={restarts})" if restarts else "")
 
-    def finish(self) -> None:
+    def finish(self, how: str = "finished") -> None:
         self.checkpoints.close()
         self.tracking.close()
         self.rewards.close()
@@ -432,7 +431,7 @@ class Trainer:
         self.guard.uninstall()
         if self.rank == 0:
             ckpt = self.checkpoints.latest_path()
-            print(f"\nrun finished: {self.step_index} steps\n"
+            print(f"\nrun {how}: {self.step_index} steps\n"
                   f"  metrics:     {os.path.join(self.run_dir, 'metrics.jsonl')}\n"
                   f"  plots:       python -m verl_mcore.plot {self.run_dir}\n"
                   f"  checkpoint:  {ckpt}\n"

@@ -171,8 +171,10 @@ def test_hung_rank_fails_fast_naming_each_ranks_phase(slurm, job_dir):
 REAL_TRAINER_ENV = "VERL_MCORE_SLURM_REAL_TRAINER"
 
 
-@pytest.mark.skipif(os.environ.get(REAL_TRAINER_ENV) != "1",
-                    reason=f"the real-trainer Slurm case takes ~2.5 min on 2 cores: set {REAL_TRAINER_ENV}=1")
+# The real trainer through sbatch is the case users meet; it costs ~80 s on 2 cores. Set
+# VERL_MCORE_SLURM_REAL_TRAINER=0 to leave it out of a quick local run.
+@pytest.mark.skipif(os.environ.get(REAL_TRAINER_ENV, "1") == "0",
+                    reason=f"{REAL_TRAINER_ENV}=0: the real-trainer Slurm case is left out")
 def test_quickstart_trainer_preempts_requeues_and_resumes(slurm, tmp_path):
     """The same as case 2 with `python -m verl_mcore.train` on configs/quickstart.yaml, 2 ranks."""
     model = tmp_path / "tiny_model"
