@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -50,7 +50,6 @@ class Rollout:
     group_ids: torch.Tensor
     responses: list
     finish: list
-    prompt_lens: list = field(default_factory=list)
 
 
 class StageTimer:
@@ -450,7 +449,7 @@ def make_rollout(samples, group_ids, info) -> Rollout:
     texts = info.tokenizer.batch_decode([s[2] for s in samples], skip_special_tokens=True)
     return Rollout(train=train, rows=[s[1] for s in samples],
                    group_ids=torch.tensor(group_ids, dtype=torch.int64), responses=texts,
-                   finish=[s[3] for s in samples], prompt_lens=train.prompt_lens.tolist())
+                   finish=[s[3] for s in samples])
 
 
 @contextlib.contextmanager
