@@ -113,6 +113,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", metavar="PATH", default=None,
+                   help="after the timed updates, profile one more and write where device time went")
     args = p.parse_args(argv)
 
     from megatron.core import parallel_state, tensor_parallel
@@ -167,6 +169,13 @@ def main(argv=None) -> dict:
         if it >= args.warmup:
             per_update.append((seconds, int(batch.seq_lens.sum()),
                                sequence_flops(engine.config, actor.vocab_size, batch.seq_lens.tolist())))
+    if args.profile and cuda:
+        from bench.profiling import kernel_profile
+
+        batch = _batch(args.samples, args.seq, arch.vocab_size, args.seed + 10_000)
+        with kernel_profile(f"actor update, {args.shape}, seq {args.seq}, {args.samples} samples, "
+                            f"max_tokens {actor_cfg.max_tokens_per_microbatch}", args.profile):
+            actor.update(batch)
     n_micro = len(engine.micro_batches(batch, max_tokens=actor_cfg.max_tokens_per_microbatch))
     rates = sorted(per_update, key=lambda u: u[2] / u[0])
     seconds, tokens, flops = rates[len(rates) // 2]  # the median update by achieved FLOP/s

@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 QWEN25_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
@@ -26,9 +29,12 @@ QWEN25_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=2
                    tie_word_embeddings=True)
 
 
-def init_single_rank() -> None:
+def init_single_rank():
+    """One NCCL rank with verl_mcore's process groups (TP = PP = TP_g = 1); returns them."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+
+    from verl_mcore.config import Config
+    from verl_mcore.distributed.groups import build_groups
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -36,7 +42,7 @@ def init_single_rank() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    return build_groups(Config.load(None, []))
 
 
 def build_models(hf_kwargs: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
@@ -75,6 +81,94 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def compare_unfused(engine, model, arch, args, prompt_lists, sp, tokens) -> dict:
+    """The same call without the fused kernels (same weights), and greedy agreement of the two."""
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+
+    engine.sleep()
+    plain = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=args.batch,
+                         gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs, fused_decode=False)
+    timed(lambda: plain.generate(prompt_lists, sp))
+    _, secs = timed(lambda: plain.generate(prompt_lists, sp))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
+    a = [o.token_ids for o in plain.generate(prompt_lists[:32], greedy)]
+    plain.sleep()
+    b = [o.token_ids for o in engine.generate(prompt_lists[:32], greedy)]
+    # position of the first differing token per sequence (bf16 near-ties flip eventually)
+    first_diff = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
+    print(f"unfused engine: {tokens / secs:10.0f} tokens/s  ({secs:.2f} s); greedy 32 tokens: "
+          f"{sum(x == y for x, y in zip(a, b))}/32 sequences identical, mean first difference at "
+          f"token {sum(first_diff) / len(first_diff):.1f}")
+    return {"unfused_tokens_per_s": tokens / secs, "unfused_seconds": secs,
+            "fused_vs_unfused_greedy_identical": sum(x == y for x, y in zip(a, b)) / len(a),
+            "fused_vs_unfused_first_diff_mean": sum(first_diff) / len(first_diff)}
+
+
+def time_repartition(model, arch, groups) -> dict:
+    """The Repartitioner filling a separate generation-layout model from `model`. On one GPU every
+    layout is TP = PP = 1, where the trainer skips this copy (the training model serves
+    generation); this times the machinery and its buffer, with bytes moved against the minimum."""
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.models.hf_config import transformer_config
+    from verl_mcore.rollout.repartition import Repartitioner
+
+    gen = build_gpt_model(arch, transformer_config(arch, dtype=torch.bfloat16, perform_initialization=False),
+                          role="actor", pg_collection=groups.gen).cuda()
+    rep = Repartitioner([model], gen, groups, gated_linear_unit=True)
+    runs = [rep.run() for _ in range(4)]
+    stats = sorted(runs[1:], key=lambda r: r.seconds)[1]  # median of three after a warm-up
+    equal = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), gen.state_dict().values())
+                if isinstance(a, torch.Tensor))
+    out = {"seconds": stats.seconds, "bytes_received": stats.bytes_received,
+           "min_bytes_received": stats.min_bytes_received, "bytes_sent": stats.bytes_sent,
+           "weights_equal": equal}
+    print(f"repartition (1 GPU, into a separate model): {stats.seconds * 1e3:.1f} ms, "
+          f"{stats.bytes_received / 1e9:.2f} GB received (minimum {stats.min_bytes_received / 1e9:.2f}); "
+          f"weights equal: {equal}")
+    rep.buffer.release()
+    del gen
+    torch.cuda.empty_cache()
+    return out
+
+
+def stage_breakdown(engine, call) -> dict[str, float]:
+    """Seconds per engine stage over one `call`, each stage synchronised (so the stages do not
+    overlap as they do in a normal call). "decode step" = decode forward + sample + the host's
+    bookkeeping of one step; "sample" counts only the samples of decode steps."""
+    seconds = {"admit (prefill + first sample)": 0.0, "decode step": 0.0, "decode forward": 0.0,
+               "sample": 0.0}
+    inside = {"step": False}
+    labels = {"_admit": "admit (prefill + first sample)", "_step": "decode step",
+              "_decode": "decode forward", "_pick": "sample"}
+    for attr, label in labels.items():
+        fn = getattr(engine, attr)
+
+        def wrapped(*a, _fn=fn, _label=label, _attr=attr, **kw):
+            if _attr == "_pick" and not inside["step"]:
+                return _fn(*a, **kw)
+            inside["step"] |= _attr == "_step"
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                torch.cuda.synchronize()
+                seconds[_label] += time.perf_counter() - t
+                inside["step"] &= _attr != "_step"
+        setattr(engine, attr, wrapped)
+    try:
+        _, total = timed(call)
+    finally:
+        for attr in labels:
+            delattr(engine, attr)  # back to the class methods
+    seconds["decode host bookkeeping"] = (seconds["decode step"] - seconds["decode forward"]
+                                          - seconds["sample"])
+    seconds["total"] = total
+    print("breakdown (synchronised): " + ", ".join(f"{k} {v:.3f}s" for k, v in seconds.items()))
+    return seconds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=128)
@@ -83,6 +177,16 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="fewer layers (quick runs)")
     p.add_argument("--no-graphs", action="store_true", help="native engine without CUDA graphs")
     p.add_argument("--skip-hf", action="store_true", help="time only the native engine")
+    p.add_argument("--profile", metavar="PATH", default=None,
+                   help="profile one more native generate call: where device time went")
+    p.add_argument("--breakdown", action="store_true",
+                   help="one more native call with each engine stage synchronised and timed")
+    p.add_argument("--hf-greedy-tokens", type=int, default=0,
+                   help="also time transformers greedy generate for this many new tokens")
+    p.add_argument("--compare-unfused", action="store_true",
+                   help="also time the engine without its fused decode kernels, and compare tokens")
+    p.add_argument("--repartition", action="store_true",
+                   help="time the Repartitioner copying the model into a separate generation model")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_rollout needs a CUDA GPU")
@@ -90,7 +194,7 @@ def main(argv=None) -> int:
     from verl_mcore.rollout.base import SamplingParams
     from verl_mcore.rollout.native import NativeEngine
 
-    init_single_rank()
+    groups = init_single_rank()
     hf_kwargs = dict(QWEN25_1P5B)
     if args.layers:
         hf_kwargs["num_hidden_layers"] = args.layers
@@ -104,6 +208,8 @@ def main(argv=None) -> int:
 
     engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=args.batch,
                           gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs)
+    result["fused_decode"] = engine.fused
+    print(f"fused decode: {engine.fused} ({engine.fused_decode_reason or 'supported'})")
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     prompt_lists = prompts.tolist()
     # Same prompts first as a warm-up (captures the graphs of every attention-length bucket).
@@ -114,6 +220,25 @@ def main(argv=None) -> int:
                   native_tokens_per_s=tokens / native_s, native_stats=engine.last_stats)
     print(f"native engine : {tokens / native_s:10.0f} tokens/s  ({native_s:.2f} s; first call "
           f"{cold:.2f} s incl. graph capture)")
+
+    for wanted, part in ((args.compare_unfused, lambda: result.update(
+            compare_unfused(engine, model, arch, args, prompt_lists, sp, tokens))),
+            (args.repartition, lambda: result.update(repartition=time_repartition(model, arch, groups)))):
+        if wanted:
+            try:  # an optional measurement must not cost the main ones
+                part()
+            except Exception:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+    if args.breakdown:
+        result["native_breakdown"] = stage_breakdown(engine, lambda: engine.generate(prompt_lists, sp))
+    if args.profile:
+        from bench.profiling import kernel_profile
+
+        with kernel_profile(f"native generate, batch {args.batch}, prompt {args.prompt_len}, "
+                            f"{args.new_tokens} new", args.profile):
+            engine.generate(prompt_lists, sp)
 
     # Same weights: the first (greedy) token of each prompt should mostly agree (bf16 rounding
     # differs between the two implementations, so not always).
@@ -142,6 +267,14 @@ def main(argv=None) -> int:
                       speedup=(tokens / native_s) / (tokens / hf_s))
         print(f"transformers  : {tokens / hf_s:10.0f} tokens/s  ({hf_s:.2f} s)")
         print(f"speedup       : {result['speedup']:.1f}x")
+        if args.hf_greedy_tokens:
+            n = args.hf_greedy_tokens
+            with torch.no_grad():
+                _, greedy_s = timed(lambda: hf.generate(input_ids=ids, attention_mask=mask,
+                                                        do_sample=False, max_new_tokens=n,
+                                                        min_new_tokens=n))
+            result["hf_greedy_tokens_per_s"] = args.batch * n / greedy_s
+            print(f"transformers greedy, {n} new tokens: {args.batch * n / greedy_s:10.0f} tokens/s")
     print(json.dumps(result))
     return 0
 

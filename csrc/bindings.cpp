@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -154,6 +155,78 @@ Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double in
   return grad;
 }
 
+verl_mcore::ActDtype act_dtype(const Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return verl_mcore::ActDtype::kFloat32;
+    case at::kBFloat16: return verl_mcore::ActDtype::kBFloat16;
+    case at::kHalf: return verl_mcore::ActDtype::kFloat16;
+    default:
+      TORCH_CHECK(false, "verl_mcore._C.", op, ": expected float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_same(const Tensor& t, const char* name, const Tensor& like, const char* op) {
+  check_on_device(t, name, like, op);
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "verl_mcore._C.", op, ": ", name, " is ", t.scalar_type(),
+              " but the other inputs are ", like.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "verl_mcore._C.", op, ": ", name, " must be contiguous");
+}
+
+// residual: [..., hidden] contiguous; delta: None or like residual (then residual += delta in place);
+// weight: [hidden]. Returns rmsnorm(residual) * weight, like residual.
+Tensor rmsnorm(Tensor residual, std::optional<Tensor> delta, Tensor weight, double eps, int64_t stream) {
+  check_same(residual, "residual", residual, "rmsnorm");
+  check_same(weight, "weight", residual, "rmsnorm");
+  const int64_t hidden = residual.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "verl_mcore._C.rmsnorm: weight must be [", hidden,
+              "], got ", weight.sizes());
+  if (delta) {
+    check_same(*delta, "delta", residual, "rmsnorm");
+    TORCH_CHECK(delta->sizes() == residual.sizes(), "verl_mcore._C.rmsnorm: delta ", delta->sizes(),
+                " and residual ", residual.sizes(), " differ in shape");
+  }
+  const c10::DeviceGuard guard(residual.device());
+  Tensor out = at::empty_like(residual);
+  check_cuda(verl_mcore::rmsnorm_launch(residual.data_ptr(), delta ? delta->data_ptr() : nullptr, weight.data_ptr(),
+                                        out.data_ptr(), act_dtype(residual, "rmsnorm"), residual.numel() / hidden,
+                                        hidden, float(eps), to_stream(stream)),
+             "rmsnorm");
+  return out;
+}
+
+// qkv: [tokens, groups * (r + 2) * hd] contiguous; cos/sin: [max_pos, hd]; positions: int64 [tokens];
+// cache_k/cache_v: [slots, cache_len, groups, hd] contiguous. Returns q [tokens, groups * r, hd].
+Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor cache_k, Tensor cache_v,
+                  int64_t groups, int64_t r, int64_t hd, int64_t stream) {
+  const char* op = "rope_cache";
+  check_same(qkv, "qkv", qkv, op);
+  check_same(cos, "cos", qkv, op);
+  check_same(sin, "sin", qkv, op);
+  check_same(cache_k, "cache_k", qkv, op);
+  check_same(cache_v, "cache_v", qkv, op);
+  check_on_device(positions, "positions", qkv, op);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
+              "verl_mcore._C.rope_cache: positions must be a contiguous int64 vector");
+  const int64_t tokens = positions.size(0);
+  TORCH_CHECK(qkv.numel() == tokens * groups * (r + 2) * hd, "verl_mcore._C.rope_cache: qkv has ", qkv.numel(),
+              " elements, expected tokens x groups x (r + 2) x hd = ", tokens, " x ", groups, " x ", r + 2, " x ", hd);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "verl_mcore._C.rope_cache: cos/sin must be [max_pos, ", hd, "]");
+  TORCH_CHECK(hd % 2 == 0, "verl_mcore._C.rope_cache: head dim must be even, got ", hd);
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(0) >= tokens &&
+                  cache_k.size(2) == groups && cache_k.size(3) == hd,
+              "verl_mcore._C.rope_cache: caches must be [slots >= ", tokens, ", len, ", groups, ", ", hd, "], got ",
+              cache_k.sizes(), " and ", cache_v.sizes());
+  const c10::DeviceGuard guard(qkv.device());
+  Tensor q = at::empty({tokens, groups * r, hd}, qkv.options());
+  check_cuda(verl_mcore::rope_cache_launch(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                           positions.data_ptr<int64_t>(), q.data_ptr(), cache_k.data_ptr(),
+                                           cache_v.data_ptr(), act_dtype(qkv, op), tokens, int(groups), int(r),
+                                           int(hd), cache_k.size(1), to_stream(stream)),
+             op);
+  return q;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -166,4 +239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("masked_normalize_", &masked_normalize_, "x = mask ? (x - mean) * rstd : 0, in place");
   m.def("lpe_forward", &lpe_forward, "local log-prob/entropy statistics of vocab-parallel logits");
   m.def("lpe_backward", &lpe_backward, "grad-logits of log-prob and entropy from saved statistics");
+  m.def("rmsnorm", &rmsnorm, "[residual += delta;] rmsnorm(residual) * weight (decode step)",
+        py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("stream"));
+  m.def("rope_cache", &rope_cache, "rotary q/k of fused QKV rows; k, v into the KV cache (decode step)");
 }

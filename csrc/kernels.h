@@ -55,4 +55,23 @@ cudaError_t lpe_backward_launch(const void* logits, LogitsDtype dtype, int64_t r
                                 const float* logZ, const float* Ez, const float* g_logp, const float* g_ent,
                                 void* grad_logits, int64_t grad_row_stride, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// Decode-step ops of the native rollout engine (forward only, csrc/decode.cu).
+
+// Element types of activations, weights and the KV cache (all the same type in one call).
+enum class ActDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// RMSNorm of `rows` contiguous rows of `hidden`: out = round(h * rstd(h)) * weight, with
+// h = residual, or, when `delta` is not null, residual += delta first (in place) and h the sum.
+cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, ActDtype dtype,
+                           int64_t rows, int64_t hidden, float eps, cudaStream_t stream);
+
+// One token per sequence: qkv [tokens, groups, r + 2, hd] (megatron's group-interleaved fused QKV,
+// r query heads per group); cos/sin [max_pos, hd]; positions int64 [tokens]. Writes the rotated
+// queries to q_out [tokens, groups * r, hd], the rotated key and the value of token t into
+// cache_k / cache_v [slots >= tokens, cache_len, groups, hd] at slot t, position positions[t].
+cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
+                              void* q_out, void* cache_k, void* cache_v, ActDtype dtype, int64_t tokens, int groups,
+                              int r, int hd, int64_t cache_len, cudaStream_t stream);
+
 }  // namespace verl_mcore

@@ -55,15 +55,31 @@ def generation_model(hf_dir: str, groups, tp_gen: int, tp_train: int, load: bool
     return arch, model
 
 
-def engine_body(rank, world_size, hf_dir: str, tp_gen: int):
-    """Greedy, seeded sampling, n > 1, stop tokens, max length and sleep/wake on a TP_g engine."""
+def engine_body(rank, world_size, hf_dir: str, tp_gen: int, fused: bool = False):
+    """Greedy, seeded sampling, n > 1, stop tokens, max length and sleep/wake on a TP_g engine.
+    fused: decode through the fused-decode path (on CPU its ops run their torch references)."""
+    from verl_mcore.rollout import native
+
+    if not fused:
+        return _engine_body(rank, tp_gen, hf_dir)
+    supported = native._CachedGPT.fused_decode_supported
+    native._CachedGPT.fused_decode_supported = lambda self: None
+    try:  # the ranks are pooled processes: restore the class for the next task
+        res = _engine_body(rank, tp_gen, hf_dir)
+        res["fused"] = True
+        return res
+    finally:
+        native._CachedGPT.fused_decode_supported = supported
+
+
+def _engine_body(rank, tp_gen: int, hf_dir: str):
     from verl_mcore.rollout.base import SamplingParams
     from verl_mcore.rollout.native import NativeEngine
 
     groups = setup(tp_gen, tp_gen)
     arch, model = generation_model(hf_dir, groups, tp_gen, tp_gen)
     engine = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=3)
-    res = {}
+    res = {"fused_engine": engine.fused}
 
     def run(sp, eng=engine):
         return [(o.prompt_index, o.sample_index, o.token_ids, o.logprobs, o.finish_reason)

@@ -68,6 +68,18 @@ def test_native_engine_tp2_identical_ranks(hf_model):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("tp_gen", [1, 2])
+def test_native_engine_fused_decode_path(hf_model, tp_gen):
+    """The fused decode step (residual add + RMSNorm, rotary + cache write, attention over each
+    sequence's own keys; on CPU the ops' torch references) gives what the unfused step gives."""
+    hf_dir, tokens, logps = hf_model
+    results = run_on_ranks(eb.engine_body, tp_gen, args=(hf_dir, tp_gen, True), timeout=240)
+    assert results[0]["fused_engine"] is True
+    _check_engine(results[0], tokens, logps)
+    assert all(r == results[0] for r in results)
+
+
+@pytest.mark.distributed
 def test_weight_sync_check_after_repartition(hf_model):
     hf_dir, tokens, _ = hf_model
     # TP_t = 2 -> TP_g = 1: each rank is one generation replica holding the whole model.

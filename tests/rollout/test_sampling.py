@@ -63,3 +63,29 @@ def test_sampling_params_validation():
         SamplingParams(max_new_tokens=0)
     assert SamplingParams(temperature=0.0).greedy
     assert SamplingParams(stop_token_ids=[np.int64(3)]).stop_token_ids == (3,)
+
+
+def test_blocked_inverse_cdf_equals_flat_and_never_picks_zero_mass():
+    """The two-level inversion (block, then entry) draws what one flat cumsum draws, up to float
+    rounding at boundaries, and never a zero-probability token (also in the padded last block)."""
+    from verl_mcore.rollout.sampling import _invert_cdf, _invert_cdf_blocked
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000  # 4 blocks, the last one padded
+    probs = torch.rand(64, vocab, generator=g) ** 8
+    probs[:, 100:400] = 0.0  # whole zero blocks
+    probs[:, -3:] = 0.0      # zero mass at the very end
+    probs[0] = 0.0
+    probs[0, 999 - 3] = 1.0  # one token only
+    probs = probs / probs.sum(-1, keepdim=True)
+    same = total = 0
+    for _ in range(50):
+        u = torch.rand(64, generator=g, dtype=torch.float64)
+        blocked = _invert_cdf_blocked(probs, u)
+        flat = _invert_cdf(probs.cumsum(-1), u)
+        assert (probs.gather(-1, blocked.unsqueeze(-1)) > 0).all()
+        same += int((blocked == flat).sum())
+        total += 64
+    assert same / total > 0.999
+    edge = _invert_cdf_blocked(probs[:2], torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
+    assert (probs[:2].gather(-1, edge.unsqueeze(-1)) > 0).all()

@@ -8,7 +8,7 @@ repartition wrote (or the training model's, when the layouts agree):
     layout) -> q/k layernorm -> RoPE (the model's own inv_freq) -> cached attention -> linear_proj;
     pre_mlp_layernorm, mlp -> final_layernorm -> output_layer (vocab-parallel logits)
 
-Continuous batching: `max_num_seqs` slots share one KV cache [layers, 2, slots, groups, len, hd].
+Continuous batching: `max_num_seqs` slots share one KV cache [layers, 2, slots, len, groups, hd].
 Waiting sequences are prefilled into free slots (the n samples of a prompt are prefilled once and
 their cache rows copied), then every decoding step advances all slots by one token; a sequence that
 samples a stop token or reaches max_new_tokens frees its slot for the next waiting one. Each slot
@@ -18,8 +18,12 @@ Sampling: the vocab-parallel logits are all-gathered within the generation TP gr
 (ids >= the real vocabulary) are cut, and `sampling.sample` picks tokens with counter-based random
 numbers; TP rank 0's tokens are broadcast so every rank of the group continues with the same ones.
 
-On CUDA the decode step (embedding .. logits) is captured in CUDA graphs, one per attention-length
-bucket: small-batch decoding is otherwise dominated by per-kernel launch overhead.
+On CUDA the decode step (embedding .. logits) is captured in CUDA graphs: small-batch decoding is
+otherwise dominated by per-kernel launch overhead. With the csrc/ extension the step also runs
+fused kernels (verl_mcore/ops/decode.py: residual add + RMSNorm, rotary + KV-cache write) and
+flash attention over the cache with per-sequence key counts (`seqused_k`), so one graph serves
+every length and attention reads only the keys each sequence has. Without them (CPU, or a model
+the fused path does not cover) attention masks a length bucket of the cache, one graph per bucket.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from verl_mcore.ops import decode as decode_ops
 from verl_mcore.rollout import sampling as sampling_mod
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 
@@ -117,7 +122,12 @@ class _CachedGPT:
         self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         self._rope_len = length
 
-    def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor):
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [s, b, 1, hd] of positions [b, s], gathered once per forward for every layer."""
+        return (self._cos[positions].transpose(0, 1).unsqueeze(2),
+                self._sin[positions].transpose(0, 1).unsqueeze(2))
+
+    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [s, b, H] (normed) -> q [s, b, nh, hd], k/v [s, b, ng, hd], RoPE applied."""
         attn = layer.self_attention
         s, b = x.shape[0], x.shape[1]
@@ -130,8 +140,6 @@ class _CachedGPT:
             q = attn.q_layernorm(q)
         if attn.k_layernorm is not None:
             k = attn.k_layernorm(k)
-        cos = self._cos[positions].transpose(0, 1).unsqueeze(2)  # [s, b, 1, hd]
-        sin = self._sin[positions].transpose(0, 1).unsqueeze(2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
@@ -145,22 +153,89 @@ class _CachedGPT:
         """tokens/positions [b, s] -> final hidden states [s, b, H]; `attend(i, q, k, v)` returns
         the attention output [s, b, nh * hd] of layer i and stores k/v in the cache."""
         h = self.model.embedding(input_ids=tokens, position_ids=None)  # [s, b, H]
+        cos, sin = self.rope_at(positions)
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, cos, sin)
             h = self._add(h, layer.self_attention.linear_proj(attend(i, q, k, v)))
             h = self._add(h, layer.mlp(layer.pre_mlp_layernorm(h)))
-        return h
+        return self.final_norm(h)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.model.decoder.final_layernorm(h)
+        return h.to(self.dtype) if self.fp32_residual else h
+
+    # ------------------------------------------------------------ the fused decode step
+
+    def fused_decode_supported(self) -> Optional[str]:
+        """None when `fused_decode` can run this model on this device, else why not."""
+        if not decode_ops.available(next(self.model.parameters())):
+            return "the CUDA extension is not loaded (or the model is not on a GPU)"
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return f"activation dtype {self.dtype} (flash attention needs bf16/fp16)"
+        if self.head_dim % 8 or self.head_dim > 256:
+            return f"head dim {self.head_dim}"
+        cfg = self.model.config
+        if cfg.normalization != "RMSNorm" or getattr(cfg, "layernorm_zero_centered_gamma", False):
+            return f"normalization {cfg.normalization}"
+        if self.fp32_residual:
+            return "fp32_residual_connection"
+        norms = [self.model.decoder.final_layernorm]
+        for layer in self.layers:
+            attn = layer.self_attention
+            if attn.q_layernorm is not None or attn.k_layernorm is not None:
+                return "q/k layernorm"
+            if getattr(attn.linear_proj, "bias", None) is not None or \
+                    getattr(layer.mlp.linear_fc2, "bias", None) is not None:
+                return "biases on the attention output or MLP output projection"
+            norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
+        for norm in norms:
+            if _rmsnorm_params(norm) is None:
+                return f"norm module {type(norm).__name__} (no weight / eps)"
+        try:
+            decode_ops.check_cache_attention(self.device, self.dtype, self.heads, self.groups,
+                                             self.head_dim)
+        except Exception as e:  # noqa: BLE001 - any failure means: use the unfused path
+            return f"flash attention over the KV cache is unavailable here ({e})"
+        return None
+
+    def fused_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+                     ) -> torch.Tensor:
+        """One token per slot through the fused kernels: tokens/positions [b] -> final hidden
+        [1, b, H]. Keys of slot t are cache positions 0..positions[t] (this token's included)."""
+        b = tokens.shape[0]
+        r = self.heads // self.groups
+        h = self.model.embedding(input_ids=tokens.unsqueeze(1), position_ids=None).contiguous()
+        delta = None
+        for i, layer in enumerate(self.layers):
+            x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.input_layernorm))
+            mixed, _ = layer.self_attention.linear_qkv(x)
+            kc, vc = cache[i, 0], cache[i, 1]
+            q = decode_ops.rope_cache(mixed.view(b, -1), self._cos, self._sin, positions, kc, vc,
+                                      self.groups, r, self.head_dim)
+            out = decode_ops.cache_attention(q, kc, vc, positions, self.scale)
+            delta, _ = layer.self_attention.linear_proj(out.view(1, b, self.heads * self.head_dim))
+            x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.pre_mlp_layernorm))
+            delta, _ = layer.mlp(x)
+        return decode_ops.rmsnorm(h, delta, *_rmsnorm_params(self.model.decoder.final_layernorm))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [s, b, H] -> vocab-parallel logits [s, b, V_local]."""
-        h = self.model.decoder.final_layernorm(h)
-        if self.fp32_residual:
-            h = h.to(self.dtype)
+        """final-normed h [s, b, H] -> vocab-parallel logits [s, b, V_local]."""
         weight = (self.model.shared_embedding_or_output_weight()
                   if self.model.share_embeddings_and_output_weights else None)
         out, _ = self.model.output_layer(h, weight=weight)
         return out
+
+
+def _rmsnorm_params(norm: torch.nn.Module) -> Optional[tuple[torch.Tensor, float]]:
+    """(weight, eps) of an RMSNorm module (megatron's torch or TE norm), None if it has none."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "eps", None)
+    if eps is None:
+        eps = getattr(norm, "epsilon", None)
+    if weight is None or eps is None or getattr(norm, "bias", None) is not None:
+        return None
+    return weight, float(eps)
 
 
 class NativeEngine(RolloutEngine):
@@ -176,12 +251,14 @@ class NativeEngine(RolloutEngine):
     max_num_seqs: decoding slots. gpu_memory_utilization: on CUDA, the KV cache takes at most this
         fraction of the free memory (fewer slots if needed). cuda_graphs: capture the decode step.
     max_prefill_tokens: prompt tokens prefilled in one forward (bounds activation memory).
+    fused_decode: decode with the fused kernels and flash attention where supported
+        (`fused_decode_reason` says why not, when not).
     """
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, tp_group=None,
                  repartitioner=None, keep_weights_buffer: bool = False, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
-                 max_prefill_tokens: int = 16384):
+                 max_prefill_tokens: int = 16384, fused_decode: bool = True):
         while not hasattr(model, "decoder") and hasattr(model, "module"):
             model = model.module  # DDP / Float16Module wrappers of the training model
         self.net = _CachedGPT(model)
@@ -199,7 +276,10 @@ class NativeEngine(RolloutEngine):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.use_graphs = cuda_graphs and self.net.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens
-        self.cache: Optional[torch.Tensor] = None  # [layers, 2, slots, groups, len, hd]
+        self.cache: Optional[torch.Tensor] = None  # [layers, 2, slots, len, groups, hd]
+        self.fused_decode_reason = (self.net.fused_decode_supported() if fused_decode
+                                    else "fused_decode=False")
+        self.fused = self.fused_decode_reason is None
         self._graphs: dict = {}
         self._graph_pool = None
         self.last_stats: dict[str, float] = {}
@@ -242,7 +322,7 @@ class NativeEngine(RolloutEngine):
         """Allocate (or reuse) a cache for `slots` x `length`; returns the slots to use (fewer
         when the memory budget says so)."""
         length = self._bucket(length, 1 << 62)
-        if self.cache is not None and self.cache.shape[2] >= slots and self.cache.shape[4] >= length:
+        if self.cache is not None and self.cache.shape[2] >= slots and self.cache.shape[3] >= length:
             return slots
         self.cache, self._graphs, self._graph_pool = None, {}, None
         net = self.net
@@ -259,7 +339,7 @@ class NativeEngine(RolloutEngine):
                     f"of KV cache, more than rollout.gpu_memory_utilization="
                     f"{self.gpu_memory_utilization} of the free {free / 2**30:.1f} GiB")
             slots = min(slots, fit)
-        self.cache = torch.zeros(len(net.layers), 2, slots, net.groups, length, net.head_dim,
+        self.cache = torch.zeros(len(net.layers), 2, slots, length, net.groups, net.head_dim,
                                  dtype=net.dtype, device=net.device)
         # RoPE tables cover the cache; they only grow here, where the graphs (which hold their
         # addresses) were just dropped.
@@ -267,7 +347,10 @@ class NativeEngine(RolloutEngine):
         return slots
 
     def _bucket(self, length: int, cap: int) -> int:
-        """Attention length: rounded up for CUDA graphs (few shapes), exact otherwise."""
+        """Attention length: rounded up for CUDA graphs (few shapes), exact otherwise; the fused
+        path reads each sequence's own keys, so it always passes the whole cache (one graph)."""
+        if self.fused and cap < (1 << 62):
+            return cap
         if self.use_graphs:
             length = -(-length // _ATTN_BUCKET) * _ATTN_BUCKET
         return min(length, cap)
@@ -297,9 +380,9 @@ class NativeEngine(RolloutEngine):
         def attend(i, q, k, v):
             # [s, n, heads, hd] -> [n, heads, s, hd]; right padding never reaches a real token
             # under the causal mask, and the padded cache rows are masked until overwritten.
+            cache[i, 0, slots, :s] = k.transpose(0, 1)
+            cache[i, 1, slots, :s] = v.transpose(0, 1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            cache[i, 0, slots, :, :s] = k
-            cache[i, 1, slots, :, :s] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.net.scale,
                                                  enable_gqa=self.net.heads != self.net.groups)
             return out.permute(2, 0, 1, 3).reshape(s, len(prompts), -1)
@@ -313,6 +396,8 @@ class NativeEngine(RolloutEngine):
                         ) -> torch.Tensor:
         """One token per slot: tokens/positions [slots] -> logits [slots, V_local]. Keys at
         cache positions > a slot's position are masked; attention reads `length` positions."""
+        if self.fused:
+            return self.net.logits(self.net.fused_decode(tokens, positions, self.cache))[0]
         cache = self.cache
         b = tokens.shape[0]
         r = self.net.heads // self.net.groups
@@ -323,9 +408,10 @@ class NativeEngine(RolloutEngine):
 
         def attend(i, q, k, v):
             # q [1, b, nh, hd], k/v [1, b, ng, hd]; grouped-query attention without repeating K/V.
-            cache[i, 0, rows, :, positions] = k[0]
-            cache[i, 1, rows, :, positions] = v[0]
-            keys, values = cache[i, 0, :b, :, :length], cache[i, 1, :b, :, :length]
+            cache[i, 0, rows, positions] = k[0]
+            cache[i, 1, rows, positions] = v[0]
+            keys = cache[i, 0, :b, :length].transpose(1, 2)  # [b, ng, length, hd]
+            values = cache[i, 1, :b, :length].transpose(1, 2)
             qg = q[0].view(b, self.net.groups, r, self.net.head_dim)
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.net.scale + bias
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
@@ -478,7 +564,7 @@ class NativeEngine(RolloutEngine):
             src = torch.as_tensor([a for a, _ in dup], device=device)
             dst = torch.as_tensor([b for _, b in dup], device=device)
             plen = max(len(st.prompts[p]) for p in uniq)
-            self.cache[:, :, dst, :, :plen] = self.cache[:, :, src, :, :plen]
+            self.cache[:, :, dst, :plen] = self.cache[:, :, src, :plen]
         row = {p: i for i, p in enumerate(uniq)}
         rows = torch.as_tensor([row[s // n] for s in admitted], device=device)
         for s, slot in zip(admitted, seq_slots):
@@ -491,7 +577,7 @@ class NativeEngine(RolloutEngine):
         """One decoding step of every slot; sample for the active ones."""
         device = self.net.device
         active = st.active_slots()
-        length = self._bucket(int(st.pos[active].max()) + 1, self.cache.shape[4])
+        length = self._bucket(int(st.pos[active].max()) + 1, self.cache.shape[3])
         logits = self._decode(torch.from_numpy(st.last).to(device),
                               torch.from_numpy(st.pos).to(device), length)
         seq_ids = [st.slot_seq[i] for i in active]

@@ -51,32 +51,60 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
     softmax(logits / T) restricted to the top_k largest and to the smallest prefix (by
     probability) whose mass reaches top_p.
     """
-    logits = logits.float()
     if temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
-    else:
-        scaled = logits / temperature
-        logp = torch.log_softmax(scaled, dim=-1)
-        probs = logp.exp()
-        vocab = probs.shape[-1]
-        k = top_k if 0 < top_k < vocab else vocab
-        if k < vocab or top_p < 1.0:
-            # Sorted descending: keep the first k, and the tokens whose preceding mass < top_p
-            # (the most likely token always stays).
-            sorted_p, order = torch.topk(probs, k, dim=-1) if k < vocab else probs.sort(
-                dim=-1, descending=True)
-            if top_p < 1.0:
-                before = sorted_p.cumsum(dim=-1) - sorted_p
-                sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
-            cdf = sorted_p.cumsum(dim=-1)
-        else:
-            order, cdf = None, probs.cumsum(dim=-1)
-        target = (u.to(cdf.device, torch.float64) * cdf[:, -1].double()).to(cdf.dtype)
-        pick = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-        pick = pick.clamp_(max=cdf.shape[-1] - 1)
-        # A zero-probability entry cannot be picked, except by rounding at the very end of the
-        # CDF: step back to the last entry with mass.
-        last_nonzero = (cdf < cdf[:, -1:]).sum(dim=-1)
-        pick = torch.minimum(pick, last_nonzero)
-        tokens = pick if order is None else order.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
-    return tokens
+        return logits.argmax(dim=-1)
+    scaled = logits if temperature == 1.0 else logits.float() / temperature
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    vocab = probs.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    if k == vocab and top_p >= 1.0:
+        return _invert_cdf_blocked(probs, u)
+    # Sorted descending: keep the first k, and the tokens whose preceding mass < top_p (the most
+    # likely token always stays).
+    sorted_p, order = torch.topk(probs, k, dim=-1) if k < vocab else probs.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    pick = _invert_cdf(sorted_p.cumsum(dim=-1), u)
+    return order.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+
+def _invert_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first cdf entry above u * total, per row (cdf [b, n] non-decreasing)."""
+    target = (u.to(cdf.device, torch.float64) * cdf[:, -1].double()).to(cdf.dtype)
+    pick = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    pick = pick.clamp_(max=cdf.shape[-1] - 1)
+    # A zero-probability entry cannot be picked, except by rounding at the very end of the CDF:
+    # step back to the last entry with mass.
+    last_nonzero = (cdf < cdf[:, -1:]).sum(dim=-1)
+    return torch.minimum(pick, last_nonzero)
+
+
+_BLOCK = 256
+
+
+def _invert_cdf_blocked(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF of probs [b, V] at u [b] in two levels: the block of _BLOCK entries where
+    the running mass crosses u * total, then the entry inside it. Same draw as one flat cumsum up to
+    float rounding, but over a 150k vocabulary it avoids a full-width scan and its search (the
+    sampler's largest cost in a decode step)."""
+    b, vocab = probs.shape
+    nblocks = -(-vocab // _BLOCK)
+    if nblocks * _BLOCK != vocab:
+        probs = torch.nn.functional.pad(probs, (0, nblocks * _BLOCK - vocab))
+    blocks = probs.view(b, nblocks, _BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [b, nblocks]
+    total = block_cdf[:, -1]
+    target = (u.to(probs.device, torch.float64) * total.double()).to(probs.dtype)
+    j = torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    j = torch.minimum(j, (block_cdf < total.unsqueeze(-1)).sum(dim=-1))  # a block with mass
+    before = torch.where(j > 0, block_cdf.gather(-1, (j - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1),
+                         torch.zeros_like(total))
+    inner = blocks.gather(1, j.view(b, 1, 1).expand(b, 1, _BLOCK)).squeeze(1)  # [b, _BLOCK]
+    inner_cdf = before.unsqueeze(-1) + inner.cumsum(dim=-1)
+    pick = torch.searchsorted(inner_cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    pick = pick.clamp_(max=_BLOCK - 1)
+    # Rounding (block sum vs running sum) can put the target past the block's last entry with
+    # mass: step back to it, never onto a zero-probability (or padding) entry.
+    last_nonzero = (inner_cdf < inner_cdf[:, -1:]).sum(dim=-1)
+    return j * _BLOCK + torch.minimum(pick, last_nonzero)

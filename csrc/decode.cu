@@ -1,0 +1,167 @@
+// Fused forward-only ops of the native rollout engine's decode step (verl_mcore/rollout/native.py).
+//
+// A decode step runs one token per sequence through every layer, so each op touches little data
+// and the step is a long chain of small kernels; inside a CUDA graph their launch cost is gone but
+// each still costs a few microseconds of device time. These kernels replace the longest chains:
+//
+//   rmsnorm:     [residual +=] delta; out = rmsnorm(residual) * weight      (torch: ~8 kernels)
+//   rope_cache:  split the fused QKV row, rotate q and k, write k and v into the KV cache at each
+//                sequence's position and q into a [tokens, heads, hd] buffer  (torch: ~16 kernels)
+//
+// Rounding follows the torch expressions they replace, so a bf16 result differs from torch's only
+// where torch's own reductions order their sums differently: rmsnorm computes in float and rounds
+// x * rstd to the activation dtype before multiplying by the weight (torch's rms_norm); the rotary
+// sum is round(round(x * cos) + round(rotate_half(x) * sin)) as `q * cos + rotate_half(q) * sin`.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+
+#include "kernels.h"
+
+namespace verl_mcore {
+namespace {
+
+constexpr int kNormThreads = 256;
+constexpr int kRopeThreads = 128;
+
+template <typename T> __device__ __forceinline__ float to_f(T x);
+template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+// Rounds a float to T's precision and back (the value torch would store in a T tensor).
+template <typename T> __device__ __forceinline__ float round_to(float x) { return to_f<T>(from_f<T>(x)); }
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x / 32;
+  v = lane < warps ? scratch[lane] : 0.f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;  // every thread holds the sum
+}
+
+// One block a row. With `delta`, the residual row is first updated in place (residual += delta,
+// rounded to T as a torch add is) and normalised after.
+template <typename T>
+__global__ void __launch_bounds__(kNormThreads)
+rmsnorm_kernel(T* __restrict__ residual, const T* __restrict__ delta, const T* __restrict__ weight,
+               T* __restrict__ out, int64_t hidden, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  T* h = residual + row * hidden;
+  const T* d = delta ? delta + row * hidden : nullptr;
+  T* y = out + row * hidden;
+  float sq = 0.f;
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    float v = to_f<T>(h[i]);
+    if (d) {
+      v = round_to<T>(v + to_f<T>(d[i]));
+      h[i] = from_f<T>(v);
+    }
+    sq = fmaf(v, v, sq);
+  }
+  const float rstd = rsqrtf(block_sum(sq, scratch) / float(hidden) + eps);
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    // Each thread rereads the elements it wrote itself above: no other thread's writes are needed.
+    const float normed = round_to<T>(to_f<T>(h[i]) * rstd);
+    y[i] = from_f<T>(normed * to_f<T>(weight[i]));
+  }
+}
+
+// One block per (token, KV group). The group's slice of the QKV row holds `r` query heads, then
+// its key head, then its value head (megatron's group-interleaved layout), each `hd` wide.
+template <typename T>
+__global__ void __launch_bounds__(kRopeThreads)
+rope_cache_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
+                  const int64_t* __restrict__ positions, T* __restrict__ q_out, T* __restrict__ cache_k,
+                  T* __restrict__ cache_v, int groups, int r, int hd, int64_t cache_len) {
+  const int64_t tok = blockIdx.x / groups;
+  const int g = blockIdx.x % groups;
+  const int64_t pos = positions[tok];
+  const T* row = qkv + (tok * groups + g) * int64_t(r + 2) * hd;
+  const T* c = cos + pos * hd;
+  const T* s = sin + pos * hd;
+  const int half = hd / 2;
+  // cache layout [slots, cache_len, groups, hd]: token `tok` sits in slot `tok`.
+  const int64_t cache_off = ((tok * cache_len + pos) * groups + g) * hd;
+  for (int e = threadIdx.x; e < (r + 2) * hd; e += blockDim.x) {
+    const int head = e / hd, i = e % hd;
+    const float x = to_f<T>(row[e]);
+    if (head == r + 1) {
+      cache_v[cache_off + i] = row[e];
+      continue;
+    }
+    const T* base = row + head * hd;
+    const float partner = i < half ? -to_f<T>(base[i + half]) : to_f<T>(base[i - half]);
+    const float rotated = round_to<T>(round_to<T>(x * to_f<T>(c[i])) + round_to<T>(partner * to_f<T>(s[i])));
+    if (head == r) {
+      cache_k[cache_off + i] = from_f<T>(rotated);
+    } else {
+      q_out[((tok * groups + g) * r + head) * int64_t(hd) + i] = from_f<T>(rotated);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t rmsnorm_typed(void* residual, const void* delta, const void* weight, void* out, int64_t rows,
+                          int64_t hidden, float eps, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  rmsnorm_kernel<T><<<unsigned(rows), kNormThreads, 0, stream>>>(
+      static_cast<T*>(residual), static_cast<const T*>(delta), static_cast<const T*>(weight),
+      static_cast<T*>(out), hidden, eps);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t rope_cache_typed(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
+                             void* q_out, void* cache_k, void* cache_v, int64_t tokens, int groups, int r, int hd,
+                             int64_t cache_len, cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  rope_cache_kernel<T><<<unsigned(tokens * groups), kRopeThreads, 0, stream>>>(
+      static_cast<const T*>(qkv), static_cast<const T*>(cos), static_cast<const T*>(sin), positions,
+      static_cast<T*>(q_out), static_cast<T*>(cache_k), static_cast<T*>(cache_v), groups, r, hd, cache_len);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, ActDtype dtype,
+                           int64_t rows, int64_t hidden, float eps, cudaStream_t stream) {
+  switch (dtype) {
+    case ActDtype::kFloat32: return rmsnorm_typed<float>(residual, delta, weight, out, rows, hidden, eps, stream);
+    case ActDtype::kBFloat16:
+      return rmsnorm_typed<__nv_bfloat16>(residual, delta, weight, out, rows, hidden, eps, stream);
+    case ActDtype::kFloat16: return rmsnorm_typed<__half>(residual, delta, weight, out, rows, hidden, eps, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
+                              void* q_out, void* cache_k, void* cache_v, ActDtype dtype, int64_t tokens, int groups,
+                              int r, int hd, int64_t cache_len, cudaStream_t stream) {
+  switch (dtype) {
+    case ActDtype::kFloat32:
+      return rope_cache_typed<float>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r, hd,
+                                     cache_len, stream);
+    case ActDtype::kBFloat16:
+      return rope_cache_typed<__nv_bfloat16>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r,
+                                             hd, cache_len, stream);
+    case ActDtype::kFloat16:
+      return rope_cache_typed<__half>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r, hd,
+                                      cache_len, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace verl_mcore

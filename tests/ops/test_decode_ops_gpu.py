@@ -1,0 +1,76 @@
+"""The native engine's fused decode ops (csrc/decode.cu, flash attention over the KV cache) against
+their torch references (verl_mcore/ops/decode.py); run on a GPU machine."""
+import pytest
+import torch
+
+from verl_mcore.ops import decode
+from verl_mcore.ops._extension import extension, extension_status
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    assert extension() is not None, f"CUDA extension not loaded ({extension_status()})"
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the larger value's bf16/fp16 spacing."""
+    eps = torch.finfo(a.dtype).eps
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp(min=1e-3)
+    return ((a.float() - b.float()).abs() / (scale * eps)).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 1536), (128, 2048), (300, 5120)])
+def test_rmsnorm_matches_reference(dtype, rows, hidden):
+    g = torch.Generator(device="cuda").manual_seed(rows * hidden)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    d = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+    # without residual
+    got, want = decode.rmsnorm(x.clone(), None, w, 1e-6), decode.rmsnorm_reference(x.clone(), None, w, 1e-6)
+    assert _ulps(got, want) <= 2  # the sum of squares is reduced in another order
+    # with residual += delta (in place, exactly torch's rounded add)
+    hk, hr = x.clone(), x.clone()
+    got, want = decode.rmsnorm(hk, d, w, 1e-6), decode.rmsnorm_reference(hr, d, w, 1e-6)
+    assert torch.equal(hk, hr)
+    assert _ulps(got, want) <= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,groups,r,hd", [(1, 1, 1, 64), (5, 2, 6, 128), (128, 4, 7, 128), (33, 8, 1, 256)])
+def test_rope_cache_matches_reference(dtype, tokens, groups, r, hd):
+    g = torch.Generator(device="cuda").manual_seed(tokens + groups)
+    qkv = torch.randn(tokens, groups * (r + 2) * hd, device="cuda", generator=g).to(dtype)
+    angles = torch.rand(512, hd // 2, device="cuda", generator=g) * 6.28
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, 512, (tokens,), device="cuda", generator=g)
+    caches = [torch.randn(tokens + 2, 512, groups, hd, device="cuda", generator=g).to(dtype) for _ in range(2)]
+    kk, vk = (c.clone() for c in caches)
+    kr, vr = (c.clone() for c in caches)
+    q_kernel = decode.rope_cache(qkv, cos, sin, positions, kk, vk, groups, r, hd)
+    q_ref = decode.rope_cache_reference(qkv, cos, sin, positions, kr, vr, groups, r, hd)
+    assert torch.equal(q_kernel, q_ref)
+    assert torch.equal(kk, kr) and torch.equal(vk, vr)  # written where the reference writes, nothing else
+
+
+@pytest.mark.parametrize("tokens,heads,groups,hd,length", [(3, 12, 2, 128, 256), (128, 16, 2, 128, 1024),
+                                                            (9, 4, 4, 64, 48)])
+def test_cache_attention_reads_each_sequences_own_keys(tokens, heads, groups, hd, length):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q = torch.randn(tokens, heads, hd, device="cuda", generator=g).to(torch.bfloat16)
+    kc, vc = (torch.randn(tokens + 1, length, groups, hd, device="cuda", generator=g).to(torch.bfloat16)
+              for _ in range(2))
+    positions = torch.randint(0, length, (tokens,), device="cuda", generator=g)
+    positions[0] = 0
+    got = decode.cache_attention(q, kc, vc, positions, hd ** -0.5)
+    want = decode.cache_attention_reference(q, kc, vc, positions, hd ** -0.5)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+    # keys past a sequence's position must not matter
+    kc[:, -1], vc[:, -1] = 1e4, 1e4
+    positions.clamp_(max=length - 2)
+    again = decode.cache_attention(q, kc, vc, positions, hd ** -0.5)
+    want = decode.cache_attention_reference(q, kc, vc, positions, hd ** -0.5)
+    assert (again.float() - want.float()).abs().max().item() < 2e-2
