@@ -53,22 +53,47 @@ class Rollout:
 
 
 class StageTimer:
-    """Wall time per phase (CUDA synchronised), for `timing_s/<phase>` and the stage line."""
+    """Wall time per phase (CUDA synchronised), for `timing_s/<phase>` and the stage line; on
+    CUDA also the peak allocated memory of each phase, for `memory_gb/<phase>`.
 
-    def __init__(self):
+    Per-phase peaks need `torch.cuda.reset_peak_memory_stats()` at each phase start, which would
+    lose the process peak `perf/max_memory_allocated_gb` reports; so the peak reached since the
+    previous reset (the last phase, the work between phases, model building before the first
+    step) is read just before each reset and kept in `peak_seen`. `peak_seen` starts at the
+    previous step's `process_peak_bytes()`, so the process peak carries over steps.
+    """
+
+    def __init__(self, peak_seen: int = 0):
         self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}  # phase -> max over its repeats (CUDA only)
+        self.peak_seen = peak_seen  # bytes: every peak read before a reset
+        self.cuda = torch.cuda.is_available()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        if torch.cuda.is_available():
+        if self.cuda:
             torch.cuda.synchronize()
+            self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if torch.cuda.is_available():
+            if self.cuda:
                 torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated()
+                self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def process_peak_bytes(self) -> int:
+        """Peak allocated bytes since the process started: the largest reading taken before a
+        reset (this step's, and `peak_seen` carried in), or now."""
+        return max(self.peak_seen, torch.cuda.max_memory_allocated()) if self.cuda else 0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        out.update({f"memory_gb/{k}": v / 2**30 for k, v in self.peak_bytes.items()})
+        return out
 
 
 class Trainer:
@@ -123,6 +148,7 @@ class Trainer:
         self.step_index = 0  # steps completed
         self.last_good_step = 0
         self.skipped_updates = 0
+        self.memory_peak_bytes = 0  # CUDA: carried from step to step (StageTimer resets peaks)
         self._resume()
 
     # ------------------------------------------------------------------ the loop
@@ -160,7 +186,7 @@ class Trainer:
         return 0
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, timer = self.cfg, StageTimer()
+        cfg, timer = self.cfg, StageTimer(peak_seen=self.memory_peak_bytes)
         phase = lambda name: _both(self.watchdog.phase(name, step=step), timer(name))  # noqa: E731
         t0 = time.perf_counter()
 
@@ -208,13 +234,15 @@ class Trainer:
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
         metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))
-        metrics.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
+        metrics.update(timer.metrics())
         seconds = time.perf_counter() - t0
         tokens = float(batch.seq_lens.sum())
         metrics["timing_s/step"] = seconds
         metrics["perf/throughput"] = tokens / seconds / self.world
+        # Peak since the process started (model building included), as before per-phase resets.
+        self.memory_peak_bytes = timer.process_peak_bytes()
         metrics["perf/max_memory_allocated_gb"] = (
-            torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else _rss_gb())
+            self.memory_peak_bytes / 2**30 if timer.cuda else _rss_gb())
         if "actor/mfu" in metrics:
             metrics["perf/mfu/actor"] = metrics.pop("actor/mfu")
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
