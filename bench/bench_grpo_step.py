@@ -240,14 +240,14 @@ def main(argv=None) -> dict:
     result = {
         "bench": "bench_grpo_step", "args": {k: v for k, v in vars(args).items()},
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "gpus": world, "torch": torch.__version__, **summary,
+        "gpus": world, "torch": torch.__version__, "ops": _ops_status(), **summary,
         "per_step": [{k: v for k, v in r.items()
                       if k.split("/")[0] in ("timing_s", "memory_gb", "perf", "response_length",
                                              "prompt_length", "actor", "critic", "step")}
                      for r in rows],
     }
     if dist.get_rank() == 0:
-        print()
+        print(f"\nops: {result['ops']}\n")
         print_tables(summary, world)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -256,6 +256,13 @@ def main(argv=None) -> dict:
             print(f"\nwrote {args.json}")
     dist.destroy_process_group()
     return result
+
+
+def _ops_status() -> str:
+    """Which log-prob / GAE ops ran: the CUDA extension or the (much slower) torch reference."""
+    from verl_mcore.ops import extension_status
+
+    return extension_status()
 
 
 if __name__ == "__main__":
