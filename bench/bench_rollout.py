@@ -62,7 +62,8 @@ def build_models(hf_kwargs: dict, device: str = "cuda", dtype: torch.dtype = tor
     hf.generation_config.pad_token_id = 0
     arch = read_hf_arch(hf_config.to_dict())
     model = build_gpt_model(arch, transformer_config(arch, dtype=dtype, perform_initialization=False),
-                            role="actor").to(device).eval()
+                            role="actor").to(device, dtype).eval()  # all bf16, as the trainer's
+    # Float16Module-wrapped actor is (megatron builds the torch norms' weights in float32)
     maps = {pm.mcore: pm for pm in wm.param_maps(arch, "actor")}
     hf_state = hf.state_dict()
     with torch.no_grad():
@@ -114,7 +115,7 @@ def time_repartition(model, arch, groups) -> dict:
     from verl_mcore.rollout.repartition import Repartitioner
 
     gen = build_gpt_model(arch, transformer_config(arch, dtype=torch.bfloat16, perform_initialization=False),
-                          role="actor", pg_collection=groups.gen).cuda()
+                          role="actor", pg_collection=groups.gen).to("cuda", torch.bfloat16)
     rep = Repartitioner([model], gen, groups, gated_linear_unit=True)
     runs = [rep.run() for _ in range(4)]
     stats = sorted(runs[1:], key=lambda r: r.seconds)[1]  # median of three after a warm-up

@@ -28,14 +28,16 @@ def test_rmsnorm_matches_reference(dtype, rows, hidden):
     x = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
     d = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
-    # without residual
+    # The sum of squares is reduced in another order: rstd differs in its last bits, which moves a
+    # bf16/fp16 result by at most an ulp or two, and an fp32 one by a few dozen of its (tiny) ulps.
+    tol = 256 if dtype == torch.float32 else 2
     got, want = decode.rmsnorm(x.clone(), None, w, 1e-6), decode.rmsnorm_reference(x.clone(), None, w, 1e-6)
-    assert _ulps(got, want) <= 2  # the sum of squares is reduced in another order
+    assert _ulps(got, want) <= tol
     # with residual += delta (in place, exactly torch's rounded add)
     hk, hr = x.clone(), x.clone()
     got, want = decode.rmsnorm(hk, d, w, 1e-6), decode.rmsnorm_reference(hr, d, w, 1e-6)
     assert torch.equal(hk, hr)
-    assert _ulps(got, want) <= 2
+    assert _ulps(got, want) <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

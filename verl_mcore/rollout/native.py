@@ -8,7 +8,9 @@ repartition wrote (or the training model's, when the layouts agree):
     layout) -> q/k layernorm -> RoPE (the model's own inv_freq) -> cached attention -> linear_proj;
     pre_mlp_layernorm, mlp -> final_layernorm -> output_layer (vocab-parallel logits)
 
-Continuous batching: `max_num_seqs` slots share one KV cache [layers, 2, slots, len, groups, hd].
+Continuous batching: `max_num_seqs` slots share one KV cache, [layers, 2, slots, len, groups, hd]
+("token-major", what the flash kernel reads) on the fused path, [layers, 2, slots, groups, len, hd]
+otherwise (what the batched matmuls of the unfused attention read without copies).
 Waiting sequences are prefilled into free slots (the n samples of a prompt are prefilled once and
 their cache rows copied), then every decoding step advances all slots by one token; a sequence that
 samples a stop token or reaches max_new_tokens frees its slot for the next waiting one. Each slot
@@ -183,15 +185,18 @@ class _CachedGPT:
         norms = [self.model.decoder.final_layernorm]
         for layer in self.layers:
             attn = layer.self_attention
-            if attn.q_layernorm is not None or attn.k_layernorm is not None:
+            if not (_is_identity(attn.q_layernorm) and _is_identity(attn.k_layernorm)):
                 return "q/k layernorm"
             if getattr(attn.linear_proj, "bias", None) is not None or \
                     getattr(layer.mlp.linear_fc2, "bias", None) is not None:
                 return "biases on the attention output or MLP output projection"
             norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
         for norm in norms:
-            if _rmsnorm_params(norm) is None:
+            params = _rmsnorm_params(norm)
+            if params is None:
                 return f"norm module {type(norm).__name__} (no weight / eps)"
+            if params[0].dtype != self.dtype:
+                return f"norm weight dtype {params[0].dtype} differs from the activations' {self.dtype}"
         try:
             decode_ops.check_cache_attention(self.device, self.dtype, self.heads, self.groups,
                                              self.head_dim)
@@ -225,6 +230,11 @@ class _CachedGPT:
                   if self.model.share_embeddings_and_output_weights else None)
         out, _ = self.model.output_layer(h, weight=weight)
         return out
+
+
+def _is_identity(module) -> bool:
+    """megatron's local spec puts an IdentityOp where a model has no q/k layernorm."""
+    return module is None or type(module).__name__ == "IdentityOp"
 
 
 def _rmsnorm_params(norm: torch.nn.Module) -> Optional[tuple[torch.Tensor, float]]:
@@ -276,10 +286,12 @@ class NativeEngine(RolloutEngine):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.use_graphs = cuda_graphs and self.net.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens
-        self.cache: Optional[torch.Tensor] = None  # [layers, 2, slots, len, groups, hd]
         self.fused_decode_reason = (self.net.fused_decode_supported() if fused_decode
                                     else "fused_decode=False")
         self.fused = self.fused_decode_reason is None
+        # [layers, 2, slots, len, groups, hd] when fused (token-major), else [.., groups, len, hd]
+        self.cache: Optional[torch.Tensor] = None
+        self._len_dim = 3 if self.fused else 4
         self._graphs: dict = {}
         self._graph_pool = None
         self.last_stats: dict[str, float] = {}
@@ -322,7 +334,7 @@ class NativeEngine(RolloutEngine):
         """Allocate (or reuse) a cache for `slots` x `length`; returns the slots to use (fewer
         when the memory budget says so)."""
         length = self._bucket(length, 1 << 62)
-        if self.cache is not None and self.cache.shape[2] >= slots and self.cache.shape[3] >= length:
+        if self.cache is not None and self.cache.shape[2] >= slots and self.cache.shape[self._len_dim] >= length:
             return slots
         self.cache, self._graphs, self._graph_pool = None, {}, None
         net = self.net
@@ -339,7 +351,8 @@ class NativeEngine(RolloutEngine):
                     f"of KV cache, more than rollout.gpu_memory_utilization="
                     f"{self.gpu_memory_utilization} of the free {free / 2**30:.1f} GiB")
             slots = min(slots, fit)
-        self.cache = torch.zeros(len(net.layers), 2, slots, length, net.groups, net.head_dim,
+        inner = (length, net.groups) if self.fused else (net.groups, length)
+        self.cache = torch.zeros(len(net.layers), 2, slots, *inner, net.head_dim,
                                  dtype=net.dtype, device=net.device)
         # RoPE tables cover the cache; they only grow here, where the graphs (which hold their
         # addresses) were just dropped.
@@ -380,9 +393,13 @@ class NativeEngine(RolloutEngine):
         def attend(i, q, k, v):
             # [s, n, heads, hd] -> [n, heads, s, hd]; right padding never reaches a real token
             # under the causal mask, and the padded cache rows are masked until overwritten.
-            cache[i, 0, slots, :s] = k.transpose(0, 1)
-            cache[i, 1, slots, :s] = v.transpose(0, 1)
+            if self.fused:
+                cache[i, 0, slots, :s] = k.transpose(0, 1)
+                cache[i, 1, slots, :s] = v.transpose(0, 1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            if not self.fused:
+                cache[i, 0, slots, :, :s] = k
+                cache[i, 1, slots, :, :s] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.net.scale,
                                                  enable_gqa=self.net.heads != self.net.groups)
             return out.permute(2, 0, 1, 3).reshape(s, len(prompts), -1)
@@ -408,10 +425,9 @@ class NativeEngine(RolloutEngine):
 
         def attend(i, q, k, v):
             # q [1, b, nh, hd], k/v [1, b, ng, hd]; grouped-query attention without repeating K/V.
-            cache[i, 0, rows, positions] = k[0]
-            cache[i, 1, rows, positions] = v[0]
-            keys = cache[i, 0, :b, :length].transpose(1, 2)  # [b, ng, length, hd]
-            values = cache[i, 1, :b, :length].transpose(1, 2)
+            cache[i, 0, rows, :, positions] = k[0]
+            cache[i, 1, rows, :, positions] = v[0]
+            keys, values = cache[i, 0, :b, :, :length], cache[i, 1, :b, :, :length]
             qg = q[0].view(b, self.net.groups, r, self.net.head_dim)
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.net.scale + bias
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
@@ -564,7 +580,10 @@ class NativeEngine(RolloutEngine):
             src = torch.as_tensor([a for a, _ in dup], device=device)
             dst = torch.as_tensor([b for _, b in dup], device=device)
             plen = max(len(st.prompts[p]) for p in uniq)
-            self.cache[:, :, dst, :plen] = self.cache[:, :, src, :plen]
+            if self.fused:
+                self.cache[:, :, dst, :plen] = self.cache[:, :, src, :plen]
+            else:
+                self.cache[:, :, dst, :, :plen] = self.cache[:, :, src, :, :plen]
         row = {p: i for i, p in enumerate(uniq)}
         rows = torch.as_tensor([row[s // n] for s in admitted], device=device)
         for s, slot in zip(admitted, seq_slots):
@@ -577,7 +596,7 @@ class NativeEngine(RolloutEngine):
         """One decoding step of every slot; sample for the active ones."""
         device = self.net.device
         active = st.active_slots()
-        length = self._bucket(int(st.pos[active].max()) + 1, self.cache.shape[3])
+        length = self._bucket(int(st.pos[active].max()) + 1, self.cache.shape[self._len_dim])
         logits = self._decode(torch.from_numpy(st.last).to(device),
                               torch.from_numpy(st.pos).to(device), length)
         seq_ids = [st.slot_seq[i] for i in active]
