@@ -79,11 +79,22 @@ def packed_body(rank: int, world_size: int, hf_dir: str, lengths: list[int]):
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     tokens = torch.cat(seqs).unsqueeze(0)  # [1, total]
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    from verl_mcore.models import rope
+
+    assert attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb, "installed by the builder"
     with torch.no_grad():
         packed = model(tokens, positions, None, packed_seq_params=params)[0]  # [total, V]
         alone = torch.cat([model(s.unsqueeze(0), torch.arange(len(s)).unsqueeze(0), None)[0]
                            for s in seqs])
-    return {"packed": packed, "alone": alone}
+        attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb  # megatron's own
+        try:
+            megatron_rope = model(tokens, positions, None, packed_seq_params=params)[0]
+        finally:
+            attention.apply_rotary_pos_emb = rope.apply_rotary_pos_emb
+    return {"packed": packed, "alone": alone, "megatron_rope": megatron_rope}
 
 
 def save_body(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ckpt_dir: str):

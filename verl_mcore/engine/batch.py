@@ -126,6 +126,13 @@ class TrainBatch:
             out[f.name] = None if t is None else t[idx.to(t.device)]
         return TrainBatch(**out)
 
+    def cpu(self) -> "TrainBatch":
+        """The batch with every tensor on the host (the same object when all already are)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if all(t is None or t.device.type == "cpu" for t in fields.values()):
+            return self
+        return TrainBatch(**{k: None if t is None else t.cpu() for k, t in fields.items()})
+
     def require(self, *names: str, role: str) -> None:
         missing = [n for n in names if getattr(self, n) is None]
         if missing:

@@ -194,6 +194,9 @@ class MegatronEngine:
         balanced across DP ranks and micro-batches; micro_batch_size: padded micro-batches of that
         many samples. The count is equal on all DP ranks (and a multiple of PP under VPP).
         """
+        # Micro-batches are laid out on the host; fields computed on the GPU (old log-probs,
+        # advantages) come over once here, not once per micro-batch.
+        batch = batch.cpu()
         plan = plan_micro_batches(
             batch.seq_lens.tolist(), self.dp_size, max_tokens=max_tokens,
             micro_batch_size=micro_batch_size, pad_multiple=self.pad_multiple,
@@ -339,7 +342,7 @@ class MegatronEngine:
         if self.is_last_stage:
             for rows, values in parts:
                 if rows.numel():
-                    out[rows.to(out.device)] = values.detach().float()
+                    out[rows.to(out.device, non_blocking=True)] = values.detach().float()
         if self.dp_size > 1:
             dist.all_reduce(out, group=self.pg.dp)
         if self.pp_size > 1:

@@ -134,28 +134,40 @@ class MicroBatch:
         return int(self.rows.numel())
 
     def to(self, device) -> "MicroBatch":
+        # non_blocking: a blocking host-to-GPU copy synchronises the stream, once per tensor.
+        # From pageable host memory the data is staged before the call returns, so the CPU
+        # tensors may go away at once.
+        moved: dict[int, Tensor] = {}
+
+        def move(t: Tensor) -> Tensor:
+            # The four cu_seqlens fields are one tensor (build_micro_batch): one copy, and one
+            # device tensor, which the packed RoPE (models/rope.py) then caches per micro-batch.
+            if id(t) not in moved:
+                moved[id(t)] = t.to(device, non_blocking=True)
+            return moved[id(t)]
+
         p = self.packed_seq_params
         if p is not None:
             from megatron.core.packed_seq_params import PackedSeqParams
 
             p = PackedSeqParams(
                 qkv_format=p.qkv_format,
-                cu_seqlens_q=p.cu_seqlens_q.to(device),
-                cu_seqlens_kv=p.cu_seqlens_kv.to(device),
-                cu_seqlens_q_padded=p.cu_seqlens_q_padded.to(device),
-                cu_seqlens_kv_padded=p.cu_seqlens_kv_padded.to(device),
+                cu_seqlens_q=move(p.cu_seqlens_q),
+                cu_seqlens_kv=move(p.cu_seqlens_kv),
+                cu_seqlens_q_padded=move(p.cu_seqlens_q_padded),
+                cu_seqlens_kv_padded=move(p.cu_seqlens_kv_padded),
                 max_seqlen_q=p.max_seqlen_q,
                 max_seqlen_kv=p.max_seqlen_kv,
             )
         return MicroBatch(
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            targets=self.targets.to(device),
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            targets=move(self.targets),
             packed_seq_params=p,
             rows=self.rows,
-            gather_index=self.gather_index.to(device),
-            gather_valid=self.gather_valid.to(device),
-            fields={k: v.to(device) for k, v in self.fields.items()},
+            gather_index=move(self.gather_index),
+            gather_valid=move(self.gather_valid),
+            fields={k: move(v) for k, v in self.fields.items()},
             num_tokens=self.num_tokens,
             seq_lens=self.seq_lens,
         )

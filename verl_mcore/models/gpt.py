@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_mcore.models.hf_config import DEFAULT_VOCAB_DIVISIBLE_BY, HFArch
-from verl_mcore.models.rope import install_rope
+from verl_mcore.models.rope import install_packed_rope, install_rope
 from verl_mcore.models.weight_map import ROLES
 
 
@@ -115,6 +115,9 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
 
     if role not in ROLES:
         raise ValueError(f"build_gpt_model: unknown role {role!r}; expected one of {list(ROLES)}")
+    # Packed (THD) RoPE without megatron's per-layer host syncs (models/rope.py); process-wide,
+    # bit for bit the same values, and a no-op after the first model.
+    install_packed_rope()
     pre, post = _stage_flags(pg_collection, pre_process, post_process)
     lm_head = role in ("actor", "reference")
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
