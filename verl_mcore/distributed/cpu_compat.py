@@ -15,7 +15,8 @@ What `install()` changes, process-wide (see PATCHES for the exact targets):
 1. A TorchFunctionMode that rewrites CUDA devices to CPU in every torch call that takes a device
    (`torch.zeros(..., device="cuda")`, `x.to(torch.cuda.current_device())`, `x.cuda()`) and drops
    pinned memory (`pin_memory=True`, `x.pin_memory()` -> a plain copy). Only in the thread that
-   called install() (the main thread of a rank).
+   called install() (the main thread of a rank), and re-entered by megatron's parallel-linear
+   backward, which autograd runs with an empty mode stack.
 2. `torch.cuda.current_device()` returns 0 instead of raising, so the ~50 call sites that pass it
    as a device (then rewritten by 1) work; `torch.cuda.synchronize()` does nothing.
 3. The RNG tracker (`megatron.core.tensor_parallel.random`) keeps CPU generator states: on CPU
@@ -104,6 +105,15 @@ PATCHES: tuple[Patch, ...] = (
         "the forked generator *is* the CPU one, so that warning would fire on every dropout.",
     ),
     Patch(
+        "megatron.core.tensor_parallel.layers",
+        "LinearWithGradAccumulationAndAsyncCommunication.backward",
+        ("ctx", "grad_output"),
+        "Allocates with device=torch.cuda.current_device() (the placeholder weight gradient of "
+        "gradient_accumulation_fusion, the sequence-parallel reduce-scatter output), and autograd "
+        "runs backward functions without the torch-function mode stack, so the device mode does "
+        "not reach it. On CPU: the original backward inside the device mode.",
+    ),
+    Patch(
         "megatron.core.optimizer.distrib_optimizer",
         "DistributedOptimizer.__init__",
         (
@@ -165,7 +175,9 @@ class _CpuDeviceMode(TorchFunctionMode):
     a CPU-only build cannot allocate (`pin_memory=True`, `Tensor.pin_memory()`).
 
     Torch function modes are per thread: this covers the thread that called install(), which is
-    where megatron runs (on CPU, autograd runs backward in the calling thread too).
+    where megatron runs (on CPU, autograd runs backward in the calling thread too, but calls
+    backward functions with an empty mode stack: the one megatron backward that allocates on
+    "the current device" is patched to enter this mode itself, see PATCHES).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -282,6 +294,20 @@ class _CudaTypeNameMode(TorchFunctionMode):
         return result
 
 
+def _backward_in_device_mode(original: staticmethod) -> staticmethod:
+    """A torch.autograd.Function's static backward, run inside the CPU device mode (autograd
+    calls backward functions with an empty torch-function mode stack)."""
+    fn = original.__func__
+
+    @functools.wraps(fn)
+    def backward(*args, **kwargs):
+        with _CpuDeviceMode():
+            return fn(*args, **kwargs)
+
+    backward.__cpu_compat_wrapped__ = fn
+    return staticmethod(backward)
+
+
 def _with_cuda_type_names(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -318,6 +344,8 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda orig: _set_cpu_rng_state,
         ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add"): lambda orig: _tracker_add,
         ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork"): lambda orig: _tracker_fork,
+        ("megatron.core.tensor_parallel.layers",
+         "LinearWithGradAccumulationAndAsyncCommunication.backward"): _backward_in_device_mode,
         ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"): _with_cuda_type_names,
         ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"): _with_cuda_type_names,
     }

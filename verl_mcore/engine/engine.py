@@ -53,12 +53,14 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[Optional[torch.Tensor], dict
 ModelProvider = Callable[..., torch.nn.Module]
 
 
-def role_config(config, dtype: str, recompute_activations: bool = False):
+def role_config(config, dtype: str, recompute_activations: bool = False,
+                grad_accum_fusion: bool = False):
     """Copy of a TransformerConfig with a role's precision and activation recompute applied.
 
     dtype "bf16"/"fp16": half-precision parameters and activations (fp32 master weights live in the
     optimizer); "fp32": everything fp32. Recompute: full, one layer at a time ("uniform", 1), the
-    largest saving; megatron re-runs each layer's forward during backward.
+    largest saving; megatron re-runs each layer's forward during backward. grad_accum_fusion:
+    megatron's gradient_accumulation_fusion (needs DDP's main_grad and models/grad_accum.install).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} for a role; choose one of {list(DTYPES)}")
@@ -71,6 +73,7 @@ def role_config(config, dtype: str, recompute_activations: bool = False):
     changes = dict(
         fp16=dtype == "fp16", bf16=dtype == "bf16", params_dtype=torch_dtype,
         pipeline_dtype=torch_dtype, variable_seq_lengths=False,
+        gradient_accumulation_fusion=grad_accum_fusion,
     )
     if config.pipeline_model_parallel_size == 2 and (config.virtual_pipeline_model_parallel_size or 1) > 1:
         # With two stages both pipeline neighbours are the same rank, and the batched p2p path
@@ -101,6 +104,7 @@ class MegatronEngine:
         use_distributed_optimizer: bool = True,
         load_weights: Optional[Callable[[torch.nn.Module], None]] = None,
         vocab_size: Optional[int] = None,
+        grad_accum_fusion: bool = True,
     ):
         """
         model_provider(config, pre_process, post_process, vp_stage) builds one model chunk.
@@ -110,6 +114,10 @@ class MegatronEngine:
         lr_decay_steps: optimizer steps over which cosine/linear decay runs (total PPO updates).
         load_weights(module): optional, called on each bare chunk before wrapping (tests, HF loads).
         vocab_size: the real vocabulary size; log-probs give padded ids no mass (None: no padding).
+        grad_accum_fusion: a trainable engine's parallel linears add their weight gradients
+            straight into DDP's fp32 main_grad in the backward GEMM (megatron's
+            gradient_accumulation_fusion, with models/grad_accum.py standing in for apex)
+            instead of returning a bf16 gradient that DDP then adds. Off only to compare.
         """
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -122,7 +130,14 @@ class MegatronEngine:
         self.vocab_size = vocab_size
         self.skip_nonfinite = False  # trainer.on_nonfinite=skip sets it (see optimizer_step)
         self.dtype = dtype
-        self.config = role_config(config, dtype, recompute_activations)
+        self.trainable = optim is not None
+        # Only where DDP gives every parameter a main_grad: megatron's fused backward writes there.
+        fusion = grad_accum_fusion and self.trainable
+        if fusion:
+            from verl_mcore.models import grad_accum
+
+            grad_accum.install()
+        self.config = role_config(config, dtype, recompute_activations, grad_accum_fusion=fusion)
         self.tp_size = self.pg.tp.size()
         self.pp_size = self.pg.pp.size()
         self.pp_rank = self.pg.pp.rank()
@@ -134,7 +149,6 @@ class MegatronEngine:
                 f"PP={self.config.pipeline_model_parallel_size} but the process groups have "
                 f"TP={self.tp_size}, PP={self.pp_size}"
             )
-        self.trainable = optim is not None
 
         chunks = []
         for vp in range(self.vpp_size):

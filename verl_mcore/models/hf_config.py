@@ -267,6 +267,8 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         # Fusions that need apex / TransformerEngine kernels stay off; the TE spec brings its own.
+        # (A trainable engine turns gradient_accumulation_fusion on: it needs DDP's main_grad, and
+        # models/grad_accum.py stands in for apex; see engine.role_config.)
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
