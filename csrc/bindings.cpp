@@ -32,14 +32,14 @@ void check_on_device(const Tensor& t, const char* name, const Tensor& like, cons
 
 cudaStream_t to_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)); }
 
-verl_mcore::LogitsDtype logits_dtype(const Tensor& logits, const char* op) {
-  switch (logits.scalar_type()) {
-    case at::kFloat: return verl_mcore::LogitsDtype::kFloat32;
-    case at::kBFloat16: return verl_mcore::LogitsDtype::kBFloat16;
-    case at::kHalf: return verl_mcore::LogitsDtype::kFloat16;
+verl_mcore::FloatDtype float_dtype(const Tensor& t, const char* name, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return verl_mcore::FloatDtype::kFloat32;
+    case at::kBFloat16: return verl_mcore::FloatDtype::kBFloat16;
+    case at::kHalf: return verl_mcore::FloatDtype::kFloat16;
     default:
-      TORCH_CHECK(false, "verl_mcore._C.", op, ": logits must be float32, bfloat16 or float16, got ",
-                  logits.scalar_type());
+      TORCH_CHECK(false, "verl_mcore._C.", op, ": ", name, " must be float32, bfloat16 or float16, got ",
+                  t.scalar_type());
   }
 }
 
@@ -115,7 +115,7 @@ Tensor lpe_forward(Tensor logits, Tensor target, int64_t vocab_start, double inv
   TORCH_CHECK(target.scalar_type() == at::kLong, "verl_mcore._C.lpe_forward: target must be int64");
   check_on_device(logits, "logits", logits, "lpe_forward");
   check_on_device(target, "target", logits, "lpe_forward");
-  const auto dtype = logits_dtype(logits, "lpe_forward");
+  const auto dtype = float_dtype(logits, "logits", "lpe_forward");
   const c10::DeviceGuard guard(logits.device());
   logits = rows_with_unit_stride(logits);
   target = target.contiguous();
@@ -143,7 +143,7 @@ Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double in
     *per_token[i] = per_token[i]->contiguous();
   }
   check_on_device(logits, "logits", logits, "lpe_backward");
-  const auto dtype = logits_dtype(logits, "lpe_backward");
+  const auto dtype = float_dtype(logits, "logits", "lpe_backward");
   const c10::DeviceGuard guard(logits.device());
   logits = rows_with_unit_stride(logits);
   Tensor grad = at::empty({N, logits.size(1)}, logits.options());
@@ -153,16 +153,6 @@ Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double in
                                              grad.data_ptr(), grad.stride(0), to_stream(stream)),
              "lpe_backward");
   return grad;
-}
-
-verl_mcore::ActDtype act_dtype(const Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return verl_mcore::ActDtype::kFloat32;
-    case at::kBFloat16: return verl_mcore::ActDtype::kBFloat16;
-    case at::kHalf: return verl_mcore::ActDtype::kFloat16;
-    default:
-      TORCH_CHECK(false, "verl_mcore._C.", op, ": expected float32, bfloat16 or float16, got ", t.scalar_type());
-  }
 }
 
 void check_same(const Tensor& t, const char* name, const Tensor& like, const char* op) {
@@ -188,7 +178,7 @@ Tensor rmsnorm(Tensor residual, std::optional<Tensor> delta, Tensor weight, doub
   const c10::DeviceGuard guard(residual.device());
   Tensor out = at::empty_like(residual);
   check_cuda(verl_mcore::rmsnorm_launch(residual.data_ptr(), delta ? delta->data_ptr() : nullptr, weight.data_ptr(),
-                                        out.data_ptr(), act_dtype(residual, "rmsnorm"), residual.numel() / hidden,
+                                        out.data_ptr(), float_dtype(residual, "residual", "rmsnorm"), residual.numel() / hidden,
                                         hidden, float(eps), to_stream(stream)),
              "rmsnorm");
   return out;
@@ -221,7 +211,7 @@ Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor c
   Tensor q = at::empty({tokens, groups * r, hd}, qkv.options());
   check_cuda(verl_mcore::rope_cache_launch(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                            positions.data_ptr<int64_t>(), q.data_ptr(), cache_k.data_ptr(),
-                                           cache_v.data_ptr(), act_dtype(qkv, op), tokens, int(groups), int(r),
+                                           cache_v.data_ptr(), float_dtype(qkv, "qkv", op), tokens, int(groups), int(r),
                                            int(hd), cache_k.size(1), to_stream(stream)),
              op);
   return q;

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include "float_types.cuh"
 #include "kernels.h"
 
 namespace verl_mcore {
@@ -25,18 +26,8 @@ namespace {
 constexpr int kNormThreads = 256;
 constexpr int kRopeThreads = 128;
 
-template <typename T> __device__ __forceinline__ float to_f(T x);
-template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-
 // Rounds a float to T's precision and back (the value torch would store in a T tensor).
-template <typename T> __device__ __forceinline__ float round_to(float x) { return to_f<T>(from_f<T>(x)); }
+template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float<T>(from_float<T>(x)); }
 
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #pragma unroll
@@ -64,18 +55,18 @@ rmsnorm_kernel(T* __restrict__ residual, const T* __restrict__ delta, const T* _
   T* y = out + row * hidden;
   float sq = 0.f;
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-    float v = to_f<T>(h[i]);
+    float v = to_float<T>(h[i]);
     if (d) {
-      v = round_to<T>(v + to_f<T>(d[i]));
-      h[i] = from_f<T>(v);
+      v = round_to<T>(v + to_float<T>(d[i]));
+      h[i] = from_float<T>(v);
     }
     sq = fmaf(v, v, sq);
   }
   const float rstd = rsqrtf(block_sum(sq, scratch) / float(hidden) + eps);
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
     // Each thread rereads the elements it wrote itself above: no other thread's writes are needed.
-    const float normed = round_to<T>(to_f<T>(h[i]) * rstd);
-    y[i] = from_f<T>(normed * to_f<T>(weight[i]));
+    const float normed = round_to<T>(to_float<T>(h[i]) * rstd);
+    y[i] = from_float<T>(normed * to_float<T>(weight[i]));
   }
 }
 
@@ -97,18 +88,18 @@ rope_cache_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T*
   const int64_t cache_off = ((tok * cache_len + pos) * groups + g) * hd;
   for (int e = threadIdx.x; e < (r + 2) * hd; e += blockDim.x) {
     const int head = e / hd, i = e % hd;
-    const float x = to_f<T>(row[e]);
+    const float x = to_float<T>(row[e]);
     if (head == r + 1) {
       cache_v[cache_off + i] = row[e];
       continue;
     }
     const T* base = row + head * hd;
-    const float partner = i < half ? -to_f<T>(base[i + half]) : to_f<T>(base[i - half]);
-    const float rotated = round_to<T>(round_to<T>(x * to_f<T>(c[i])) + round_to<T>(partner * to_f<T>(s[i])));
+    const float partner = i < half ? -to_float<T>(base[i + half]) : to_float<T>(base[i - half]);
+    const float rotated = round_to<T>(round_to<T>(x * to_float<T>(c[i])) + round_to<T>(partner * to_float<T>(s[i])));
     if (head == r) {
-      cache_k[cache_off + i] = from_f<T>(rotated);
+      cache_k[cache_off + i] = from_float<T>(rotated);
     } else {
-      q_out[((tok * groups + g) * r + head) * int64_t(hd) + i] = from_f<T>(rotated);
+      q_out[((tok * groups + g) * r + head) * int64_t(hd) + i] = from_float<T>(rotated);
     }
   }
 }
@@ -136,28 +127,28 @@ cudaError_t rope_cache_typed(const void* qkv, const void* cos, const void* sin, 
 
 }  // namespace
 
-cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, ActDtype dtype,
+cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, FloatDtype dtype,
                            int64_t rows, int64_t hidden, float eps, cudaStream_t stream) {
   switch (dtype) {
-    case ActDtype::kFloat32: return rmsnorm_typed<float>(residual, delta, weight, out, rows, hidden, eps, stream);
-    case ActDtype::kBFloat16:
+    case FloatDtype::kFloat32: return rmsnorm_typed<float>(residual, delta, weight, out, rows, hidden, eps, stream);
+    case FloatDtype::kBFloat16:
       return rmsnorm_typed<__nv_bfloat16>(residual, delta, weight, out, rows, hidden, eps, stream);
-    case ActDtype::kFloat16: return rmsnorm_typed<__half>(residual, delta, weight, out, rows, hidden, eps, stream);
+    case FloatDtype::kFloat16: return rmsnorm_typed<__half>(residual, delta, weight, out, rows, hidden, eps, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
-                              void* q_out, void* cache_k, void* cache_v, ActDtype dtype, int64_t tokens, int groups,
+                              void* q_out, void* cache_k, void* cache_v, FloatDtype dtype, int64_t tokens, int groups,
                               int r, int hd, int64_t cache_len, cudaStream_t stream) {
   switch (dtype) {
-    case ActDtype::kFloat32:
+    case FloatDtype::kFloat32:
       return rope_cache_typed<float>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r, hd,
                                      cache_len, stream);
-    case ActDtype::kBFloat16:
+    case FloatDtype::kBFloat16:
       return rope_cache_typed<__nv_bfloat16>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r,
                                              hd, cache_len, stream);
-    case ActDtype::kFloat16:
+    case FloatDtype::kFloat16:
       return rope_cache_typed<__half>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r, hd,
                                       cache_len, stream);
   }

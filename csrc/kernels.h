@@ -11,8 +11,9 @@
 
 namespace verl_mcore {
 
-// Element types of the logits (and of the grad-logits the backward writes).
-enum class LogitsDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Element types of float tensors: the logits (and the grad-logits the backward writes), the
+// activations, weights and KV cache of the decode ops.
+enum class FloatDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // Element types of the GAE mask: 1 byte (bool / uint8) or float32; nonzero means "valid token".
 enum class MaskDtype : int { kBool = 0, kFloat32 = 1 };
@@ -42,7 +43,7 @@ cudaError_t masked_normalize_launch(float* x, const void* mask, MaskDtype mask_d
 // target: [tokens] int64 global vocabulary ids; this shard holds [vocab_start, vocab_start + V_local).
 // stats:  [tokens, 4] float32, per token in the temperature-scaled domain z = logits * inv_temp:
 //         (m = local max of z, s = sum exp(z - m), sd = sum exp(z - m) * (z - m), z_target or 0).
-cudaError_t lpe_forward_launch(const void* logits, LogitsDtype dtype, int64_t row_stride, const int64_t* target,
+cudaError_t lpe_forward_launch(const void* logits, FloatDtype dtype, int64_t row_stride, const int64_t* target,
                                int64_t tokens, int64_t vocab_local, int64_t vocab_start, float inv_temp,
                                float* stats, cudaStream_t stream);
 
@@ -50,7 +51,7 @@ cudaError_t lpe_forward_launch(const void* logits, LogitsDtype dtype, int64_t ro
 //                                          - g_ent[i] * p_ij * (z_ij - Ez[i])),
 // p_ij = exp(z_ij - logZ[i]); logZ and Ez are the global (all shards) statistics, float32 [tokens].
 // grad_logits has the logits' dtype and row stride `grad_row_stride`.
-cudaError_t lpe_backward_launch(const void* logits, LogitsDtype dtype, int64_t row_stride, const int64_t* target,
+cudaError_t lpe_backward_launch(const void* logits, FloatDtype dtype, int64_t row_stride, const int64_t* target,
                                 int64_t tokens, int64_t vocab_local, int64_t vocab_start, float inv_temp,
                                 const float* logZ, const float* Ez, const float* g_logp, const float* g_ent,
                                 void* grad_logits, int64_t grad_row_stride, cudaStream_t stream);
@@ -58,12 +59,10 @@ cudaError_t lpe_backward_launch(const void* logits, LogitsDtype dtype, int64_t r
 // ---------------------------------------------------------------------------------------------
 // Decode-step ops of the native rollout engine (forward only, csrc/decode.cu).
 
-// Element types of activations, weights and the KV cache (all the same type in one call).
-enum class ActDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
+// Activations, weights and the KV cache share one FloatDtype in a call.
 // RMSNorm of `rows` contiguous rows of `hidden`: out = round(h * rstd(h)) * weight, with
 // h = residual, or, when `delta` is not null, residual += delta first (in place) and h the sum.
-cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, ActDtype dtype,
+cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, FloatDtype dtype,
                            int64_t rows, int64_t hidden, float eps, cudaStream_t stream);
 
 // One token per sequence: qkv [tokens, groups, r + 2, hd] (megatron's group-interleaved fused QKV,
@@ -71,7 +70,7 @@ cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight
 // queries to q_out [tokens, groups * r, hd], the rotated key and the value of token t into
 // cache_k / cache_v [slots >= tokens, cache_len, groups, hd] at slot t, position positions[t].
 cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
-                              void* q_out, void* cache_k, void* cache_v, ActDtype dtype, int64_t tokens, int groups,
+                              void* q_out, void* cache_k, void* cache_v, FloatDtype dtype, int64_t tokens, int groups,
                               int r, int hd, int64_t cache_len, cudaStream_t stream);
 
 }  // namespace verl_mcore

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 
+#include "float_types.cuh"
 #include "kernels.h"
 
 namespace verl_mcore {
@@ -26,15 +27,6 @@ constexpr float kMinDiff = -1e30f;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
 // 16 bytes of T <-> floats.
 template <typename T>
@@ -271,34 +263,34 @@ cudaError_t backward_typed(const void* logits, int64_t row_stride, const int64_t
 
 }  // namespace
 
-cudaError_t lpe_forward_launch(const void* logits, LogitsDtype dtype, int64_t row_stride, const int64_t* target,
+cudaError_t lpe_forward_launch(const void* logits, FloatDtype dtype, int64_t row_stride, const int64_t* target,
                                int64_t tokens, int64_t vocab_local, int64_t vocab_start, float inv_temp,
                                float* stats, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   switch (dtype) {
-    case LogitsDtype::kFloat32:
+    case FloatDtype::kFloat32:
       return forward_typed<float>(logits, row_stride, target, tokens, vocab_local, vocab_start, inv_temp, stats, stream);
-    case LogitsDtype::kBFloat16:
+    case FloatDtype::kBFloat16:
       return forward_typed<__nv_bfloat16>(logits, row_stride, target, tokens, vocab_local, vocab_start, inv_temp, stats, stream);
-    case LogitsDtype::kFloat16:
+    case FloatDtype::kFloat16:
       return forward_typed<__half>(logits, row_stride, target, tokens, vocab_local, vocab_start, inv_temp, stats, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t lpe_backward_launch(const void* logits, LogitsDtype dtype, int64_t row_stride, const int64_t* target,
+cudaError_t lpe_backward_launch(const void* logits, FloatDtype dtype, int64_t row_stride, const int64_t* target,
                                 int64_t tokens, int64_t vocab_local, int64_t vocab_start, float inv_temp,
                                 const float* logZ, const float* Ez, const float* g_logp, const float* g_ent,
                                 void* grad_logits, int64_t grad_row_stride, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   switch (dtype) {
-    case LogitsDtype::kFloat32:
+    case FloatDtype::kFloat32:
       return backward_typed<float>(logits, row_stride, target, tokens, vocab_local, vocab_start, inv_temp, logZ, Ez,
                                    g_logp, g_ent, grad_logits, grad_row_stride, stream);
-    case LogitsDtype::kBFloat16:
+    case FloatDtype::kBFloat16:
       return backward_typed<__nv_bfloat16>(logits, row_stride, target, tokens, vocab_local, vocab_start, inv_temp,
                                            logZ, Ez, g_logp, g_ent, grad_logits, grad_row_stride, stream);
-    case LogitsDtype::kFloat16:
+    case FloatDtype::kFloat16:
       return backward_typed<__half>(logits, row_stride, target, tokens, vocab_local, vocab_start, inv_temp, logZ, Ez,
                                     g_logp, g_ent, grad_logits, grad_row_stride, stream);
   }
