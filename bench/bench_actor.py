@@ -2,6 +2,7 @@
 
     python bench/bench_actor.py --shape 1.5b --seq 4096            # one GPU, bf16, no TE needed
     python bench/bench_actor.py --shape tiny --seq 64 --samples 8  # CPU smoke run (gloo)
+    python bench/bench_actor.py --shape 3b --max-tokens 12288 --json $OUT/actor_3b.json  # for bench/report.py
 
 What runs: a Qwen2.5-1.5B-shaped model with random weights (28 layers, hidden 1536, 12 query
 heads over 2 KV groups of 128, ffn 8960, vocab 151936, tied embeddings, QKV bias) built by
@@ -115,6 +116,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="PATH", default=None,
                    help="after the timed updates, profile one more and write where device time went")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the result here (bench/report.py reads it)")
     args = p.parse_args(argv)
 
     from megatron.core import parallel_state, tensor_parallel
@@ -190,12 +193,16 @@ def main(argv=None) -> dict:
         "achieved_tflops": flops / mean / 1e12, "mfu": (flops / mean / peak) if peak else None,
         "matmul_ceiling_tflops": ceiling / 1e12 if ceiling else None,
         "mfu_vs_matmul_ceiling": (flops / mean / ceiling) if ceiling else None,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "grad_norm": summary["actor/grad_norm"], "loss": summary["actor/loss"],
         "transformer_engine": _have_te(),
     }
     print(json.dumps(result, indent=1))
+    if args.json and dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return result

@@ -1,6 +1,6 @@
 """Time the csrc/ kernels against the torch reference and the functions RL frameworks use today.
 
-    python bench/bench_kernels.py [--quick] [--results bench/RESULTS.md] [--commit SHA]
+    python bench/bench_kernels.py [--quick] [--results bench/RESULTS.md] [--commit SHA] [--json PATH]
 
 Everything runs in one process on one GPU: a device-to-device copy first (the bandwidth roofline,
 counting bytes read + written), then GAE (kernel vs the reversed Python time loop of
@@ -9,12 +9,14 @@ counting bytes read + written), then GAE (kernel vs the reversed Python time loo
 of CUDA-event timings after warm-up, rotating between several input sets (each larger than L2) so
 no repeat reads a warm cache. "% roofline" is (minimum bytes / copy bandwidth) / time; "extra GB" is
 the peak allocation above what was allocated before the call (outputs included). A table is
-printed and a dated entry appended to the results file.
+printed and a dated entry appended to the results file; --json also writes the table's rows
+(bench/report.py reads them).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -88,6 +90,9 @@ def peak_extra_gb(fn, inputs) -> float:
 
 
 class Table:
+    HEAD = ("what", "implementation", "shape", "ms (median)", "% copy roofline", "speed-up vs baseline",
+            "peak extra GB")
+
     def __init__(self, bandwidth: float):
         self.bandwidth = bandwidth  # bytes/s
         self.rows: list[tuple] = []
@@ -100,8 +105,7 @@ class Table:
         print(f"  {name:<44} {shape:<22} {ms:10.3f} ms  {roof:>5} {speedup:>10} {extra:>8}", flush=True)
 
     def markdown(self) -> str:
-        head = ("what", "implementation", "shape", "ms (median)", "% copy roofline", "speed-up vs baseline", "peak extra GB")
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines = ["| " + " | ".join(self.HEAD) + " |", "|" + "---|" * len(self.HEAD)]
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
         return "\n".join(lines)
 
@@ -279,6 +283,7 @@ def main():
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--date", default=None, help="date to record (default: this machine's UTC clock)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the table's rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
@@ -306,6 +311,12 @@ def main():
             f.write("# Benchmark results\n\nAppend-only, newest last. Each entry: date, device, commit, command.\n")
         f.write(entry)
     print(f"appended to {args.results}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"bench": "bench_kernels", "device": device, "torch": torch.__version__,
+                       "ops": extension_status(), "copy_bytes_per_s": bandwidth,
+                       "headers": list(Table.HEAD), "rows": [list(r) for r in table.rows]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
     python bench/bench_rollout.py                 # Qwen2.5-1.5B-shaped random model, bf16
     python bench/bench_rollout.py --batch 32 --new-tokens 64 --no-graphs
+    python bench/bench_rollout.py --json $OUT/rollout.json          # for bench/report.py
 
 Both generate `batch` x `new_tokens` tokens from the same random `prompt_len`-token prompts with
 plain sampling (temperature 1, no top-p/top-k) and forced lengths (no stop token), from the same
 weights (a random HF Qwen2 model, copied into a megatron GPTModel through models/weight_map).
 Each is run once to warm up (CUDA graphs, kernels, allocator), then timed between
-`torch.cuda.synchronize()` calls. Prints tokens/s for both and their ratio, plus one JSON line.
+`torch.cuda.synchronize()` calls. Prints tokens/s for both and their ratio, plus one JSON line
+(also written to --json).
 
 Needs one CUDA GPU and megatron-core (no TransformerEngine: the local spec with SDPA attention).
 """
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
                    help="also time the engine without its fused decode kernels, and compare tokens")
     p.add_argument("--repartition", action="store_true",
                    help="time the Repartitioner copying the model into a separate generation model")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the result here (bench/report.py reads it)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_rollout needs a CUDA GPU")
@@ -203,7 +207,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, arch.vocab_size, (args.batch, args.prompt_len), generator=gen)
     tokens = args.batch * args.new_tokens
-    result = {"device": torch.cuda.get_device_name(), "batch": args.batch,
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "layers": arch.num_layers, "cuda_graphs": not args.no_graphs}
 
@@ -277,6 +281,10 @@ def main(argv=None) -> int:
             result["hf_greedy_tokens_per_s"] = args.batch * n / greedy_s
             print(f"transformers greedy, {n} new tokens: {args.batch * n / greedy_s:10.0f} tokens/s")
     print(json.dumps(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 
