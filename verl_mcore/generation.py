@@ -39,8 +39,9 @@ class GenerationPhase:
         if check.enable and prompts is not None:
             from verl_mcore.rollout.sync_check import check_weight_sync
 
+            length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
             sampling = SamplingParams(n=1, temperature=self.cfg.temperature, top_p=1.0, top_k=-1,
-                                      max_new_tokens=self.max_new_tokens, stop_token_ids=self.eos,
+                                      max_new_tokens=length, stop_token_ids=self.eos,
                                       seed=self.cfg.seed + 7919 * step + self.groups.gen_dp_rank,
                                       logprobs=True)
             metrics.update(check_weight_sync(self.engine, self.actor_logprobs,

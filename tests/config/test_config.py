@@ -84,6 +84,7 @@ def test_yaml_round_trip():
     (1, ["actor.max_tokens_per_microbatch=100", "data.max_prompt_length=64",
          "data.max_response_length=64"], ["actor.max_tokens_per_microbatch=100 is smaller"]),
     (1, ["trainer.logger=[console,graphite]"], ["unknown tracker(s) ['graphite']"]),
+    (1, ["rollout.logprob_check.max_new_tokens=-1"], ["rollout.logprob_check: max_new_tokens=-1"]),
     (1, ["rollout.engine=vllm"], ["pip install vllm"]),
     (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
          "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"], ["needs TransformerEngine"]),

@@ -158,7 +158,9 @@ def _probe(rank, world_size):
 
 @pytest.fixture(scope="module")
 def probe():
-    return run_on_ranks(_probe, world_size=1, timeout=120)[0]
+    # A fresh process: the probe checks what cpu_compat.install() changes, which a pooled rank that
+    # already ran another test would have installed before the probe looks.
+    return run_on_ranks(_probe, world_size=1, timeout=120, fresh=True)[0]
 
 
 @cpu_only

@@ -171,6 +171,10 @@ def _length_errors(cfg: Config) -> list[str]:
         errs.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if cfg.rollout.temperature < 0:
         errs.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0")
+    check = cfg.rollout.logprob_check
+    if check.max_new_tokens < 0 or check.num_sequences < 1:
+        errs.append(f"rollout.logprob_check: max_new_tokens={check.max_new_tokens} must be >= 0 "
+                    f"(0: the rollout's length) and num_sequences={check.num_sequences} >= 1")
     if cfg.model.path is None and cfg.model.checkpoint is None:
         errs.append("set model.path (a Hugging Face directory) or model.checkpoint")
     if not cfg.data.train_files:
