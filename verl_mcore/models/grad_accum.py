@@ -55,7 +55,7 @@ def _accumulate(a: Tensor, b: Tensor, acc: Tensor) -> None:
     elif acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
         _mixed_accumulate(acc.device, a.dtype)(a, b, acc)
     else:
-        acc.add_(torch.mm(a, b))  # any other mix: megatron's unfused arithmetic
+        _product_then_add(a, b, acc)  # any other mix: megatron's unfused arithmetic
 
 
 def _addmm_out_dtype(a: Tensor, b: Tensor, acc: Tensor) -> None:

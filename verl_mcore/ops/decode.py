@@ -42,7 +42,9 @@ def rmsnorm(residual: Tensor, delta: Optional[Tensor], weight: Tensor, eps: floa
     return rmsnorm_reference(residual, delta, weight, eps)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE as `x * cos + rotate_half(x) * sin` (non-interleaved halves): the rounding the
+    rope_cache kernel reproduces, and the native engine's unfused rotation."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -53,7 +55,7 @@ def rope_cache_reference(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tenso
     rows = qkv.reshape(tokens, groups, r + 2, hd)
     c = cos[positions].view(tokens, 1, 1, hd)
     s = sin[positions].view(tokens, 1, 1, hd)
-    qk = _rotate(rows[:, :, : r + 1], c, s)
+    qk = rotary(rows[:, :, : r + 1], c, s)
     slots = torch.arange(tokens, device=qkv.device)
     cache_k[slots, positions] = qk[:, :, r]
     cache_v[slots, positions] = rows[:, :, r + 1]

@@ -50,11 +50,6 @@ from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 _ATTN_BUCKET = 256
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 _SP_FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
 
 
@@ -142,9 +137,7 @@ class _CachedGPT:
             q = attn.q_layernorm(q)
         if attn.k_layernorm is not None:
             k = attn.k_layernorm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        return decode_ops.rotary(q, cos, sin), decode_ops.rotary(k, cos, sin), v
 
     @staticmethod
     def _add(residual, out_bias):
@@ -291,7 +284,6 @@ class NativeEngine(RolloutEngine):
         self.fused = self.fused_decode_reason is None
         # [layers, 2, slots, len, groups, hd] when fused (token-major), else [.., groups, len, hd]
         self.cache: Optional[torch.Tensor] = None
-        self._len_dim = 3 if self.fused else 4
         self._graphs: dict = {}
         self._graph_pool = None
         self.last_stats: dict[str, float] = {}
@@ -334,7 +326,7 @@ class NativeEngine(RolloutEngine):
         """Allocate (or reuse) a cache for `slots` x `length`; returns the slots to use (fewer
         when the memory budget says so)."""
         length = self._bucket(length, 1 << 62)
-        if self.cache is not None and self.cache.shape[2] >= slots and self.cache.shape[self._len_dim] >= length:
+        if self.cache is not None and self.cache.shape[2] >= slots and self._kv().shape[4] >= length:
             return slots
         self.cache, self._graphs, self._graph_pool = None, {}, None
         net = self.net
@@ -359,11 +351,13 @@ class NativeEngine(RolloutEngine):
         net.rope_tables(length)
         return slots
 
+    def _kv(self) -> torch.Tensor:
+        """The cache as [layers, 2, slots, groups, len, hd] whatever its memory layout (a
+        transposed view of the fused path's token-major cache)."""
+        return self.cache.transpose(3, 4) if self.fused else self.cache
+
     def _bucket(self, length: int, cap: int) -> int:
-        """Attention length: rounded up for CUDA graphs (few shapes), exact otherwise; the fused
-        path reads each sequence's own keys, so it always passes the whole cache (one graph)."""
-        if self.fused and cap < (1 << 62):
-            return cap
+        """Attention length: rounded up for CUDA graphs (few shapes), exact otherwise."""
         if self.use_graphs:
             length = -(-length // _ATTN_BUCKET) * _ATTN_BUCKET
         return min(length, cap)
@@ -388,18 +382,14 @@ class NativeEngine(RolloutEngine):
             tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         tokens = tokens.to(self.net.device)
         positions = torch.arange(s, device=self.net.device).expand(len(prompts), s)
-        cache = self.cache
+        kv = self._kv()
 
         def attend(i, q, k, v):
             # [s, n, heads, hd] -> [n, heads, s, hd]; right padding never reaches a real token
             # under the causal mask, and the padded cache rows are masked until overwritten.
-            if self.fused:
-                cache[i, 0, slots, :s] = k.transpose(0, 1)
-                cache[i, 1, slots, :s] = v.transpose(0, 1)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            if not self.fused:
-                cache[i, 0, slots, :, :s] = k
-                cache[i, 1, slots, :, :s] = v
+            kv[i, 0, slots, :, :s] = k
+            kv[i, 1, slots, :, :s] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.net.scale,
                                                  enable_gqa=self.net.heads != self.net.groups)
             return out.permute(2, 0, 1, 3).reshape(s, len(prompts), -1)
@@ -580,10 +570,8 @@ class NativeEngine(RolloutEngine):
             src = torch.as_tensor([a for a, _ in dup], device=device)
             dst = torch.as_tensor([b for _, b in dup], device=device)
             plen = max(len(st.prompts[p]) for p in uniq)
-            if self.fused:
-                self.cache[:, :, dst, :plen] = self.cache[:, :, src, :plen]
-            else:
-                self.cache[:, :, dst, :, :plen] = self.cache[:, :, src, :, :plen]
+            kv = self._kv()
+            kv[:, :, dst, :, :plen] = kv[:, :, src, :, :plen]
         row = {p: i for i, p in enumerate(uniq)}
         rows = torch.as_tensor([row[s // n] for s in admitted], device=device)
         for s, slot in zip(admitted, seq_slots):
@@ -596,7 +584,10 @@ class NativeEngine(RolloutEngine):
         """One decoding step of every slot; sample for the active ones."""
         device = self.net.device
         active = st.active_slots()
-        length = self._bucket(int(st.pos[active].max()) + 1, self.cache.shape[self._len_dim])
+        cap = self._kv().shape[4]
+        # The fused path reads each sequence's own keys: it always takes the whole cache (one
+        # CUDA graph); the masked attention reads a bucket of it.
+        length = cap if self.fused else self._bucket(int(st.pos[active].max()) + 1, cap)
         logits = self._decode(torch.from_numpy(st.last).to(device),
                               torch.from_numpy(st.pos).to(device), length)
         seq_ids = [st.slot_seq[i] for i in active]

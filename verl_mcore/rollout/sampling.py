@@ -71,10 +71,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
 
 def _invert_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index of the first cdf entry above u * total, per row (cdf [b, n] non-decreasing)."""
-    target = (u.to(cdf.device, torch.float64) * cdf[:, -1].double()).to(cdf.dtype)
+    return _search(cdf, (u.to(cdf.device, torch.float64) * cdf[:, -1].double()).to(cdf.dtype))
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first cdf entry above `target` [b]; never an entry without mass."""
     pick = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
     pick = pick.clamp_(max=cdf.shape[-1] - 1)
-    # A zero-probability entry cannot be picked, except by rounding at the very end of the CDF:
+    # A zero-probability entry cannot be picked, except by rounding at the very end of the CDF
+    # (or, in the blocked inversion, of a block whose running sum and block sum round apart):
     # step back to the last entry with mass.
     last_nonzero = (cdf < cdf[:, -1:]).sum(dim=-1)
     return torch.minimum(pick, last_nonzero)
@@ -96,15 +101,8 @@ def _invert_cdf_blocked(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [b, nblocks]
     total = block_cdf[:, -1]
     target = (u.to(probs.device, torch.float64) * total.double()).to(probs.dtype)
-    j = torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-    j = torch.minimum(j, (block_cdf < total.unsqueeze(-1)).sum(dim=-1))  # a block with mass
+    j = _search(block_cdf, target)  # a block with mass
     before = torch.where(j > 0, block_cdf.gather(-1, (j - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1),
                          torch.zeros_like(total))
     inner = blocks.gather(1, j.view(b, 1, 1).expand(b, 1, _BLOCK)).squeeze(1)  # [b, _BLOCK]
-    inner_cdf = before.unsqueeze(-1) + inner.cumsum(dim=-1)
-    pick = torch.searchsorted(inner_cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-    pick = pick.clamp_(max=_BLOCK - 1)
-    # Rounding (block sum vs running sum) can put the target past the block's last entry with
-    # mass: step back to it, never onto a zero-probability (or padding) entry.
-    last_nonzero = (inner_cdf < inner_cdf[:, -1:]).sum(dim=-1)
-    return j * _BLOCK + torch.minimum(pick, last_nonzero)
+    return j * _BLOCK + _search(before.unsqueeze(-1) + inner.cumsum(dim=-1), target)
