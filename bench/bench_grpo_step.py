@@ -22,20 +22,23 @@ builds what both share):
              of at most --max-tokens tokens (actor.max_tokens_per_microbatch: training, old and
              reference log-probs alike), no activation recompute; the native rollout engine
              decoding every sample at once (rollout.max_num_seqs = prompts x n); optimizer state
-             and grads offloaded to host during generation (trainer.offload_between_phases).
+             and grads stay on the GPU when the planner finds they fit
+             (trainer.offload_between_phases=auto; pass =true to time the host round trips).
 
 Phases (the trainer's `timing_s/<phase>` and `memory_gb/<phase>` metrics): sync (weights to the
-engine + the weight-sync check, which decodes rollout.logprob_check.num_sequences=4 sequences to
-the full length), gen, reward, old_logp, ref, adv, actor; "other" is the rest of the step
+engine + the weight-sync check, which decodes rollout.logprob_check.num_sequences=4 sequences of
+at most rollout.logprob_check.max_new_tokens tokens), gen, reward, old_logp (only with
+actor.recompute_old_log_probs=always: this one-step on-policy update takes the old log-probs
+from its own forward pass), ref, adv, actor; "other" is the rest of the step
 (offload / onload of the optimizer state, the all-gather of samples, batch building). Seconds are
 the median over steps after the first (the first captures CUDA graphs and warms the allocator);
 tokens/s per GPU = (prompt + response tokens of the step) / seconds / GPUs; peak memory is
 torch.cuda.max_memory_allocated within the phase (max over steps).
 
-Differences from the TRL run that are not ours to remove: TRL computes no old log-probs when one
-generation feeds one optimizer step (it reuses the detached current ones), and has no sync
-phase; we do both, so the table also gives the step without them. TRL recomputes activations
-(gradient checkpointing) in its update; we do not (the memory fits).
+Differences from the TRL run: neither computes old log-probs when one generation feeds one
+optimizer step (both reuse the detached current ones); TRL has no sync phase, so the table also
+gives the step without sync (and old_logp, when forced). TRL recomputes activations (gradient
+checkpointing) in its update; we do not (the memory fits).
 """
 from __future__ import annotations
 

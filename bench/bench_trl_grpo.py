@@ -23,10 +23,11 @@ derives steps_per_generation = gradient_accumulation_steps and generation_batch_
 Differences that stay:
   - TRL recomputes activations (gradient_checkpointing=True, its usual setting); we do not.
   - TRL trains the bf16 weights directly (Adam state in bf16, model loaded with dtype=bfloat16);
-    ours keeps fp32 master weights and Adam state in the distributed optimizer (more memory,
-    offloaded to host while generating).
-  - TRL computes no old log-probs here (one generation per optimizer step: it uses the detached
-    current ones) and has no weight-sync check; ours does both (see its table's "without" row).
+    ours keeps fp32 master weights and Adam state in the distributed optimizer (more memory;
+    kept on the GPU while generating when it fits, trainer.offload_between_phases=auto).
+  - Neither computes old log-probs here (one generation per optimizer step: both use the
+    detached current ones). TRL has no weight-sync check; ours does (see its table's "without"
+    row).
   - TRL pads: prompts left-padded to the longest (all equal here), completions right-padded to
     the longest, and generate decodes every row until all are done; ours packs.
 

@@ -221,9 +221,29 @@ def build_checkpointers(cfg: Config, run_dir: str):
     return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic)
 
 
-def build_offloaders(cfg: Config, actor, critic) -> list:
-    """HostOffloaders for the trainable roles (trainer.offload_between_phases)."""
-    if not cfg.trainer.offload_between_phases:
+def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:
+    """trainer.offload_between_phases for this run: (offload?, why). "auto" asks the planner with
+    this GPU's memory (plan.choose_offload); on CPU there is no device memory to free."""
+    import torch
+
+    from verl_mcore.plan import Knobs, choose_offload, resolve_dims
+
+    setting = cfg.trainer.offload_between_phases
+    if setting != "auto":
+        return setting, f"trainer.offload_between_phases={str(setting).lower()}"
+    if not torch.cuda.is_available():
+        return False, "auto: on CPU the training state already lives in host memory"
+    try:
+        dims = resolve_dims(info.hf_dir or cfg.model.path)
+    except ConfigError as e:  # no HF config.json to read the shape from: the safe choice
+        return True, f"auto: no model shape for the planner ({e})"
+    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    return choose_offload(cfg, dims, world, Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib))
+
+
+def build_offloaders(cfg: Config, actor, critic, offload: bool) -> list:
+    """HostOffloaders for the trainable roles when `offload` (resolve_offload)."""
+    if not offload:
         return []
     from verl_mcore.engine.offload import HostOffloader
 

@@ -11,7 +11,6 @@ the run with `rollout/logprob_diff_max` in the message instead of training on an
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence
 
 import torch.distributed as dist

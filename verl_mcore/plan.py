@@ -55,13 +55,19 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       PREFILL_CHUNK_TOKENS tokens (logits only for each prompt's last token).
   runtime             RUNTIME_OVERHEAD_GIB: CUDA context, NCCL buffers of all groups, cuBLAS
                       workspaces. A guess to calibrate against measured peaks.
+Checked against one H200 run (bench/RESULTS.md 2026-12-02, the 1.5B GRPO step, offload off;
+tests/hpc/test_plan.py): generate 46.3 GiB estimated / 46.1 measured, score 36.8 / 33.8,
+actor_update 79.0 / 86.6 (the update is underestimated by 9%; where the missing 7.6 GiB goes
+was not profiled).
 A phase fits when its total is at most USABLE_FRACTION of the GPU (allocator fragmentation and
 temporaries not modelled above).
 
-Colocation policy (DESIGN.md): between phases the optimizer states and gradient buffers of the
-actor and critic live in pinned host memory; parameters of the actor, critic and reference stay
-on the GPU unless reference.offload_params. `--no-offload` plans for keeping everything on the
-GPU instead. Phases: generate; score (forward-only log-probs and
+Colocation policy (DESIGN.md): with trainer.offload_between_phases=true the optimizer states and
+gradient buffers of the actor and critic live in pinned host memory between phases; with false
+they stay on the GPU; "auto" (the default) keeps them on the GPU when every phase fits that way
+and offloads otherwise (`choose_offload`, which the trainer runs too). Parameters of the actor,
+critic and reference stay on the GPU unless reference.offload_params. `--no-offload` is
+trainer.offload_between_phases=false. Phases: generate; score (forward-only log-probs and
 values); actor_update; critic_update (GAE only). Host memory per node = GPUs per node × what a
 GPU offloads. Reward models are not modelled yet.
 """
@@ -72,7 +78,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from verl_mcore.config import Config, ConfigError, ModelShape, data_parallel_size, validate
@@ -234,6 +240,7 @@ class Knobs:
     host_memory_gib: Optional[float] = None  # per node; None: not checked
     attention: str = "flash"  # "flash" (varlen / TE) or "materialized" (megatron local spec)
     offload: bool = True  # grads + optimizer states in host memory outside their update phase
+    # (the CLI and the trainer set it from trainer.offload_between_phases: choose_offload)
 
 
 def _micro_tokens(cfg: Config, role: str) -> tuple[int, int]:
@@ -421,6 +428,30 @@ def misfits(memory: dict, knobs: Knobs) -> list[str]:
     return bad
 
 
+def choose_offload(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> tuple[bool, str]:
+    """trainer.offload_between_phases resolved to (offload?, why).
+
+    true / false are taken as set. "auto" offloads only when some phase would not fit with every
+    model's gradients and optimizer states kept on the GPU: host round trips cost seconds per
+    step (10.8 s of a 38.8 s GRPO step at 1.5B on one H200, bench/RESULTS.md) and buy nothing
+    when the memory is there.
+    """
+    setting = cfg.trainer.offload_between_phases
+    if setting != "auto":
+        return bool(setting), f"trainer.offload_between_phases={str(setting).lower()}"
+    kept = replace(knobs, offload=False, host_memory_gib=None)
+    memory = plan_memory(cfg, dims, world, kept)
+    usable = knobs.gpu_memory_gib * USABLE_FRACTION
+    bad = misfits(memory, kept)
+    peak = max((n for n in memory if n != "host"), key=lambda n: memory[n]["total"])
+    if bad:
+        worst = max(bad, key=lambda n: memory[n]["total"])
+        return True, (f"auto: with gradients and optimizer states on the GPU, {worst} would need "
+                      f"{memory[worst]['total'] / GiB:.1f} GiB of {usable:.1f} usable")
+    return False, (f"auto: every phase fits with gradients and optimizer states on the GPU "
+                   f"(peak {peak} {memory[peak]['total'] / GiB:.1f} GiB of {usable:.1f} usable)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Suggestions: re-plan with one knob changed
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +485,8 @@ def _candidates(cfg: Config, world: int, nodes: int,
             smaller.append(f"{role}.micro_batch_size_per_gpu={rc.micro_batch_size_per_gpu // 2}")
     if smaller:
         out.append((" ".join(smaller), smaller, world))
+    if cfg.trainer.offload_between_phases is False:
+        out.append(("trainer.offload_between_phases=auto", ["trainer.offload_between_phases=auto"], world))
     if _uses_reference(cfg) and not cfg.reference.offload_params:
         out.append(("reference.offload_params=true", ["reference.offload_params=true"], world))
     if r.max_num_seqs > 1:
@@ -480,7 +513,7 @@ def suggest(cfg: Config, overrides: list[str], config_path: Optional[str], dims:
             validate(t, w, dims.shape())
         except ConfigError:
             return None  # this change breaks a divisibility rule here
-        return plan_memory(t, dims, w, knobs)
+        return plan_memory(t, dims, w, replace(knobs, offload=choose_offload(t, dims, w, knobs)[0]))
 
     cands = _candidates(cfg, world, nodes, knobs.gpus_per_node)
     fixes, helps, useful = [], [], []
@@ -617,8 +650,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="core attention that keeps no [s, s] scores (flash/varlen/TE) or megatron's "
                          "local one that does")
     ap.add_argument("--no-offload", action="store_true",
-                    help="keep gradients and optimizer states on the GPU in every phase (default: "
-                         "in pinned host memory outside their model's update, DESIGN.md)")
+                    help="keep gradients and optimizer states on the GPU in every phase: the same as "
+                         "trainer.offload_between_phases=false (default: the config's setting; auto "
+                         "offloads only when a phase would not fit otherwise)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--full", action="store_true",
                     help="list every group and node (default: the first 8 of each)")
@@ -630,7 +664,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     nodes = args.nodes or _env_int("SLURM_JOB_NUM_NODES", "SLURM_NNODES") or 1
     gpn = args.gpus_per_node or _env_int("SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE") or 1
-    knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention, not args.no_offload)
+    if args.no_offload:
+        args.overrides.append("trainer.offload_between_phases=false")
     world = nodes * gpn
     try:
         cfg = Config.load(args.config, args.overrides)
@@ -639,11 +674,15 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"plan: config error: {e}", file=sys.stderr)
         return EXIT_INVALID
+    knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention)
+    offload, offload_why = choose_offload(cfg, dims, world, knobs)
+    knobs = replace(knobs, offload=offload)
     memory = plan_memory(cfg, dims, world, knobs)
     bad = misfits(memory, knobs)
     if args.json:
         print(json.dumps({"world_size": world, "nodes": nodes, "gpus_per_node": gpn,
-                          "model": asdict(dims), "memory": memory, "does_not_fit": bad}, indent=1))
+                          "model": asdict(dims), "offload": {"enabled": offload, "why": offload_why},
+                          "memory": memory, "does_not_fit": bad}, indent=1))
     else:
         names = None
         if os.environ.get("SLURM_JOB_NODELIST"):
@@ -655,6 +694,7 @@ def main(argv=None) -> int:
               f"hidden {dims.hidden_size}, heads {dims.num_attention_heads}/{dims.num_key_value_heads} KV)")
         print(layout_report(cfg, world, nodes, gpn, names, limit=world if args.full else 8))
         print(memory_report(memory, knobs))
+        print(f"Offload between phases: {'on' if offload else 'off'} ({offload_why})")
     if bad:
         found = suggest(cfg, args.overrides, args.config, dims, world, nodes, knobs, bad)
         msg = [f"plan: does not fit: {', '.join(bad)} on {knobs.gpu_memory_gib:g} GiB GPUs"

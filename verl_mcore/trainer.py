@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,7 +138,10 @@ class Trainer:
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
-        self.offloaders = build.build_offloaders(cfg, self.actor, self.critic)
+        offload, why = build.resolve_offload(cfg, self.info, self.world, self.launch.local_world_size)
+        if self.rank == 0:
+            log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
+        self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)
         self.rewards = build.build_reward_manager(cfg)
         self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
@@ -206,8 +209,10 @@ class Trainer:
             scores, reward_metrics = self.score(rollout)
             if baseline is not None:  # ReMax: the greedy response's score, for each sample
                 baseline = self.score(baseline)[0].repeat_interleave(cfg.rollout.n)
-        with phase("old_logp"):
-            batch.old_log_probs, entropy = self.actor.compute_log_prob(batch, compute_entropy=True)
+        entropy = None
+        if self.needs_old_log_probs(batch):
+            with phase("old_logp"):
+                batch.old_log_probs, entropy = self.actor.compute_log_prob(batch, compute_entropy=True)
         if self.reference is not None:
             with phase("ref"):
                 batch.ref_log_probs = self.reference.compute_ref_log_prob(batch)
@@ -263,6 +268,13 @@ class Trainer:
     def onload_training_state(self) -> None:
         for offloader in self.offloaders:
             offloader.onload()
+
+    def needs_old_log_probs(self, batch) -> bool:
+        """The old-log-prob forward pass, unless the actor update is one on-policy step that can
+        use its own log-probs and no in-reward KL reads them (actor.recompute_old_log_probs)."""
+        cfg = self.cfg
+        return (cfg.actor.recompute_old_log_probs == "always" or cfg.algorithm.use_kl_in_reward
+                or not self.actor.is_on_policy_step(batch.num_samples))
 
     def sampling(self, n: int, temperature: float, seed_offset: int = 0):
         from verl_mcore.rollout.base import SamplingParams
@@ -363,8 +375,9 @@ class Trainer:
             "response_length/max": float(resp_len.max()),
             "response_length/clip_ratio": float(sum(f == "length" for f in rollout.finish)) / len(rollout.finish),
             "prompt_length/mean": float(b.prompt_lens.float().mean()),
-            "actor/old_entropy": float(entropy[mask].mean()) if entropy is not None and mask.any() else 0.0,
         }
+        if entropy is not None:  # from the old-log-prob pass, when it ran
+            m["actor/old_entropy"] = float(entropy[mask].mean()) if mask.any() else 0.0
         if b.values is not None and mask.any():
             values, returns = b.values[mask], b.returns[mask]
             m["critic/values/mean"] = float(values.mean())

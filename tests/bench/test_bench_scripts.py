@@ -12,7 +12,9 @@ import torch
 from bench import grpo_common as common
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_PHASES = ["sync", "gen", "reward", "old_logp", "ref", "adv", "actor", "other"]
+# No old_logp: one generation feeds one optimizer step, so the update takes the old log-probs from
+# its own forward pass (actor.recompute_old_log_probs=auto), as TRL does.
+OUR_PHASES = ["sync", "gen", "reward", "ref", "adv", "actor", "other"]
 
 
 def test_prompts_are_exactly_prompt_len_tokens_and_every_id_decodes():

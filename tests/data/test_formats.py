@@ -1,5 +1,4 @@
 """Every file format and every way of naming files gives the same samples."""
-import os
 
 import pytest
 

@@ -1,5 +1,4 @@
 """Deterministic shuffle, data-parallel sharding and exact resume of the prompt loader."""
-import numpy as np
 import pytest
 
 from tests.data.files import gsm8k_rows, write_rows

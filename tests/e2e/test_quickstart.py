@@ -1,5 +1,4 @@
 """The README's quickstart, shortened: the reward rises; a killed run resumes where it stopped."""
-import json
 import os
 import signal
 import subprocess
@@ -41,6 +40,12 @@ def test_quickstart_reward_rises(tiny_model, tmp_path):
     first, last = sum(scores[:20]) / 20, sum(scores[-20:]) / 20
     assert first < 0.1 and last > 0.2 and last > 4 * first, (first, last)
     assert "run finished: 120 steps" in run.stdout
+    # One on-policy optimizer step per RL step: no separate old-log-prob pass (its phase timing
+    # and old_entropy are absent), nothing offloaded on CPU ("auto").
+    row = _rows(tmp_path / "run")[-1]
+    assert "timing_s/old_logp" not in row and "actor/old_entropy" not in row and "timing_s/actor" in row
+    assert "perf/offloaded_gb" not in row
+    assert "offload between phases: off (auto: on CPU" in run.stdout + run.stderr
 
 
 def _wait_for_step(run_dir: Path, step: int, proc, timeout: float) -> None:

@@ -42,7 +42,8 @@ def _overrides(model_dir, run_dir, algo, layout):
            "actor.micro_batch_size_per_gpu=2", "critic.micro_batch_size_per_gpu=2",
            "actor.use_kl_loss=true", "actor.ppo_epochs=2",
            f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-           f"rollout.tensor_parallel_size={tp_g}", "rollout.logprob_check.num_sequences=2"]
+           f"rollout.tensor_parallel_size={tp_g}", "rollout.logprob_check.num_sequences=2",
+           "trainer.offload_between_phases=true"]  # on CPU "auto" would not offload
     if algo == "grpo":
         out += ["algorithm.adv_estimator=grpo", "rollout.n=2"]
     else:

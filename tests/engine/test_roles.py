@@ -40,6 +40,28 @@ def _body(rank, world_size):
                       "recompute": actor.engine.config.recompute_granularity,
                       "param_dtype": next(actor.engine.model[0].parameters()).dtype}
     out["runs"] = runs
+
+    # One on-policy optimizer step (1 epoch, mini-batch = batch): old log-probs from a separate
+    # forward pass, or none (the update's own, detached) give the same step.
+    cfg = C.actor_config(ppo_epochs=1, optim=C.optim_config(lr_warmup_steps=0))
+    on_policy = {}
+    for name in ("separate", "own"):
+        actor = Actor(C.make_engine("actor", full, optim=cfg.optim), cfg, mini_batch_size=8, temperature=0.9)
+        b = C.make_batch(seed=9, num=8)
+        b.old_log_probs = actor.compute_log_prob(b)[0] if name == "separate" else None
+        before = [p.detach().clone() for p in actor.engine.model[0].parameters()]
+        summary, _ = actor.update(b)
+        on_policy[name] = {"summary": summary, "before": before,
+                           "weights": [p.detach().clone() for p in actor.engine.model[0].parameters()]}
+    out["on_policy"] = on_policy
+    several_steps = Actor(C.make_engine("actor", full, optim=cfg.optim), cfg, mini_batch_size=4, temperature=0.9)
+    b = C.make_batch(seed=9, num=8)
+    b.old_log_probs = None
+    try:
+        several_steps.update(b)
+        out["several_steps_error"] = None
+    except ValueError as e:
+        out["several_steps_error"] = str(e)
     return out
 
 
@@ -76,6 +98,16 @@ def test_roles_precision_recompute_schedule():
     assert len(lrs) == 4  # 8 samples / mini-batch 4 x 2 epochs
     expected = [0.0, 1e-3] + [1e-4 + 0.5 * (1 + math.cos(math.pi * k / 3)) * 9e-4 for k in (1, 2)]
     assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(lrs, expected)), lrs
+
+    # The on-policy shortcut: same step, ratio 1 (no clipping, zero ppo_kl); several optimizer
+    # steps without old log-probs are refused by name.
+    sep, own = r["on_policy"]["separate"], r["on_policy"]["own"]
+    for a, b in zip(sep["weights"], own["weights"]):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(own["before"], own["weights"]))  # it stepped
+    assert own["summary"]["actor/loss"] == sep["summary"]["actor/loss"]
+    assert own["summary"]["actor/ppo_kl"] == 0.0 and own["summary"]["actor/pg_clipfrac"] == 0.0
+    assert "missing ['old_log_probs']" in r["several_steps_error"]
 
     summary = fp32["summary"]
     for key in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr", "tokens_per_s"):

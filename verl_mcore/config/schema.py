@@ -14,7 +14,7 @@ Every "per_gpu" size is per data-parallel rank; everything else is global.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 
@@ -182,6 +182,12 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = "low_var_kl"
     recompute_activations: bool = False
+    # The old-log-prob forward pass before the update. "auto" skips it when the update is one
+    # on-policy optimizer step (ppo_epochs = 1, one mini-batch = the whole batch) and no in-reward
+    # KL reads the old log-probs: the weights that sampled are the weights being updated, so the
+    # update's own log-probs, detached, are the old ones (ratio exactly 1, as verl's on-policy
+    # path). "always" runs the pass anyway (e.g. to log actor/old_entropy).
+    recompute_old_log_probs: Literal["auto", "always"] = "auto"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -229,7 +235,9 @@ class TrainerConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     # Before each generation phase, move the actor's and critic's optimizer state and gradient
     # buffers to (pinned) host memory, and back afterwards, so generation gets the GPU memory.
-    offload_between_phases: bool = True
+    # "auto": only when the planner finds that some phase would not fit with them kept on the GPU
+    # (plan.choose_offload, with this GPU's memory); never on CPU, where there is nothing to free.
+    offload_between_phases: Union[bool, Literal["auto"]] = "auto"
 
 
 @dataclass

@@ -119,6 +119,12 @@ class Actor:
         self.mb_kwargs = micro_batching(cfg.max_tokens_per_microbatch, cfg.micro_batch_size_per_gpu)
         self.vocab_size = _model_vocab(engine)
 
+    def is_on_policy_step(self, num_samples: int) -> bool:
+        """Whether updating a batch of `num_samples` is one optimizer step (one epoch, one
+        mini-batch): then every micro-batch sees the weights that sampled, and `update` may take
+        the old log-probs from its own forward pass (see ActorConfig.recompute_old_log_probs)."""
+        return self.cfg.ppo_epochs == 1 and self.mini_batch_size == num_samples
+
     def compute_log_prob(self, batch: TrainBatch, compute_entropy: bool = False):
         """Old log-probs `[B, R]` (and entropies) of the current weights, forward only."""
         return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, compute_entropy)
@@ -130,8 +136,11 @@ class Actor:
                                           vocab_size=self.engine.vocab_size)
         mask = loss_mask(mb)
         f = mb.fields
+        # No old log-probs: a one-step on-policy update (see `update`); the ratio is exactly 1
+        # and its gradient is the gradient of logp.
+        old_logp = f["old_log_probs"] if "old_log_probs" in f else logp.detach()
         loss, metrics = compute_policy_loss(
-            cfg.policy_loss, logp, f["old_log_probs"], f["advantages"], mask, denoms, self.params
+            cfg.policy_loss, logp, old_logp, f["advantages"], mask, denoms, self.params
         )
         ent_term, ent_metrics = entropy_bonus(entropy, mask, denoms, cfg.entropy_coeff, cfg.loss_agg_mode)
         loss = loss + ent_term
@@ -150,7 +159,9 @@ class Actor:
         tokens of all samples and epochs over the wall time, all ranks together) and mfu (None
         without a known GPU peak). Keys are prefixed "actor/".
         """
-        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if self.cfg.use_kl_loss else [])
+        needed = ["advantages"] + (["ref_log_probs"] if self.cfg.use_kl_loss else [])
+        if not self.is_on_policy_step(batch.num_samples):
+            needed.append("old_log_probs")  # several optimizer steps: the policy moves between them
         batch.require(*needed, role="Actor.update")
         steps = run_ppo_epochs(
             self.engine, batch, self.mini_batch_size, self.cfg.ppo_epochs, self.mb_kwargs,
