@@ -240,7 +240,6 @@ def gspo_tokens(logp, old_logp, adv, mask, lo, hi):
         pos = valid_positions(m_row)
         log_s = sum(lp_row[t] - olp_row[t] for t in pos) / max(len(pos), 1)
         s = math.exp(min(max(log_s, -20.0), 20.0))
-        l1, l2 = [], []
         lrow, crow, grow = [], [], []
         for a in a_row:
             u = -a * s

@@ -24,7 +24,6 @@ def _split_loss(name, inputs, leaf, mode, num_micro, denoms, row_offset=0):
 
     `leaf` is the [rows, T] differentiable input; gradients accumulate into it.
     """
-    key = differentiable_input(name)
     rows = inputs["mask"].shape[0]
     size = rows // num_micro
     total, diag_total = 0.0, {}
