@@ -91,6 +91,14 @@ def _engine_body(rank, tp_gen: int, hf_dir: str):
     res["greedy_n2"] = run(SamplingParams(n=2, temperature=0.0, max_new_tokens=MAX_NEW),
                            NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp,
                                         max_num_seqs=4, max_prefill_tokens=4))
+    # The prefill budget counts padded tokens (prompts x the longest): prompts of 5, 3, 7, 1, 4
+    # tokens under a budget of 10 go in as [5, 3], [7], [1, 4].
+    budgeted = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=8,
+                            max_prefill_tokens=10)
+    padded, prefill = [], budgeted._prefill
+    budgeted._prefill = lambda ps, slots: (padded.append([len(p) for p in ps]), prefill(ps, slots))[1]
+    res["greedy_budgeted"] = run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW), budgeted)
+    res["prefill_rounds"] = padded
     sampled = SamplingParams(n=3, temperature=0.9, top_p=0.95, top_k=40, max_new_tokens=6, seed=7,
                              logprobs=True)
     res["sampled"] = run(sampled)
@@ -126,12 +134,33 @@ def _engine_body(rank, tp_gen: int, hf_dir: str):
             NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp))
         res["sequence_parallel_flags"] = len(flagged)
         res["sequence_parallel_restored"] = all(getattr(m, f) is True for m, f in flagged)
+        # One rank has room for fewer KV-cache slots (less free GPU memory): the group agrees on
+        # the smallest, so both ranks run the same schedule; room for none: both refuse.
+        tight = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=8)
+        if rank == 1:
+            tight._slots_that_fit = lambda per_slot: 2
+        res["agreed_slots_n2"] = run(SamplingParams(n=2, temperature=0.0, max_new_tokens=MAX_NEW), tight)
+        res["agreed_slots"] = tight.last_stats["rollout/slots"]
+        starved = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp)
+        if rank == 0:
+            starved._slots_that_fit = lambda per_slot: 0
+        try:
+            run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW), starved)
+            res["starved_error"] = None
+        except RuntimeError as e:
+            res["starved_error"] = "KV cache" in str(e)
         # Different prompts on the ranks of one group: an error on every rank, not a hang.
         try:
             engine.generate(PROMPTS if rank == 0 else PROMPTS[:2], SamplingParams())
             res["mismatch_error"] = None
         except ValueError as e:
             res["mismatch_error"] = "different prompts" in str(e)
+        # ... also when only one rank's prompts are invalid (checked before the validation).
+        try:
+            engine.generate(PROMPTS if rank == 0 else [[]], SamplingParams())
+            res["mismatch_invalid_error"] = None
+        except ValueError as e:
+            res["mismatch_invalid_error"] = "different prompts" in str(e)
     return res
 
 

@@ -22,6 +22,8 @@ def _check_engine(res, hf_tokens, hf_logps):
         assert max(abs(a - b) for a, b in zip(g[3], ref)) < 1e-4
         assert g[4] == "length" and len(g[2]) == eb.MAX_NEW
     assert [o[2] for o in res["greedy_n2"]] == [t for t in hf_tokens for _ in range(2)]
+    assert res["prefill_rounds"] == [[5, 3], [7], [1, 4]]
+    assert [o[2] for o in res["greedy_budgeted"]] == hf_tokens
     # n > 1: every prompt gets samples 0..2, each of max_new_tokens (no stop tokens given).
     sampled = res["sampled"]
     assert [(o[0], o[1]) for o in sampled] == [(p, j) for p in range(len(eb.PROMPTS)) for j in range(3)]
@@ -63,7 +65,10 @@ def test_native_engine_tp2_identical_ranks(hf_model):
     _check_engine(results[0], tokens, logps)
     assert [o[2] for o in results[0]["greedy_sequence_parallel"]] == tokens
     assert results[0]["sequence_parallel_restored"] and results[0]["sequence_parallel_flags"] > 10
-    assert results[0]["mismatch_error"] is True
+    assert results[0]["mismatch_error"] is True and results[0]["mismatch_invalid_error"] is True
+    assert results[0]["agreed_slots"] == 2 and results[0]["starved_error"] is True
+    greedy_n2 = sorted((o[0], o[1], o[2]) for o in results[0]["greedy_n2"])
+    assert sorted((o[0], o[1], o[2]) for o in results[0]["agreed_slots_n2"]) == greedy_n2
     assert results[1] == results[0]  # every TP rank samples the same tokens (and log-probs)
 
 

@@ -64,13 +64,70 @@ class FakeVllmSampling:
 
 def test_sampling_translation():
     sp = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33,
-                        stop_token_ids=(2, 7), seed=11, logprobs=True)
-    v = to_vllm_sampling(sp, FakeVllmSampling)
-    assert (v.n, v.temperature, v.top_p, v.top_k, v.max_tokens) == (4, 0.7, 0.9, 20, 33)
-    assert v.stop_token_ids == [2, 7] and v.ignore_eos and v.seed == 11
-    assert v.logprobs == 0 and v.detokenize is False
-    off = to_vllm_sampling(SamplingParams(temperature=0.0, top_k=0), FakeVllmSampling)
-    assert off.top_k == -1 and off.logprobs is None and off.temperature == 0.0
+                        stop_token_ids=(2, 7), seed=11)
+    vs = to_vllm_sampling(sp, FakeVllmSampling, 3)
+    assert len(vs) == 3  # one per prompt
+    for v in vs:
+        assert (v.n, v.temperature, v.top_p, v.top_k, v.max_tokens) == (4, 0.7, 0.9, 20, 33)
+        assert v.stop_token_ids == [2, 7] and v.ignore_eos
+        assert v.logprobs is None and v.detokenize is False
+    # vLLM draws sample j of a request from seed + j: each prompt's seed range is its own, and
+    # so is each replica's (the trainer seeds replica r with base + r).
+    streams = [v.seed + j for seed in (11, 12) for v in to_vllm_sampling(
+        dataclasses.replace(sp, seed=seed), FakeVllmSampling, 50) for j in range(sp.n)]
+    assert len(set(streams)) == len(streams) and all(0 <= s < 2**63 for s in streams)
+    assert [v.seed for v in vs] == [v.seed for v in to_vllm_sampling(sp, FakeVllmSampling, 3)]
+    assert [v.seed for v in to_vllm_sampling(dataclasses.replace(sp, seed=None), FakeVllmSampling, 2)] == [None, None]
+    off = to_vllm_sampling(SamplingParams(temperature=0.0, top_k=0, logprobs=True), FakeVllmSampling, 1)[0]
+    assert off.top_k == -1 and off.logprobs == 0 and off.temperature == 0.0
+    # vLLM's log-probs would be those of the top-k / top-p truncated distribution: refused.
+    with pytest.raises(ValueError, match="truncated distribution"):
+        to_vllm_sampling(dataclasses.replace(sp, logprobs=True), FakeVllmSampling, 1)
+    assert to_vllm_sampling(SamplingParams(temperature=0.9, logprobs=True), FakeVllmSampling, 1)[0].logprobs == 0
+
+
+def _fake_vllm(monkeypatch, calls):
+    """A stand-in `vllm` module: LLM records its arguments; the TP group is this rank alone."""
+    import importlib.machinery
+    import sys
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    vllm.SamplingParams = FakeVllmSampling
+    vllm.LLM = lambda **kw: calls.append(kw) or SimpleNamespace()
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.get_tp_group = lambda: SimpleNamespace(ranks=[0])
+    for name, module in (("vllm", vllm), ("vllm.distributed", types.ModuleType("vllm.distributed")),
+                         ("vllm.distributed.parallel_state", state)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_engine_from_config_builds_llm(monkeypatch, tmp_path):
+    """build_generation_phase's rollout.engine=vllm branch: VLLMEngine.from_config gives vLLM the
+    HF directory, prompt + response length, the actor's dtype and the rollout settings."""
+    import torch.distributed as dist
+
+    from verl_mcore.config import Config
+    from verl_mcore.rollout.vllm_engine import VLLMEngine
+
+    calls = []
+    _fake_vllm(monkeypatch, calls)
+    cfg = Config.load(None, ["rollout.engine=vllm", "data.max_prompt_length=48", "data.max_response_length=16",
+                             "actor.dtype=bf16", "rollout.max_num_seqs=32", "rollout.gpu_memory_utilization=0.4"])
+    info = SimpleNamespace(hf_dir=str(tmp_path), arch=None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    groups = SimpleNamespace(gen_tp=None)
+    engine = VLLMEngine.from_config(cfg, groups, info, gen_model=None)
+    [kw] = calls
+    assert kw["model"] == str(tmp_path) and kw["max_model_len"] == 64 and kw["dtype"] == "bfloat16"
+    assert kw["tensor_parallel_size"] == 1 and kw["max_num_seqs"] == 32
+    assert kw["gpu_memory_utilization"] == 0.4 and kw["load_format"] == "dummy"
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["enable_sleep_mode"]
+    assert engine.repartitioner is None and not engine.sleeping
+    with pytest.raises(ValueError, match="Hugging Face directory"):
+        VLLMEngine.from_config(cfg, groups, SimpleNamespace(hf_dir=None, arch=None), gen_model=None)
 
 
 def _completion(index, tokens, reason, logprobs=None):

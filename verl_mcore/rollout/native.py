@@ -253,7 +253,8 @@ class NativeEngine(RolloutEngine):
     keep_weights_buffer: keep the repartition buffer allocated across `sleep()`.
     max_num_seqs: decoding slots. gpu_memory_utilization: on CUDA, the KV cache takes at most this
         fraction of the free memory (fewer slots if needed). cuda_graphs: capture the decode step.
-    max_prefill_tokens: prompt tokens prefilled in one forward (bounds activation memory).
+    max_prefill_tokens: tokens (prompts x the longest of them, as padded) prefilled in one forward
+        (bounds activation memory); one prompt is always admitted, whatever its length.
     fused_decode: decode with the fused kernels and flash attention where supported
         (`fused_decode_reason` says why not, when not).
     """
@@ -334,14 +335,21 @@ class NativeEngine(RolloutEngine):
             torch.cuda.empty_cache()  # so the free-memory reading below includes the old cache
         per_slot = (len(net.layers) * 2 * net.groups * length * net.head_dim
                     * torch.empty((), dtype=net.dtype).element_size())
-        if net.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(net.device)
-            fit = int(free * self.gpu_memory_utilization) // per_slot
+        fit = self._slots_that_fit(per_slot)
+        if self.tp_group is not None:
+            # Free memory differs between GPUs: the ranks of a group agree on the smallest fit, so
+            # they run the same schedule (same collectives) and refuse together.
+            unlimited = 1 << 62
+            t = torch.tensor([unlimited if fit is None else fit], dtype=torch.long, device=net.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
+            fit = None if int(t.item()) == unlimited else int(t.item())
+        if fit is not None:
             if fit < 1:
                 raise RuntimeError(
                     f"NativeEngine: one sequence of {length} tokens needs {per_slot / 2**20:.0f} MiB "
                     f"of KV cache, more than rollout.gpu_memory_utilization="
-                    f"{self.gpu_memory_utilization} of the free {free / 2**30:.1f} GiB")
+                    f"{self.gpu_memory_utilization} of the free GPU memory (on at least one rank "
+                    "of the generation TP group)")
             slots = min(slots, fit)
         inner = (length, net.groups) if self.fused else (net.groups, length)
         self.cache = torch.zeros(len(net.layers), 2, slots, *inner, net.head_dim,
@@ -350,6 +358,14 @@ class NativeEngine(RolloutEngine):
         # addresses) were just dropped.
         net.rope_tables(length)
         return slots
+
+    def _slots_that_fit(self, per_slot: int) -> Optional[int]:
+        """KV-cache sequences within rollout.gpu_memory_utilization of this GPU's free memory;
+        None (no limit) off the GPU."""
+        if self.net.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.net.device)
+        return int(free * self.gpu_memory_utilization) // per_slot
 
     def _kv(self) -> torch.Tensor:
         """The cache as [layers, 2, slots, groups, len, hd] whatever its memory layout (a
@@ -506,6 +522,7 @@ class NativeEngine(RolloutEngine):
                   ) -> list[SampleOutput]:
         sp = sampling
         prompts = [list(map(int, p)) for p in prompt_token_ids]
+        self._check_same_call(prompts, sp)  # first: a rank that raised alone would hang the rest
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"NativeEngine.generate: prompt {i} is empty")
@@ -513,7 +530,6 @@ class NativeEngine(RolloutEngine):
             if bad:
                 raise ValueError(f"NativeEngine.generate: prompt {i} has token ids outside the "
                                  f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        self._check_same_call(prompts, sp)
         if not prompts:
             return []
         start = time.perf_counter()
@@ -546,14 +562,16 @@ class NativeEngine(RolloutEngine):
         """Prefill waiting sequences into free slots and sample their first tokens."""
         sp, n, device = st.sp, st.sp.n, self.net.device
         free = st.free_slots()
-        # Whole prompts' worth of sequences, up to the free slots and the prompt-token budget.
-        admitted, budget = [], self.max_prefill_tokens
+        # Whole prompts' worth of sequences, up to the free slots and the prefill budget. The
+        # prefill pads every prompt to the longest: the budget is charged prompts x longest.
+        admitted, prompts_in, longest = [], 0, 0
         while st.waiting and len(admitted) < len(free):
             s = st.waiting[0]
-            cost = len(st.prompts[s // n]) if not admitted or s // n != admitted[-1] // n else 0
-            if admitted and cost > budget:
-                break
-            budget -= cost
+            if not admitted or s // n != admitted[-1] // n:  # the first sample of a prompt
+                wider = max(longest, len(st.prompts[s // n]))
+                if admitted and (prompts_in + 1) * wider > self.max_prefill_tokens:
+                    break
+                prompts_in, longest = prompts_in + 1, wider
             admitted.append(st.waiting.popleft())
         seq_slots = free[: len(admitted)]
         firsts: dict[int, int] = {}  # prompt -> slot of its first admitted sample

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,6 +28,7 @@ from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch
 from verl_mcore.models.hf_weights import named_canonical_parameters
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
+from verl_mcore.rollout.sampling import sequence_keys
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -92,11 +94,31 @@ def hf_weight_stream(model: torch.nn.Module, arch: HFArch, tp_group=None, role: 
 # ------------------------------------------------------------------------------------------------
 # Sampling parameters and outputs
 
-def to_vllm_sampling(sp: SamplingParams, sampling_cls: Any) -> Any:
-    """Our SamplingParams -> vllm.SamplingParams (`sampling_cls`, passed in so this is testable
-    without vLLM). Only `stop_token_ids` end a sequence (vLLM's implicit EOS stop is off: the
-    trainer passes the tokenizer's eos ids explicitly); text is never detokenized."""
-    return sampling_cls(
+def prompt_seeds(seed: Optional[int], num_prompts: int) -> list[Optional[int]]:
+    """One vLLM seed per prompt. vLLM seeds sample j of a request with `seed + j`, so one seed
+    for every prompt would give sample j of every prompt (and of the next replica, seeded
+    seed + 1 by the trainer) the same random stream. Each prompt's base is a 62-bit hash of
+    (seed, prompt index) (sampling.sequence_keys, as the native engine's streams)."""
+    if seed is None:
+        return [None] * num_prompts
+    keys = sequence_keys(seed, np.arange(num_prompts), np.zeros(num_prompts, dtype=np.int64))
+    return [int(k >> np.uint64(2)) for k in keys]
+
+
+def to_vllm_sampling(sp: SamplingParams, sampling_cls: Any, num_prompts: int) -> list[Any]:
+    """Our SamplingParams -> one vllm.SamplingParams per prompt (`sampling_cls`, passed in so this
+    is testable without vLLM), each with its own seed (`prompt_seeds`). Only `stop_token_ids` end
+    a sequence (vLLM's implicit EOS stop is off: the trainer passes the tokenizer's eos ids
+    explicitly); text is never detokenized.
+
+    Log-probs are vLLM's "processed" ones (after temperature, the trainer's definition); vLLM
+    takes them after top-k / top-p too, where ours (base.py) are before them, so that
+    combination is refused rather than returned with another meaning."""
+    if sp.logprobs and not sp.greedy and (sp.top_p < 1.0 or sp.top_k > 0):
+        raise ValueError("vLLM engine: logprobs=True with top_p < 1 or top_k > 0 would give the "
+                         "log-probs of the truncated distribution, not the model's (SamplingParams"
+                         ".logprobs); sample without them or set top_p=1, top_k=-1")
+    return [sampling_cls(
         n=sp.n,
         temperature=sp.temperature,
         top_p=sp.top_p,
@@ -104,10 +126,10 @@ def to_vllm_sampling(sp: SamplingParams, sampling_cls: Any) -> Any:
         max_tokens=sp.max_new_tokens,
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=True,
-        seed=sp.seed,
+        seed=seed,
         logprobs=0 if sp.logprobs else None,  # 0: only the sampled token's log-prob
         detokenize=False,
-    )
+    ) for seed in prompt_seeds(sp.seed, num_prompts)]
 
 
 def _logprob_of(entry: Any, token: int) -> float:
@@ -171,6 +193,20 @@ class VLLMEngine(RolloutEngine):
         consecutive ranks, as vLLM's external launcher forms its TP groups that way).
     repartitioner: fills gen_model before each push (None: gen_model is the training model).
     """
+
+    @classmethod
+    def from_config(cls, cfg, groups, info, gen_model: torch.nn.Module, repartitioner=None
+                    ) -> "VLLMEngine":
+        """The engine of rollout.engine=vllm (generation.build_generation_phase): the HF directory
+        gives vLLM its config and tokenizer, sequences are at most prompt + response long, and
+        vLLM computes in the actor's dtype (the weights it receives)."""
+        if not info.hf_dir:
+            raise ValueError("rollout.engine=vllm needs model.path to be a Hugging Face directory "
+                             "(vLLM reads its config.json and tokenizer there)")
+        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[cfg.actor.dtype]
+        return cls(info.hf_dir, info.arch, gen_model, groups, cfg.rollout,
+                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   dtype=dtype, repartitioner=repartitioner)
 
     def __init__(self, hf_dir: str, arch: HFArch, gen_model: torch.nn.Module, groups, rollout_cfg,
                  *, max_model_len: int, dtype: str = "bfloat16", repartitioner=None,
@@ -237,9 +273,9 @@ class VLLMEngine(RolloutEngine):
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams
                  ) -> list[SampleOutput]:
-        vsp = to_vllm_sampling(sampling, self.vllm.SamplingParams)
+        vsp = to_vllm_sampling(sampling, self.vllm.SamplingParams, len(prompt_token_ids))
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, vsp, use_tqdm=False)
+        outputs = self.llm.generate(prompts, vsp, use_tqdm=False)  # one SamplingParams per prompt
         return from_vllm_outputs(outputs, sampling)
 
     def sleep(self) -> None:
