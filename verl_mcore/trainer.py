@@ -221,8 +221,8 @@ class Trainer:
                 batch.values = self.critic.compute_values(batch)
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
-            batch.advantages, batch.returns = self.advantages(batch, token_rewards, rollout.group_ids,
-                                                              baseline)
+            batch.advantages, batch.returns = self.advantages(batch, token_rewards, scores,
+                                                              rollout.group_ids, baseline)
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with phase("critic"):
@@ -351,14 +351,14 @@ class Trainer:
         self.kl_ctrl.update(float(info["current_kl"]), batch.num_samples)
         return rewards, {"critic/kl": float(info["current_kl"]), "critic/kl_coef": float(info["kl_coef"])}
 
-    def advantages(self, batch, token_rewards, group_ids, baseline):
+    def advantages(self, batch, token_rewards, scores, group_ids, baseline):
         from verl_mcore.algo.advantages import compute_advantages
 
         a = self.cfg.algorithm
         return compute_advantages(
             a.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
             group_ids=group_ids, baseline_scores=baseline, gamma=a.gamma, lam=a.lam,
-            norm_by_std=a.norm_adv_by_std_in_grpo, whiten=a.whiten_advantages)
+            norm_by_std=a.norm_adv_by_std_in_grpo, whiten=a.whiten_advantages, scores=scores)
 
     def data_metrics(self, rollout: Rollout, scores, token_rewards, entropy) -> dict[str, float]:
         """The batch statistics RLHF users know (the batch is global: no reduction needed)."""

@@ -119,6 +119,48 @@ def test_grpo_groups_by_id_not_position():
     torch.testing.assert_close(permuted, out[perm])
 
 
+@pytest.mark.parametrize("score, size", [(0.7, 16), (0.9, 16), (0.7, 64), (123.456, 5), (123.456, 64), (0.1, 3)])
+def test_equal_scores_give_exactly_zero_in_float32(score, size):
+    """A group whose float32 scores are all equal: a float32 mean is an ulp off, and that error
+    over a std made of the same error was O(1) (0.97 at 123.456 x 64). It must be exactly 0."""
+    scores = torch.full((size + 2,), score, dtype=torch.float32)
+    scores[-2:] = torch.tensor([0.0, 1.0])  # another group, not tied
+    groups = torch.tensor([0] * size + [1, 1])
+    mask = torch.ones(size + 2, 3)
+    for out in (adv.grpo(scores, groups, mask), adv.grpo(scores, groups, mask, norm_by_std=False),
+                adv.rloo(scores, groups, mask)):
+        assert out.dtype == torch.float32
+        assert torch.equal(out[:size], torch.zeros(size, 3))
+        assert (out[size:] != 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_row_without_valid_tokens_keeps_its_score_in_the_group(estimator):
+    """Token rewards carry a row's score on its last valid token; a row with none (a fully masked
+    response) would count as 0 in its group's baseline. With the outcome scores given it counts
+    with its own: the other rows match the estimator run on the scores themselves."""
+    from verl_mcore.reward import place_on_last_token
+
+    scores = torch.tensor([-1.0, 1.0, 1.0, 0.0, 0.5, 0.25])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    mask = torch.ones(6, 4)
+    mask[0] = 0  # row 0: no valid token
+    mask[3, 2:] = 0
+    token_rewards = place_on_last_token(scores, mask)
+    got, _ = adv.compute_advantages(estimator, token_rewards, mask, group_ids=groups, scores=scores)
+    full = torch.ones(6, 4)
+    want, _ = adv.compute_advantages(estimator, place_on_last_token(scores, full), full, group_ids=groups)
+    if estimator == "reinforce_plus_plus_baseline":  # whitened over the valid tokens: compare the sign pattern and order
+        assert torch.equal(got[0], torch.zeros(4))
+        assert got[1, 0] > got[4, 0] > got[3, 0]  # centred scores 0.75 > 0.125 > -0.25 (group 0 mean 0.25)
+    else:
+        assert torch.allclose(got[1:][mask[1:].bool()], want[1:][mask[1:].bool()], atol=1e-6)
+        assert torch.equal(got[0], torch.zeros(4))
+    # Without the scores the masked row counts as 0: a different baseline for rows 1-3.
+    old, _ = adv.compute_advantages(estimator, token_rewards, mask, group_ids=groups)
+    assert not torch.allclose(old[1], got[1])
+
+
 def test_grpo_rejects_float_group_ids():
     with pytest.raises(ValueError, match="group_ids must be an integer tensor"):
         adv.grpo(torch.zeros(2), torch.zeros(2), torch.ones(2, 3))

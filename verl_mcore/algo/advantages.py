@@ -223,17 +223,21 @@ def group_ids_from_uids(uids: Sequence[object]) -> Tensor:
 def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row group size, group mean and unbiased group std, each `[batch]`.
 
-    Groups of size 1 get std 0 (their callers give them advantage 0 anyway).
+    Groups of size 1 get std 0 (their callers give them advantage 0 anyway). The sums are in
+    float64 whatever the scores' dtype: a float32 group mean is off by an ulp, and for a group of
+    equal scores that error divided by a std made of the same error is O(1), not 0. In float64
+    n * s is exact for float32 s, so equal scores give mean s and std 0 exactly.
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    count = scores.new_zeros(num_groups).index_add_(0, inverse, torch.ones_like(scores))
-    total = scores.new_zeros(num_groups).index_add_(0, inverse, scores)
+    x = scores.double()
+    count = x.new_zeros(num_groups).index_add_(0, inverse, torch.ones_like(x))
+    total = x.new_zeros(num_groups).index_add_(0, inverse, x)
     mean = total / count
-    dev2 = (scores - mean[inverse]) ** 2
-    sq = scores.new_zeros(num_groups).index_add_(0, inverse, dev2)
+    dev2 = (x - mean[inverse]) ** 2
+    sq = x.new_zeros(num_groups).index_add_(0, inverse, dev2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return count[inverse], mean[inverse], std[inverse]
+    return tuple(t[inverse].to(scores.dtype) for t in (count, mean, std))
 
 
 def _broadcast_to_tokens(per_seq: Tensor, mask: Tensor) -> Tensor:
@@ -272,7 +276,7 @@ def grpo(
     _check_group_inputs("grpo", scores, group_ids, mask)
     s = scores.to(_compute_dtype(scores))
     count, mean, std = _group_stats(s, group_ids)
-    centered = s - mean
+    centered = s - mean  # exactly 0 for equal scores (see _group_stats)
     adv = centered / (std + eps) if norm_by_std else centered
     adv = torch.where(count > 1, adv, s.new_zeros(()))
     return _broadcast_to_tokens(adv, mask)
@@ -293,11 +297,18 @@ def rloo(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
     return _broadcast_to_tokens(adv, mask)
 
 
-def _sequence_scores(token_rewards: Tensor, mask: Tensor) -> Tensor:
-    """`[batch, T] -> [batch]`: sum of the rewards at valid positions of each row."""
+def _sequence_scores(token_rewards: Tensor, mask: Tensor, scores: Optional[Tensor] = None) -> Tensor:
+    """`[batch, T] -> [batch]`: sum of the rewards at valid positions of each row. A row with no
+    valid position cannot carry its outcome score in token rewards; with `scores [batch]` given,
+    such a row's score is taken from there (it still counts in its group's baseline)."""
     dtype = _compute_dtype(token_rewards)
     r = token_rewards.to(dtype)
-    return torch.where(mask.bool(), r, r.new_zeros(())).sum(-1)
+    valid = mask.bool()
+    out = torch.where(valid, r, r.new_zeros(())).sum(-1)
+    if scores is not None:
+        _check_per_sequence("sequence scores", mask, scores=scores)
+        out = torch.where(valid.any(-1), out, scores.to(dtype))
+    return out
 
 
 @torch.no_grad()
@@ -325,6 +336,7 @@ def reinforce_plus_plus_baseline(
     group_ids: Tensor,
     mask: Tensor,
     group: Optional[dist.ProcessGroup] = None,
+    scores: Optional[Tensor] = None,
 ) -> Tensor:
     """REINFORCE++ with a group baseline: (score - group mean), broadcast, whitened over the batch.
 
@@ -332,9 +344,10 @@ def reinforce_plus_plus_baseline(
     score = sum of the row's valid token rewards (undiscounted outcome); a group of size 1 is its
     own baseline (0 before whitening). The centred scores go to the valid tokens of their row and
     are whitened with `masked_whiten(..., group=group)` (raises below 2 valid tokens in total).
+    `scores [batch]` (optional): outcome scores of rows without valid tokens (`_sequence_scores`).
     """
     _check_token_shapes("reinforce_plus_plus_baseline", mask, token_rewards=token_rewards)
-    scores = _sequence_scores(token_rewards, mask)
+    scores = _sequence_scores(token_rewards, mask, scores)
     _check_group_inputs("reinforce_plus_plus_baseline", scores, group_ids, mask)
     _, mean, _ = _group_stats(scores, group_ids)
     return masked_whiten(_broadcast_to_tokens(scores - mean, mask), mask, group=group)
@@ -368,7 +381,7 @@ def _require(estimator: str, **inputs: Optional[Tensor]) -> None:
 
 
 def _gae_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
-               norm_by_std, whiten, eps, group):
+               norm_by_std, whiten, eps, group, scores):
     _require("gae", values=values)
     advantages, returns = gae(token_rewards, values, mask, gamma, lam)
     if whiten:
@@ -377,33 +390,33 @@ def _gae_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma
 
 
 def _grpo_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
-                norm_by_std, whiten, eps, group):
+                norm_by_std, whiten, eps, group, scores):
     _require("grpo", group_ids=group_ids)
-    adv = grpo(_sequence_scores(token_rewards, mask), group_ids, mask, norm_by_std, eps)
+    adv = grpo(_sequence_scores(token_rewards, mask, scores), group_ids, mask, norm_by_std, eps)
     return adv, adv
 
 
 def _rloo_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
-                norm_by_std, whiten, eps, group):
+                norm_by_std, whiten, eps, group, scores):
     _require("rloo", group_ids=group_ids)
-    adv = rloo(_sequence_scores(token_rewards, mask), group_ids, mask)
+    adv = rloo(_sequence_scores(token_rewards, mask, scores), group_ids, mask)
     return adv, adv
 
 
 def _reinforce_pp_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
-                        norm_by_std, whiten, eps, group):
+                        norm_by_std, whiten, eps, group, scores):
     return reinforce_plus_plus(token_rewards, mask, gamma, group=group)
 
 
 def _reinforce_pp_baseline_entry(token_rewards, mask, *, values, group_ids, baseline_scores,
-                                 gamma, lam, norm_by_std, whiten, eps, group):
+                                 gamma, lam, norm_by_std, whiten, eps, group, scores):
     _require("reinforce_plus_plus_baseline", group_ids=group_ids)
-    adv = reinforce_plus_plus_baseline(token_rewards, group_ids, mask, group=group)
+    adv = reinforce_plus_plus_baseline(token_rewards, group_ids, mask, group=group, scores=scores)
     return adv, adv
 
 
 def _remax_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
-                 norm_by_std, whiten, eps, group):
+                 norm_by_std, whiten, eps, group, scores):
     _require("remax", baseline_scores=baseline_scores)
     return remax(token_rewards, baseline_scores, mask)
 
@@ -435,11 +448,14 @@ def compute_advantages(
     whiten: bool = True,
     eps: float = 1e-6,
     group: Optional[dist.ProcessGroup] = None,
+    scores: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the estimator named `estimator` (a key of `ADV_ESTIMATORS`) on a rollout batch.
 
     Inputs: `token_rewards, mask [batch, T]`; `values [batch, T]` (gae); `group_ids [batch]`
-    (grpo, rloo, reinforce_plus_plus_baseline); `baseline_scores [batch]` (remax). Options:
+    (grpo, rloo, reinforce_plus_plus_baseline); `baseline_scores [batch]` (remax); `scores
+    [batch]` (optional, the group estimators): outcome scores, read only for rows with no valid
+    token, whose token rewards cannot hold them (they still count in their group). Options:
     `gamma, lam` (gae, reinforce_plus_plus), `norm_by_std, eps` (grpo), `whiten` (gae only: masked
     whitening of the advantages over the batch, across `group`'s ranks when given; the other
     estimators whiten or not by definition). Returns `(advantages, returns)`, both `[batch, T]`.
@@ -451,4 +467,5 @@ def compute_advantages(
             f"unknown advantage estimator {estimator!r}; choose one of {sorted(ADV_ESTIMATORS)}"
         ) from None
     return fn(token_rewards, mask, values=values, group_ids=group_ids, baseline_scores=baseline_scores,
-              gamma=gamma, lam=lam, norm_by_std=norm_by_std, whiten=whiten, eps=eps, group=group)
+              gamma=gamma, lam=lam, norm_by_std=norm_by_std, whiten=whiten, eps=eps, group=group,
+              scores=scores)
