@@ -177,12 +177,19 @@ class Trainer:
                 self.tracking.log(step, metrics)
                 progress.update(1)
                 last = step == total
-                if last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
+                saved = last or bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)
+                if saved:
                     self.save_checkpoint(step)
                 if not last and self.guard.should_stop():
-                    self.save_checkpoint(step)
+                    if not saved:  # a second save of the same step would only eat the grace period
+                        self.save_checkpoint(step)
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
+        except NonFiniteError:
+            # Raised on every rank alike (from reduced metrics): commit the pending async saves,
+            # which hold good steps, before stopping.
+            self.checkpoints.close()
+            raise
         finally:
             progress.close()
         self.finish()
@@ -227,6 +234,7 @@ class Trainer:
         if self.critic is not None:
             with phase("critic"):
                 critic_metrics, _ = self.critic.update(batch)
+            self.check_finite(step, "critic update", critic_metrics, role="critic")
             metrics.update(critic_metrics)
         if step > cfg.critic.warmup_steps or self.critic is None:
             with phase("actor"):
@@ -385,13 +393,14 @@ class Trainer:
             m["critic/vf_explained_var"] = float(1 - (returns - values).var(unbiased=False) / (var + 1e-8))
         return m
 
-    def check_finite(self, step: int, phase: str, metrics: dict) -> None:
+    def check_finite(self, step: int, phase: str, metrics: dict, role: str = "actor") -> None:
         """trainer.on_nonfinite=stop: a non-finite loss or grad norm stops the run, naming the
         phase and the last good step. =skip: the engine already refused those optimizer steps
-        (engine.optimizer_step); they are counted in `actor/skipped` and `train/skipped_updates`."""
+        (engine.optimizer_step); they are counted in `<role>/skipped` and, actor and critic
+        together, `train/skipped_updates`."""
         if self.cfg.trainer.on_nonfinite == "skip":
-            self.skipped_updates += int(round(metrics.get("actor/skipped", 0.0) *
-                                              max(1, self._updates_per_step())))
+            self.skipped_updates += int(round(metrics.get(f"{role}/skipped", 0.0) *
+                                              max(1, self._updates_per_step(role))))
             return
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)
                and (k.endswith("loss") or k.endswith("grad_norm"))]
@@ -401,9 +410,12 @@ class Trainer:
                                  f"intact). Lower the learning rate or check the data/rewards, or "
                                  f"set trainer.on_nonfinite=skip to skip such updates.")
 
-    def _updates_per_step(self) -> int:
-        a = self.cfg.actor
-        return a.ppo_epochs * (self.cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    def _updates_per_step(self, role: str) -> int:
+        a, c = self.cfg.actor, self.cfg.critic
+        epochs, mini = a.ppo_epochs, a.ppo_mini_batch_size
+        if role == "critic":  # its own settings, defaulting to the actor's
+            epochs, mini = c.ppo_epochs or epochs, c.ppo_mini_batch_size or mini
+        return epochs * (self.cfg.data.train_batch_size // mini)
 
     # ------------------------------------------------------------------ validation
 

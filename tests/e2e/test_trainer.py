@@ -72,7 +72,6 @@ def _check_run(run_dir: Path, algo: str):
         assert not bad, f"step {row['step']}: non-finite {bad}"
         assert row["rollout/logprob_diff_max"] < 1e-3  # generation weights == actor weights
     assert any(k.startswith("val/") and "score/mean@" in k for k in rows[1])
-    assert (run_dir / "config.yaml").exists() or True  # written by the CLI entry, not Trainer
     ckpts = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("step_*"))
     assert ckpts == ["step_00000002", "step_00000003"]
     if algo == "ppo":
@@ -102,14 +101,14 @@ def test_trainer_four_ranks_tp2_pp2_gen_tp2(tiny_model, tmp_path, algo):
 # ---------------------------------------------------------------------------------------------
 # Non-finite losses: stop with the phase and last good step, or skip the update and count it.
 
-def _nan_reward_overrides(model_dir, run_dir, mode, tmp_path):
+def _nan_reward_overrides(model_dir, run_dir, mode, tmp_path, algo="grpo"):
     # A scorer that fails for half the digits, with a NaN fallback: NaN scores reach the loss.
     fn = tmp_path / "nan_reward.py"
     fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    if ground_truth in '01234':\n"
                   "        raise ValueError('no score')\n"
                   "    return 0.5\n")
-    return _overrides(model_dir, run_dir, "grpo", (1, 1, 1)) + [
+    return _overrides(model_dir, run_dir, algo, (1, 1, 1)) + [
         f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score", "reward.fallback_score=.nan",
         f"trainer.on_nonfinite={mode}",
         "trainer.val_every=0", "checkpoint.save_every=0", "trainer.total_steps=2"]
@@ -130,11 +129,73 @@ def _train_catch(rank, world_size, overrides):
 
 
 @pytest.mark.slow
-def test_nonfinite_stop_names_phase_and_last_good_step(tiny_model, tmp_path):
+@pytest.mark.parametrize("algo, phase", [("grpo", "actor update"), ("ppo", "critic update")])
+def test_nonfinite_stop_names_phase_and_last_good_step(tiny_model, tmp_path, algo, phase):
+    # PPO: the critic updates first and must not write NaN weights unnoticed.
     [(code, message)] = run_on_ranks(
-        _train_catch, 1, args=(_nan_reward_overrides(tiny_model, tmp_path / "r", "stop", tmp_path),),
+        _train_catch, 1, args=(_nan_reward_overrides(tiny_model, tmp_path / "r", "stop", tmp_path, algo),),
         timeout=300, fresh=True)
-    assert code is None and "actor update at step 1" in message and "last good step is 0" in message
+    assert code is None and f"{phase} at step 1" in message and "last good step is 0" in message
+
+
+def _stop_request_body(rank, world_size, model_dir, tmp_path):
+    """A stop request at a step that is also a save step: one save, exit 75."""
+    import os
+
+    from verl_mcore.config import Config
+    from verl_mcore.trainer import Trainer
+
+    request = os.path.join(tmp_path, "stop_request")
+    open(request, "w").close()
+    os.environ["VERL_MCORE_STOP_REQUEST"] = request
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), _overrides(model_dir, f"{tmp_path}/a", "grpo", (1, 1, 1)) + [
+        "checkpoint.save_every=1", "trainer.val_every=0", "trainer.total_steps=3"])
+    trainer = Trainer(cfg)
+    saves, save = [], trainer.checkpoints.save
+    trainer.checkpoints.save = lambda step, *a, **k: (saves.append(step), save(step, *a, **k))[1]
+    return trainer.fit(), saves
+
+
+def _late_nan_body(rank, world_size, model_dir, tmp_path):
+    import os
+
+    from verl_mcore.config import Config
+    from verl_mcore.trainer import NonFiniteError, Trainer
+
+    out = {}
+    fn = os.path.join(tmp_path, "late_nan.py")
+    with open(fn, "w") as f:  # 8 scores per step (4 prompts x 2): failing (-> NaN) from step 2 on
+        f.write("CALLS = [0]\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                "    CALLS[0] += 1\n    if CALLS[0] > 8:\n        raise ValueError('no score')\n"
+                "    return 0.5 + 0.1 * (CALLS[0] % 2)\n")
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), _overrides(model_dir, f"{tmp_path}/b", "grpo", (1, 1, 1)) + [
+        f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score", "reward.fallback_score=.nan",
+        "checkpoint.async_save=true",
+        "checkpoint.save_every=1", "trainer.val_every=0", "trainer.total_steps=3"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        out["nan_error"] = None
+    except NonFiniteError as e:
+        out["nan_error"] = str(e)
+    finally:
+        trainer.finish()
+    return out
+
+
+@pytest.mark.slow
+def test_stop_paths_keep_exactly_the_good_checkpoints(tiny_model, tmp_path):
+    from verl_mcore.distributed.preemption import EXIT_PREEMPTED
+
+    [(code, saves)] = run_on_ranks(_stop_request_body, 1, args=(tiny_model, str(tmp_path)), timeout=300,
+                                   fresh=True)
+    assert code == EXIT_PREEMPTED and saves == [1]  # not saved twice
+    # NaN rewards from step 2 with async saves: the stop commits step 1's pending save first.
+    [r] = run_on_ranks(_late_nan_body, 1, args=(tiny_model, str(tmp_path)), timeout=300, fresh=True)
+    assert "at step 2" in r["nan_error"] and "last good step is 1" in r["nan_error"]
+    ckpts = tmp_path / "b" / "checkpoints" / "actor"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000001"]
+    assert (ckpts / "latest").exists() and not list(ckpts.glob(".tmp*"))
 
 
 @pytest.mark.slow
