@@ -2,25 +2,55 @@
 
     RUN_DIR/checkpoints/actor/step_N/    model + optimizer + LR schedule + RNG + trainer state
     RUN_DIR/checkpoints/critic/step_N/   model + optimizer + LR schedule (PPO with a critic)
+    RUN_DIR/checkpoints/load_path_consumed.json   the last checkpoint.load_path resumed from
 
 Each role is written by engine.checkpoint.Checkpointer (temporary directory, rename, `latest`
 pointer last). The critic is saved before the actor, so a kill between the two leaves the
 actor's previous step as its newest; resume takes the newest step complete for every role.
+
+checkpoint.load_path is a one-time request. A Slurm requeue repeats the command line, load_path
+included; resuming from it again would throw away everything the run did since. So a resume from
+load_path is recorded, and a later start with the same load_path continues from the run's newest
+checkpoint once the run has committed one past it. A different load_path is a new request.
+Resuming from load_path at step S sets this run's checkpoints of steps > S aside (renamed
+abandoned.step_N): they belong to the continuation given up, and would otherwise outrank the new
+ones in rotation and in the choice of the newest.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from typing import Optional
 
-from verl_mcore.engine.checkpoint import Checkpointer, find_latest_checkpoint, list_checkpoints, load_checkpoint
+import torch.distributed as dist
+
+from verl_mcore.engine.checkpoint import (
+    Checkpointer,
+    _write_json_atomic,
+    find_latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    set_aside_checkpoints_after,
+)
 
 log = logging.getLogger("verl_mcore.checkpoints")
+
+CONSUMED = "load_path_consumed.json"
 
 
 def _engine_parts(role):
     e = role.engine
     return e.model, e.optimizer, e.scheduler
+
+
+@dataclasses.dataclass
+class _Choice:
+    actor: str
+    critic: Optional[str]
+    step: Optional[int] = None  # of the run's own checkpoints (a load_path's: once loaded)
+    load_path: Optional[str] = None  # the load_path request this resume fulfils
 
 
 class RunCheckpoints:
@@ -34,26 +64,52 @@ class RunCheckpoints:
             self.critic.save(step, *_engine_parts(critic))
         self.actor.save(step, *_engine_parts(actor), extra_state=trainer_state)
 
-    def _choose(self, load_path: Optional[str]) -> Optional[tuple[str, Optional[str]]]:
-        """(actor path, critic path) to resume from, or None for a fresh start."""
+    def _choose(self, ckpt_cfg) -> Optional[_Choice]:
+        """What to resume from (None: a fresh start). Reads files only: every rank decides alike."""
+        load_path = ckpt_cfg.load_path
         if load_path:
-            actor_path = os.path.abspath(load_path)
-            step = os.path.basename(actor_path.rstrip("/"))
-            critic_path = os.path.join(self.critic.root, step) if self.critic else None
-            if critic_path and not os.path.isdir(critic_path):
-                raise FileNotFoundError(f"checkpoint.load_path={load_path}: no critic checkpoint "
-                                        f"{critic_path} for the same step")
-            return actor_path, critic_path
+            consumed = self._consumed_step(load_path)
+            if consumed is not None and ckpt_cfg.resume == "auto":
+                newest = self._newest()
+                if newest is not None and newest.step > consumed:
+                    log.info("checkpoint.load_path=%s was resumed from (step %d) by an earlier start "
+                             "of this run (%s); continuing from the run's newest checkpoint %s "
+                             "(step %d) instead. Pass another load_path to go back again.",
+                             load_path, consumed, os.path.join(self.root, CONSUMED), newest.actor,
+                             newest.step)
+                    return newest
+            return self._from_load_path(load_path)
+        if ckpt_cfg.resume == "never":
+            return None
+        return self._newest()
+
+    def _from_load_path(self, load_path: str) -> _Choice:
+        actor_path = os.path.abspath(load_path)
+        critic_path = None
+        if self.critic is not None:
+            # The critic saved with this actor: the same step of the same run, which need not be
+            # this run.
+            run_checkpoints = os.path.dirname(os.path.dirname(actor_path))
+            critic_path = os.path.join(run_checkpoints, "critic", os.path.basename(actor_path))
+            if not os.path.isdir(critic_path):
+                raise FileNotFoundError(
+                    f"checkpoint.load_path={load_path}: PPO resumes the critic saved with that "
+                    f"actor, expected at {critic_path} (checkpoints/critic/ beside the actor's "
+                    f"checkpoints/actor/), which does not exist")
+        return _Choice(actor_path, critic_path, load_path=load_path)
+
+    def _newest(self) -> Optional[_Choice]:
+        """The run's newest checkpoint complete for every role, or None."""
         latest = find_latest_checkpoint(self.actor.root)
         if latest is None:
             return None
-        if self.critic is None:
-            return latest, None
-        critic_steps = dict(list_checkpoints(self.critic.root))
         actor_steps = dict(list_checkpoints(self.actor.root))
         latest_step = next(s for s, p in actor_steps.items() if os.path.samefile(p, latest))
+        if self.critic is None:
+            return _Choice(latest, None, latest_step)
+        critic_steps = dict(list_checkpoints(self.critic.root))
         if latest_step in critic_steps:
-            return latest, critic_steps[latest_step]
+            return _Choice(latest, critic_steps[latest_step], latest_step)
         common = sorted(set(critic_steps) & set(actor_steps))
         if not common:
             log.warning("checkpoints: actor has steps %s but the critic none of them; starting fresh",
@@ -62,20 +118,52 @@ class RunCheckpoints:
         step = common[-1]
         log.warning("checkpoints: critic has no step %d (killed between the two saves?); "
                     "resuming both roles from step %d", latest_step, step)
-        return actor_steps[step], critic_steps[step]
+        return _Choice(actor_steps[step], critic_steps[step], step)
+
+    def _consumed_step(self, load_path: str) -> Optional[int]:
+        """The step resumed from when this run last consumed this very load_path, else None."""
+        marker = os.path.join(self.root, CONSUMED)
+        try:
+            with open(marker) as f:
+                record = json.load(f)
+            consumed, step = record["load_path"], int(record["step"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("checkpoints: %s is unreadable (%s); treating checkpoint.load_path=%s as a "
+                        "new request", marker, e, load_path)
+            return None
+        return step if consumed == os.path.realpath(load_path) else None
+
+    def _consume(self, load_path: str, step: int) -> None:
+        """Record that this run resumed from load_path at `step`, and set the run's later
+        checkpoints aside (rank 0, after the load)."""
+        for ckpt in (self.actor, self.critic):
+            if ckpt is None:
+                continue
+            for old, new in set_aside_checkpoints_after(ckpt.root, step):
+                log.warning("checkpoints: resumed from checkpoint.load_path=%s (step %d), so %s "
+                            "belongs to an abandoned continuation of this run; moved it to %s "
+                            "(never loaded from there; delete it when no longer needed)",
+                            load_path, step, old, new)
+        os.makedirs(self.root, exist_ok=True)
+        _write_json_atomic(os.path.join(self.root, CONSUMED),
+                           {"load_path": os.path.realpath(load_path), "step": step})
 
     def resume(self, ckpt_cfg, actor, critic) -> Optional[dict]:
         """Load the chosen checkpoint into the roles; return the trainer state (None: fresh)."""
-        if ckpt_cfg.resume == "never" and not ckpt_cfg.load_path:
+        choice = self._choose(ckpt_cfg)
+        if choice is None:
             return None
-        chosen = self._choose(ckpt_cfg.load_path)
-        if chosen is None:
-            return None
-        actor_path, critic_path = chosen
-        loaded = load_checkpoint(actor_path, *_engine_parts(actor))
-        if critic_path is not None:
-            load_checkpoint(critic_path, *_engine_parts(critic))
-        log.info("loaded checkpoint %s (step %d)", actor_path, loaded.step)
+        loaded = load_checkpoint(choice.actor, *_engine_parts(actor))
+        if choice.critic is not None:
+            load_checkpoint(choice.critic, *_engine_parts(critic))
+        log.info("loaded checkpoint %s (step %d)", choice.actor, loaded.step)
+        if choice.load_path is not None:
+            # Only now: every rank has chosen (the load is collective) and the load succeeded.
+            if dist.get_rank() == 0:
+                self._consume(choice.load_path, loaded.step)
+            dist.barrier()
         return loaded.extra_state
 
     def latest_path(self) -> Optional[str]:

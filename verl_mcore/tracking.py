@@ -10,6 +10,7 @@ record the same metric names (they run the same program on their shard); names a
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -18,6 +19,8 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("verl_mcore.tracking")
 
 
 class MetricAccumulator:
@@ -109,7 +112,40 @@ class JsonlTracker:
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._f = open(self.path, "a", buffering=1)
+        self._f = _open_on_fresh_line(self.path)
+
+    def drop_rows_after(self, step: int) -> None:
+        """A run resumed at `step`: rows of later steps were logged by a run whose progress since
+        that checkpoint was lost (killed, or rolled back with checkpoint.load_path), and the
+        resumed run logs those steps again. Drop them, and any line cut by a kill (the row of a
+        step being logged, so a step past the last checkpoint), so that the file holds one
+        history. The file is rewritten atomically; the rows kept are kept as they were written."""
+        self._f.close()
+        kept, dropped, cut = [], [], []
+        with open(self.path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row_step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    cut.append(line_no)
+                    continue
+                if row_step > step:
+                    dropped.append(row_step)
+                else:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if dropped or cut:
+            tmp = f"{self.path}.tmp.{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            log.warning("%s: resumed at step %d; dropped the rows of steps %s (logged by the run "
+                        "that went past that checkpoint) and %d cut line(s) %s",
+                        self.path, step, sorted(set(dropped)), len(cut), cut)
+        self._f = _open_on_fresh_line(self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time()}
@@ -120,6 +156,18 @@ class JsonlTracker:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _open_on_fresh_line(path: str):
+    """`path` opened for appending lines. A kill mid-write leaves the last row cut, without its
+    '\\n'; the next row must start on a line of its own, not be glued onto that one."""
+    f = open(path, "a", buffering=1)
+    if f.tell() > 0:
+        with open(path, "rb") as r:
+            r.seek(-1, os.SEEK_END)
+            if r.read(1) != b"\n":
+                f.write("\n")
+    return f
 
 
 class ConsoleTracker:
@@ -189,15 +237,24 @@ class Tracking:
         for t in self.trackers:
             t.log(step, metrics)
 
+    def resumed_at(self, step: int) -> None:
+        """The run resumed from the checkpoint of `step`: later rows in metrics.jsonl are stale
+        (JsonlTracker.drop_rows_after)."""
+        for t in self.trackers:
+            if isinstance(t, JsonlTracker):
+                t.drop_rows_after(step)
+
     def close(self) -> None:
         for t in self.trackers:
             t.close()
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl; a resumed run's repeated steps keep the last row."""
+    """The rows of RUN_DIR/metrics.jsonl; a resumed run's repeated steps keep the last row.
+    A line that is not JSON (cut by a kill mid-write) is skipped with a warning."""
     rows: dict[int, dict] = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
         for line_no, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -205,8 +262,8 @@ def read_metrics(run_dir: str) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                if line_no > 1:  # a line cut by a kill mid-write; everything before it is good
-                    continue
-                raise
+                log.warning("%s line %d is not JSON (cut by a kill mid-write?); skipped: %.80s",
+                            path, line_no, line)
+                continue
             rows[row["step"]] = row
     return [rows[s] for s in sorted(rows)]

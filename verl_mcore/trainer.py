@@ -470,6 +470,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.tracking.resumed_at(self.step_index)  # metrics rows past the checkpoint are stale
         restarts = os.environ.get("SLURM_RESTART_COUNT")
         if self.rank == 0:
             log.info("resumed from step %d%s", self.step_index,

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -140,3 +141,112 @@ def test_rng_rejects_unknown_format():
     state["format"] = 99
     with pytest.raises(ValueError, match="format"):
         restore_rng_state(state)
+
+
+# ---------------------------------------------------------------- a run's checkpoints and load_path
+# RunCheckpoints.resume on fake checkpoints; a fake load returns the step the checkpoint holds.
+
+
+@pytest.fixture
+def fake_loads(monkeypatch):
+    """The paths RunCheckpoints.resume loads, in order (one process, no megatron)."""
+    from verl_mcore import checkpoints
+
+    loads = []
+
+    def load(path, *parts):
+        loads.append(path)
+        extra = torch.load(os.path.join(path, ck.TRAINER_STATE), weights_only=True)["extra"]
+        return ck.LoadedCheckpoint(path, extra["step"], extra, True, True)
+
+    monkeypatch.setattr(checkpoints, "load_checkpoint", load)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+    return loads
+
+
+def _run(run_dir, with_critic=True):
+    from verl_mcore.checkpoints import RunCheckpoints
+    from verl_mcore.config.schema import CheckpointConfig
+
+    return RunCheckpoints(CheckpointConfig(keep_last=2), str(run_dir), with_critic)
+
+
+def _resume(run, load_path=None):
+    from types import SimpleNamespace
+
+    from verl_mcore.config.schema import CheckpointConfig
+
+    role = SimpleNamespace(engine=SimpleNamespace(model=None, optimizer=None, scheduler=None))
+    return run.resume(CheckpointConfig(load_path=load_path and str(load_path)), role, role)
+
+
+def _commit(run, step):
+    """What Checkpointer.save leaves behind: both roles' step, `latest`, rotation."""
+    for root in (run.critic.root, run.actor.root):
+        os.makedirs(root, exist_ok=True)
+        _fake_checkpoint(root, step)
+        _point_latest(root, ck.checkpoint_name(step))
+        ck._rotate(root, keep_last=2, current_step=step)
+
+
+def _steps(root):
+    return [s for s, _ in ck.list_checkpoints(root)]
+
+
+def test_load_path_is_consumed_once_and_rolls_back_cleanly(tmp_path, fake_loads):
+    run = _run(tmp_path / "run")
+    actor = run.actor.root
+    for step in (2, 4, 6):
+        _commit(run, step)
+    assert _steps(actor) == [4, 6]
+    step4 = os.path.join(actor, ck.checkpoint_name(4))
+
+    # Roll back to step 4: step 6 is an abandoned branch, set aside (not deleted) in both roles.
+    assert _resume(run, step4)["step"] == 4
+    assert fake_loads[-2:] == [step4, os.path.join(run.critic.root, ck.checkpoint_name(4))]
+    for root in (actor, run.critic.root):
+        assert _steps(root) == [4]
+        assert os.path.isdir(os.path.join(root, "abandoned.step_00000006"))
+    assert ck.find_latest_checkpoint(actor) == step4  # `latest` named step 6
+
+    # The new branch rotates as usual: the checkpoint resumed from is not deleted while the
+    # abandoned step 6 is kept.
+    _commit(run, 5)
+    assert _steps(actor) == [4, 5]
+
+    # A requeue with the same command line continues from the run's newest checkpoint.
+    assert _resume(run, step4)["step"] == 5
+    assert fake_loads[-2] == os.path.join(actor, ck.checkpoint_name(5))
+    _commit(run, 6)
+    assert _steps(actor) == [5, 6]
+    assert _resume(run, step4)["step"] == 6
+
+    # Another load_path is a new request: honoured, and its later steps set aside in turn.
+    step5 = os.path.join(actor, ck.checkpoint_name(5))
+    assert _resume(run, step5)["step"] == 5
+    assert _steps(actor) == [5]
+    assert os.path.isdir(os.path.join(actor, "abandoned.step_00000006.1"))
+
+    # Without load_path: the run's newest, as always.
+    assert _resume(run)["step"] == 5
+
+
+def test_load_path_from_another_run_takes_that_runs_critic(tmp_path, fake_loads):
+    other, this = _run(tmp_path / "other"), _run(tmp_path / "this")
+    _commit(other, 3)
+    for step in (3, 10):  # this run's own, older history: neither role may be paired with other's
+        _commit(this, step)
+    load_path = os.path.join(other.actor.root, ck.checkpoint_name(3))
+
+    assert _resume(this, load_path)["step"] == 3
+    assert fake_loads == [load_path, os.path.join(other.critic.root, ck.checkpoint_name(3))]
+    # This run's step 10 is later than the step resumed at: set aside, so a requeue before the
+    # first save goes back to load_path rather than to that stale step.
+    assert _steps(this.actor.root) == [3] and _steps(this.critic.root) == [3]
+    assert _resume(this, load_path)["step"] == 3
+    assert fake_loads[-2] == load_path
+
+    shutil.rmtree(os.path.join(other.critic.root, ck.checkpoint_name(3)))
+    with pytest.raises(FileNotFoundError, match=r"other/checkpoints/critic/step_00000003"):
+        _resume(_run(tmp_path / "third"), load_path)

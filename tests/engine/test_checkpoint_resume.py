@@ -131,3 +131,37 @@ def test_sigkill_in_save_then_resume_bitwise(tmp_path):
     assert sorted(os.listdir(root)) == [ck.LATEST, ck.checkpoint_name(STEPS - 1),
                                         ck.checkpoint_name(STEPS)]
     assert ck.find_latest_checkpoint(root) == os.path.join(root, ck.checkpoint_name(STEPS))
+
+
+def _save_before_first_step(rank, world_size, root):
+    from tests.engine import checkpoint_trainer as ct
+    from tests.engine.test_checkpoint_layouts import _batches, _children_allowed
+    from verl_mcore.engine.checkpoint import Checkpointer
+
+    batches = _batches()
+    chunks, optimizer, scheduler = ct.build()
+    never_saved = [ct.train_step(chunks, optimizer, scheduler, b) for b in batches[:2]]
+    chunks, optimizer, scheduler = ct.build()
+    with _children_allowed():
+        # Adam has no state yet (PPO's actor during critic warmup, saved every step).
+        Checkpointer(root).save(0, chunks, optimizer, scheduler, {"step": 0})
+    uninterrupted = [ct.train_step(chunks, optimizer, scheduler, b) for b in batches[:2]]
+    chunks, optimizer, scheduler = ct.build()
+    with _children_allowed():
+        Checkpointer(root).load(chunks, optimizer, scheduler)
+    resumed = [ct.train_step(chunks, optimizer, scheduler, b) for b in batches[:2]]
+    adam = optimizer.chained_optimizers[0].optimizer
+    steps = sorted({float(state["step"]) for state in adam.state.values()})
+    return {"never_saved": never_saved, "uninterrupted": uninterrupted, "resumed": resumed,
+            "steps": steps}
+
+
+@pytest.mark.slow
+def test_checkpoint_before_the_first_optimizer_step_resumes_bitwise(tmp_path):
+    from tests.multiproc import run_on_ranks
+
+    for r in run_on_ranks(_save_before_first_step, 2, (str(tmp_path),), timeout=TIMEOUT):
+        # The save leaves the optimizer as it was, and the resumed run is the same run.
+        assert r["uninterrupted"] == r["never_saved"]
+        assert r["resumed"] == r["uninterrupted"]
+        assert r["steps"] == [2.0]

@@ -67,6 +67,34 @@ def test_read_metrics_keeps_last_row_of_a_repeated_step_and_skips_torn_line(tmp_
     assert [(r["step"], r["a"]) for r in rows] == [(1, 1), (2, 3)]
 
 
+
+def test_a_cut_last_line_is_not_glued_to_the_next_run_and_is_skipped(tmp_path, caplog):
+    # Killed while writing its first row: the cut line is line 1 and has no '\n'.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a"')
+    t = Tracking([], str(tmp_path), rank=0)
+    t.log(1, {"a": 2.0})
+    t.close()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines()[0] == '{"step": 1, "a"'
+    with caplog.at_level("WARNING", logger="verl_mcore.tracking"):
+        rows = read_metrics(str(tmp_path))
+    assert [(r["step"], r["a"]) for r in rows] == [(1, 2.0)]
+    assert f"{tmp_path / 'metrics.jsonl'} line 1" in caplog.text
+
+
+def test_resume_drops_rows_past_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    kept = "".join(json.dumps({"step": s, "a": s}) + "\n" for s in (1, 2, 3))
+    # A first run checkpointed at step 3 and was killed while writing the row of step 5.
+    path.write_text(kept + json.dumps({"step": 4, "a": 4}) + "\n" + '{"step": 5, "a')
+    t = Tracking([], str(tmp_path), rank=0)
+    t.resumed_at(3)
+    assert path.read_text() == kept  # rows up to the checkpoint, unchanged
+    t.log(4, {"a": 40.0})
+    t.close()
+    assert [(r["step"], r["a"]) for r in read_metrics(str(tmp_path))] == [(1, 1), (2, 2), (3, 3), (4, 40.0)]
+    Tracking([], str(tmp_path / "r1"), rank=1).resumed_at(0)  # only rank 0 has the file
+    assert not (tmp_path / "r1").exists()
+
 def test_plot_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     from verl_mcore.plot import main

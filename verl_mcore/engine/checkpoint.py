@@ -14,6 +14,8 @@ On disk, under one root directory shared by all ranks:
         meta.json               step, layout, format; written last, before the rename
       step_00000012/
       .tmp.step_00000014/       a save in progress, or one killed part-way: never loaded
+      abandoned.step_00000015/  a checkpoint later than a step resumed from with load_path,
+                                set aside (set_aside_checkpoints_after): never loaded or rotated
 
 Commit protocol (why a killed save never hides the previous checkpoint): every rank writes into
 `.tmp.step_N/`; after a barrier rank 0 writes meta.json, renames the directory to `step_N/` (one
@@ -62,6 +64,7 @@ TRAINER_STATE = "trainer_state.pt"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 TMP_PREFIX = ".tmp."
+ABANDONED_PREFIX = "abandoned."  # see set_aside_checkpoints_after
 _NAME = re.compile(r"^step_(\d+)$")
 OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")  # see the module docstring
 
@@ -128,6 +131,47 @@ def find_latest_checkpoint(root: str) -> Optional[str]:
             pointer, name, fallback,
         )
     return candidates[-1][1] if candidates else None
+
+
+def set_aside_checkpoints_after(root: str, step: int) -> list[tuple[str, str]]:
+    """Rename every `step_N` directory under root with N > step to `abandoned.step_N`; return
+    the (old, new) paths. Rank 0 only.
+
+    For a resume from `step` (CheckpointConfig.load_path): the later checkpoints belong to a
+    branch of the run that was given up. Left in place they would outrank the new branch's
+    checkpoints in rotation (which keeps the highest steps, so it would delete the one resumed
+    from) and in find_latest_checkpoint's fallback. They are renamed, not deleted: they are the
+    user's data. `latest`, if it named one of them, then names the newest checkpoint left.
+    """
+    moved = []
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return moved
+    for name in names:
+        match = _NAME.match(name)
+        if not (match and int(match.group(1)) > step):
+            continue
+        target = os.path.join(root, ABANDONED_PREFIX + name)
+        suffix = 1
+        while os.path.exists(target):  # a branch of the same step abandoned before
+            target = os.path.join(root, f"{ABANDONED_PREFIX}{name}.{suffix}")
+            suffix += 1
+        os.rename(os.path.join(root, name), target)
+        moved.append((os.path.join(root, name), target))
+    pointer = os.path.join(root, LATEST)
+    try:
+        with open(pointer) as f:
+            pointed = os.path.join(root, f.read().strip())
+    except FileNotFoundError:
+        pointed = None
+    if pointed in {old for old, _ in moved}:
+        remaining = list_checkpoints(root)
+        if remaining:
+            _write_text_atomic(pointer, os.path.basename(remaining[-1][1]))
+        else:
+            os.remove(pointer)
+    return moved
 
 
 # ---------------------------------------------------------------- save
@@ -209,17 +253,26 @@ class Checkpointer:
             os.makedirs(os.path.join(tmp, RNG_DIR))
         dist.barrier()
 
-        sharded = _sharded_state_dict(
-            model_chunks, optimizer if self.save_optimizer else None, self.optimizer_sharding,
-            is_loading=False,
-        )
-        request = dist_checkpointing.save(
-            sharded,
-            os.path.join(tmp, DIST_DIR),
-            sharded_strategy=_save_strategy(),
-            async_sharded_save=self.async_save,
-            content_metadata={"verl_mcore_format": FORMAT},
-        )
+        has_optimizer = optimizer is not None and self.save_optimizer
+        # Before the first optimizer step (PPO's actor during critic warmup) torch's Adam has no
+        # state, which megatron cannot save: save the state Adam's first step would start from,
+        # then drop it again so that step initialises Adam exactly as in a run that never saved.
+        placeholders = _allocate_optimizer_state(optimizer) if has_optimizer else []
+        try:
+            sharded = _sharded_state_dict(
+                model_chunks, optimizer if has_optimizer else None, self.optimizer_sharding,
+                is_loading=False,
+            )
+            request = dist_checkpointing.save(
+                sharded,
+                os.path.join(tmp, DIST_DIR),
+                sharded_strategy=_save_strategy(),
+                async_sharded_save=self.async_save,
+                content_metadata={"verl_mcore_format": FORMAT},
+            )
+        finally:
+            for states, param in placeholders:
+                del states[param]
         torch.save(capture_rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
         if rank == 0:
             torch.save(
@@ -230,7 +283,6 @@ class Checkpointer:
                 os.path.join(tmp, TRAINER_STATE),
             )
         pending = _PendingSave(step, tmp, final)
-        has_optimizer = optimizer is not None and self.save_optimizer
         meta = _meta(step, len(model_chunks), self.optimizer_sharding if has_optimizer else None)
         if request is None:
             self._commit(pending, meta)
@@ -267,8 +319,9 @@ class Checkpointer:
             _write_json_atomic(os.path.join(pending.tmp, META), meta)
             displaced = None
             if os.path.exists(pending.final):
-                # Same step written again (e.g. after resuming from an older load_path): move
-                # the old one aside first, since a rename cannot replace a non-empty directory.
+                # Same step written again (e.g. PPO resumed from an older step because the
+                # critic lacked the newest): move the old one aside first, since a rename cannot
+                # replace a non-empty directory.
                 displaced = pending.final + f".replaced.{os.getpid()}.{time.time_ns()}"
                 os.rename(pending.final, displaced)
             os.rename(pending.tmp, pending.final)
@@ -417,26 +470,32 @@ def _check_layout_matches(model: torch.nn.Module) -> None:
         )
 
 
-def _allocate_optimizer_state(optimizer: Any) -> None:
-    """Give a fresh torch Adam its state tensors before a load, as its first step would.
+def _allocate_optimizer_state(optimizer: Any) -> list[tuple[dict, torch.Tensor]]:
+    """Give a torch Adam that has not stepped yet the state its first step would start from
+    (step 0, zero moments); return (optimizer state, parameter) of every entry made here.
 
     Without TransformerEngine / apex (CPU, and our GPU image) megatron wraps torch.optim.Adam,
-    whose state appears only at the first step, and DistributedOptimizer.sharded_state_dict()
-    reads the common 'step' out of that state (megatron-core 0.16.1 asserts on an empty one).
-    The values are placeholders: the load overwrites every one of them.
+    whose state appears only at the first step, and DistributedOptimizer.state_dict() reads the
+    common 'step' out of that state (megatron-core 0.16.1 asserts on an empty one), on save and
+    on load. A load overwrites every value; a save writes them and then removes them again.
+    An Adam that has stepped is left alone (a step-0 entry beside step-N ones would break that
+    same assertion).
     """
+    filled = []
     chained = getattr(optimizer, "chained_optimizers", None)
     for opt in chained if chained is not None else [optimizer]:
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or any(inner.state.values()):
             continue
         for group in inner.param_groups:
+            moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
             for p in group["params"]:
                 state = inner.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] = torch.tensor(0.0)
+                for name in moments:
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                filled.append((inner.state, p))
+    return filled
 
 
 def _load_optimizer(optimizer: Any, state: dict) -> None:
