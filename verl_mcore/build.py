@@ -241,11 +241,11 @@ def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int
     return choose_offload(cfg, dims, world, Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib))
 
 
-def build_offloaders(cfg: Config, actor, critic, offload: bool) -> list:
-    """HostOffloaders for the trainable roles when `offload` (resolve_offload)."""
+def build_offloaders(cfg: Config, actor, critic, offload: bool) -> dict:
+    """{role: HostOffloader} for the trainable roles when `offload` (resolve_offload)."""
     if not offload:
-        return []
+        return {}
     from verl_mcore.engine.offload import HostOffloader
 
-    return [HostOffloader(role.engine.model, role.engine.optimizer)
-            for role in (actor, critic) if role is not None]
+    return {name: HostOffloader(role.engine.model, role.engine.optimizer)
+            for name, role in (("actor", actor), ("critic", critic)) if role is not None}

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -201,7 +201,7 @@ class Trainer:
         t0 = time.perf_counter()
 
         prompts = next(self.loader)  # this generation replica's prompts
-        offload_metrics = self.offload_training_state()
+        offload_metrics = self.offload_training_state()  # generation gets the memory
         with phase("sync"):
             sync_metrics = self.rollout.begin(step, prompts.input_ids)  # weights + sync check
         with phase("gen"):
@@ -210,7 +210,6 @@ class Trainer:
             if cfg.algorithm.adv_estimator == "remax":
                 baseline = self.generate(prompts, self.sampling(1, 0.0, seed_offset=1))
             self.rollout.end()  # release the KV cache (and the weight buffer) before training
-        self.onload_training_state()
         batch = rollout.train
         with phase("reward"):
             scores, reward_metrics = self.score(rollout)
@@ -233,11 +232,13 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with phase("critic"):
+                self.onload_training_state("critic")
                 critic_metrics, _ = self.critic.update(batch)
             self.check_finite(step, "critic update", critic_metrics, role="critic")
             metrics.update(critic_metrics)
         if step > cfg.critic.warmup_steps or self.critic is None:
             with phase("actor"):
+                self.onload_training_state("actor")
                 actor_metrics, _ = self.actor.update(batch)
             self.check_finite(step, "actor update", actor_metrics)
             metrics.update(actor_metrics)
@@ -266,16 +267,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
-    def offload_training_state(self) -> dict[str, float]:
-        """Optimizer state and grad buffers to host memory for the generation phase."""
+    def offload_training_state(self, keep: Optional[str] = None) -> dict[str, float]:
+        """Optimizer state and grad buffers of the trainable roles (all but `keep`) to pinned
+        host memory (trainer.offload_between_phases). Forward-only phases need neither, so they
+        stay there until their role's update: each role's state moves off and on once a step."""
         freed = 0
-        for offloader in self.offloaders:
-            freed += offloader.offload().total_bytes
+        for role, offloader in self.offloaders.items():
+            if role != keep and not offloader.offloaded:
+                freed += offloader.offload().total_bytes
         return {"perf/offloaded_gb": freed / 2**30} if self.offloaders else {}
 
-    def onload_training_state(self) -> None:
-        for offloader in self.offloaders:
-            offloader.onload()
+    def onload_training_state(self, role: Optional[str] = None) -> None:
+        """Back to the GPU: `role`'s state for its update (the other roles' stay on the host, so
+        the update gets their memory), or every role's (role=None, e.g. to save a checkpoint)."""
+        if role is not None:
+            self.offload_training_state(keep=role)
+        for name, offloader in self.offloaders.items():
+            if (role is None or name == role) and offloader.offloaded:
+                offloader.onload()
 
     def needs_old_log_probs(self, batch) -> bool:
         """The old-log-prob forward pass, unless the actor update is one on-policy step that can
@@ -439,8 +448,7 @@ class Trainer:
                 per_prompt.setdefault(g, (row.get("data_source", "unknown"), []))[1].append(s)
             for source, values in per_prompt.values():
                 by_source.setdefault(source, []).append(values)
-        self.rollout.end()
-        self.onload_training_state()
+        self.rollout.end()  # the state stays on the host until the next update needs it
         out = {}
         n = r.val_n
         for source, groups in by_source.items():
@@ -459,6 +467,7 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         with self.watchdog.phase("checkpoint", step=step):
+            self.onload_training_state()  # the optimizer state is saved from the GPU
             self.checkpoints.save(step, self.actor, self.critic, self.trainer_state())
 
     def _resume(self) -> None:

@@ -215,7 +215,9 @@ class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end and on preemption
     keep_last: int = 2
     resume: Literal["auto", "never"] = "auto"
-    load_path: Optional[str] = None  # resume from this checkpoint instead of the newest
+    # Resume from this checkpoint instead of the newest, once: later starts of the run (requeues)
+    # continue from its own newer checkpoints (RUN_DIR/checkpoints/load_path_consumed.json).
+    load_path: Optional[str] = None
     async_save: bool = False
     save_optimizer: bool = True
 
@@ -233,9 +235,10 @@ class TrainerConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     collective_timeout_s: float = 1800.0
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    # Before each generation phase, move the actor's and critic's optimizer state and gradient
-    # buffers to (pinned) host memory, and back afterwards, so generation gets the GPU memory.
-    # "auto": only when the planner finds that some phase would not fit with them kept on the GPU
+    # Move the actor's and critic's optimizer state and gradient buffers to (pinned) host memory
+    # before generation; each comes back only for its own update, so generation, scoring and the
+    # other role's update get that memory. "auto": only when the planner finds that some phase
+    # would not fit with them kept on the GPU
     # (plan.choose_offload, with this GPU's memory); never on CPU, where there is nothing to free.
     offload_between_phases: Union[bool, Literal["auto"]] = "auto"
 
