@@ -43,7 +43,8 @@ want() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
 PARTS="${*:-all}"
 
 if want tests; then
-  TAIL=6 run gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/models tests/rollout
+  TAIL=6 run gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/models tests/rollout \
+    tests/engine/test_optim_step.py
 fi
 if want kernels; then
   TAIL=45 run kernels 120 python3 bench/bench_kernels.py --results "$OUT/kernels.md" \

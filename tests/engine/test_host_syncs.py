@@ -12,6 +12,7 @@ SDPAttention, which only runs on the CPU (CUDA takes varlen_attn).
 from __future__ import annotations
 
 import collections
+import math
 import traceback
 
 import pytest
@@ -97,6 +98,7 @@ def _body(rank, world_size):
     from megatron.core.transformer import attention
 
     from tests.engine import common as C
+    from verl_mcore.engine import optim_step
     from verl_mcore.engine.actor import Actor
     from verl_mcore.models import rope
 
@@ -107,10 +109,30 @@ def _body(rank, world_size):
     batch = C.make_batch(seed=1, num=8)
     watch = _SyncWatch()
     try:
-        engine.forward_backward = watch.wrap(engine.forward_backward)
+        fb = engine.forward_backward
+        engine.forward_backward = watch.wrap(fb)
         actor.compute_log_prob(batch, compute_entropy=True)
         actor.update(batch)
         ours = dict(watch.hits)
+        # The optimizer step alone, then our norm next to megatron's on the same gradients.
+        watch.hits.clear()
+        engine.forward_backward, watched_fb = fb, engine.forward_backward
+        step = engine.optimizer_step
+        engine.optimizer_step = watch.wrap(step)
+        actor.update(batch)
+        engine.optimizer_step = step
+        step_syncs = dict(watch.hits)
+        norms = []
+
+        def both_norms_then_step():
+            engine.optimizer.prepare_grads()
+            norms.append(float(optim_step.global_grad_norm(engine.optimizer)))
+            norms.append(float(engine.optimizer.get_grad_norm()))
+            return step()
+
+        engine.optimizer_step = both_norms_then_step
+        actor.update(batch)
+        engine.optimizer_step, engine.forward_backward = step, watched_fb
         # The watch does see syncs: megatron's own THD RoPE, put back for one forward pass.
         watch.hits.clear()
         attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb
@@ -121,7 +143,7 @@ def _body(rank, world_size):
         megatron_rope = dict(watch.hits)
     finally:
         watch.close()
-    return {"ours": ours, "megatron_rope": megatron_rope}
+    return {"ours": ours, "megatron_rope": megatron_rope, "step_syncs": step_syncs, "norms": norms}
 
 
 def test_packed_forward_backward_has_no_host_sync():
@@ -129,3 +151,20 @@ def test_packed_forward_backward_has_no_host_sync():
     unexpected = {k: n for k, n in res["ours"].items() if k not in ALLOWED}
     assert not unexpected, f"host syncs inside forward_backward (op, where): count {unexpected}"
     assert any("rope_utils.py" in where for _, where in res["megatron_rope"]), res["megatron_rope"]
+
+
+def test_optimizer_step_reads_the_grad_norm_once():
+    """The engine's optimizer step reads one value back per step (the global grad norm, for the
+    finiteness check and the metrics); megatron's fallback norm without TE/apex read one per
+    parameter, and the checked step computed it twice. The norm is megatron's.
+
+    torch's own Adam step is not counted: on the CPU it keeps `step` in a host tensor it reads
+    per parameter (no device involved); on a GPU the engine switches it to the fused Adam,
+    which keeps `step` on the device (tests/engine/test_optim_step_gpu.py)."""
+    res = run_on_ranks(_body, 1, timeout=240)[0]
+    steps = len(res["norms"]) // 2
+    engine_syncs = {where: n for (_, where), n in res["step_syncs"].items()
+                    if not where.endswith("optimizer.py:step_with_ready_grads")}
+    assert engine_syncs == {"verl_mcore/engine/engine.py:_step": steps}, res["step_syncs"]
+    for ours, megatron in zip(res["norms"][::2], res["norms"][1::2]):
+        assert math.isclose(ours, megatron, rel_tol=1e-6) and ours > 0, res["norms"]

@@ -53,6 +53,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from verl_mcore.engine import optim_step
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -391,6 +392,7 @@ def load_checkpoint(
         _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     if with_optimizer:
         _load_optimizer(optimizer, state["optimizer"])
+        optim_step.prefer_fused_adam(optimizer)  # the load put back the saved `fused` flags
     elif optimizer is not None:
         optimizer.reload_model_params()  # main (fp32) params := the loaded model params
     if scheduler is not None:

@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from verl_mcore.engine import optim_step
 from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.packing import MicroBatch, build_micro_batch, pad_micro_batch, plan_micro_batches
 
@@ -296,10 +297,7 @@ class MegatronEngine:
         data-parallel ranks, so every rank takes the same decision.
         """
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if self.skip_nonfinite:
-            ok, grad_norm = self._guarded_step()
-        else:
-            ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm = self._step()
         if ok:
             self.scheduler.step(increment=1)
         out = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr, "skipped": 0.0 if ok else 1.0}
@@ -307,17 +305,20 @@ class MegatronEngine:
             out["loss_scale"] = float(self.optimizer.get_loss_scale())
         return out
 
-    def _guarded_step(self) -> tuple[bool, Optional[float]]:
-        """megatron's MegatronOptimizer.step (prepare, clip, step) with a finiteness check of the
-        global grad norm before anything is written."""
+    @torch.no_grad()
+    def _step(self) -> tuple[bool, Optional[float]]:
+        """megatron's MegatronOptimizer.step (prepare, norm, clip, step), with the norm computed
+        once and without a host sync per parameter (optim_step.py), and, when `skip_nonfinite`
+        is set, a finiteness check of that norm before anything is written."""
         if self.optimizer.prepare_grads():  # fp16 loss scaler found inf/nan
             return False, None
-        grad_norm = float(self.optimizer.get_grad_norm())
-        if not math.isfinite(grad_norm):
+        grad_norm = float(optim_step.global_grad_norm(self.optimizer))
+        if self.skip_nonfinite and not math.isfinite(grad_norm):
             self.zero_grad()
             return False, grad_norm
-        if self.optimizer.config.clip_grad > 0.0:
-            self.optimizer.clip_grad_norm(self.optimizer.config.clip_grad)
+        clip = self.optimizer.config.clip_grad
+        if clip > 0.0:
+            optim_step.clip_by_total_norm(self.optimizer, clip, grad_norm)
         return bool(self.optimizer.step_with_ready_grads()), grad_norm
 
     # ------------------------------------------------------------------ reductions
@@ -392,7 +393,9 @@ def _build_optimizer(optim, model, dtype: str, use_distributed_optimizer: bool):
         initial_loss_scale=2.0**16,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, model)
+    optimizer = get_megatron_optimizer(config, model)
+    optim_step.prefer_fused_adam(optimizer)
+    return optimizer
 
 
 def _build_scheduler(optim, optimizer, lr_decay_steps: int):

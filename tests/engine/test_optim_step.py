@@ -1,0 +1,59 @@
+"""optim_step.prefer_fused_adam: which torch optimizers it switches, and (on a GPU) that the
+switched Adam takes the same step, also right after a checkpoint load left `step` on the host.
+
+The grad-norm half of optim_step is checked against megatron's own norm in test_host_syncs.py
+and at every layout by test_layouts.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from verl_mcore.engine import optim_step
+
+
+def _megatron_like(inner):
+    """The two attributes prefer_fused_adam reads from a megatron optimizer."""
+    return types.SimpleNamespace(optimizer=inner)
+
+
+def _params(device, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(17 + i, 5, generator=g).to(device)) for i in range(n)]
+
+
+def test_cpu_params_and_other_optimizers_are_left_alone():
+    adam = torch.optim.AdamW(_params("cpu"), lr=1e-3)
+    sgd = torch.optim.SGD(_params("cpu"), lr=1e-3)
+    chained = types.SimpleNamespace(chained_optimizers=[_megatron_like(adam), _megatron_like(sgd)])
+    assert optim_step.sub_optimizers(chained) == chained.chained_optimizers
+    assert optim_step.prefer_fused_adam(chained) == 0
+    assert adam.param_groups[0]["fused"] in (None, False)
+
+
+@pytest.mark.gpu
+def test_fused_adam_takes_the_same_step_after_a_host_side_step_count():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ref_params, params = _params("cuda"), _params("cuda")
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    for step in range(4):
+        for p, q in zip(ref_params, params):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        ref.step()
+        if step == 1:
+            # what megatron's load leaves behind: host-side step tensors, the saved (foreach) flags
+            for state in opt.state.values():
+                state["step"] = state["step"].cpu()
+            for group in opt.param_groups:
+                group["fused"], group["foreach"] = None, True
+        if step in (0, 1):
+            assert optim_step.prefer_fused_adam(types.SimpleNamespace(chained_optimizers=[_megatron_like(opt)])) == 1
+            assert opt.param_groups[0]["fused"] is True
+        opt.step()
+        for p, q in zip(ref_params, params):
+            torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    assert all(s["step"].is_cuda and float(s["step"]) == 4 for s in opt.state.values())
