@@ -88,6 +88,16 @@ def test_yaml_round_trip():
     (1, ["rollout.engine=vllm"], ["pip install vllm"]),
     (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
          "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"], ["needs TransformerEngine"]),
+    (1, ["algorithm.adv_estimator=gae", "critic.micro_batch_size_per_gpu=0"],
+     ["critic.micro_batch_size_per_gpu=0 must be >= 1"]),
+    (1, ["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], ["critic.ppo_epochs=0 must be >= 1"]),
+    (1, ["data.val_files=[v.parquet]", "data.val_batch_size=0"], ["data.val_batch_size=0 must be >= 1"]),
+    (1, ["trainer.val_every=5"], ["trainer.val_every=5 but data.val_files is empty"]),
+    (1, ["trainer.val_before_train=true"], ["trainer.val_before_train=true but data.val_files is empty"]),
+    (1, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"],
+     ["algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon >= 1"]),
+    (1, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], ["(got target_kl=0"]),
+    (1, ["algorithm.kl_ctrl.kl_coef=-0.1"], ["algorithm.kl_ctrl.kl_coef=-0.1 must be >= 0"]),
 ])
 def test_cross_field_checks_name_fields(world, overrides, fragments):
     cfg = _cfg("rollout.n=2", *overrides)

@@ -50,7 +50,8 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None) -> None:
     """Raise ConfigError listing every cross-field problem for this world size and model."""
     errors = _layout_errors(cfg, world_size, shape) + _batch_errors(cfg, world_size)
-    errors += _length_errors(cfg) + _dependency_errors(cfg)
+    errors += _length_errors(cfg) + _algorithm_errors(cfg) + _validation_errors(cfg)
+    errors += _dependency_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -141,7 +142,13 @@ def _batch_errors(cfg: Config, world: int) -> list[str]:
     if cfg.uses_critic:
         c = cfg.critic
         c_mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size)
-        if d.train_batch_size % c_mini:
+        critic_errs = [f"{name}={v} must be >= 1" for name, v in [
+            ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size),
+            ("critic.micro_batch_size_per_gpu", c.micro_batch_size_per_gpu),
+            ("critic.ppo_epochs", c.ppo_epochs)] if v is not None and v < 1]
+        if critic_errs:
+            errs += critic_errs
+        elif d.train_batch_size % c_mini:
             errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
                         f"critic.ppo_mini_batch_size={c_mini}")
         elif (c_mini * r.n) % dp == 0 and c.max_tokens_per_microbatch is None \
@@ -179,6 +186,31 @@ def _length_errors(cfg: Config) -> list[str]:
         errs.append("set model.path (a Hugging Face directory) or model.checkpoint")
     if not cfg.data.train_files:
         errs.append("data.train_files is empty: give one or more Parquet/Arrow/JSONL files")
+    return errs
+
+
+def _algorithm_errors(cfg: Config) -> list[str]:
+    kl, errs = cfg.algorithm.kl_ctrl, []
+    if kl.kl_coef < 0:
+        errs.append(f"algorithm.kl_ctrl.kl_coef={kl.kl_coef} must be >= 0")
+    if kl.type == "adaptive" and (kl.target_kl <= 0 or kl.horizon < 1):
+        errs.append(f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon >= 1 "
+                    f"(got target_kl={kl.target_kl}, horizon={kl.horizon})")
+    return errs
+
+
+def _validation_errors(cfg: Config) -> list[str]:
+    """Validation asked for without data (it would silently never run), or a batch of none."""
+    t, d, errs = cfg.trainer, cfg.data, []
+    if t.val_every < 0:
+        errs.append(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation)")
+    if (t.val_every > 0 or t.val_before_train) and not d.val_files:
+        asked = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
+        errs.append(f"{asked} but data.val_files is empty: give validation files or turn "
+                    "validation off (trainer.val_every=0, trainer.val_before_train=false)")
+    if d.val_batch_size is not None and d.val_batch_size < 1:
+        errs.append(f"data.val_batch_size={d.val_batch_size} must be >= 1 (or null: all "
+                    "validation prompts in one batch)")
     return errs
 
 
