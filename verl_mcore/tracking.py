@@ -188,10 +188,22 @@ class ConsoleTracker:
 
 
 class TensorBoardTracker:
+    """RUN_DIR/tensorboard. After a resume at step S the writer is reopened with
+    purge_step=S+1: TensorBoard then drops the events of steps > S from the earlier event files
+    (logged by the run whose progress since S was lost), so the curves show each step once."""
+
     def __init__(self, run_dir: str):
+        self.log_dir = os.path.join(run_dir, "tensorboard")
+        self.writer = self._open()
+
+    def _open(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        return SummaryWriter(self.log_dir, purge_step=purge_step)
+
+    def resumed_at(self, step: int) -> None:
+        self.writer.close()
+        self.writer = self._open(purge_step=step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
@@ -203,11 +215,38 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
+    """One W&B run per run directory: its id is kept in RUN_DIR/wandb_run_id, so a requeued or
+    resumed job continues the same W&B run (resume="allow") instead of starting a new one.
+
+    W&B keeps a run's history append-only (rewinding is a private-preview server feature):
+    after a resume at step S, steps S+1..K that the lost run already logged are ignored by W&B
+    until the run passes K, so its curves keep the lost run's values there. A warning says so;
+    metrics.jsonl and TensorBoard drop them."""
+
+    ID_FILE = "wandb_run_id"
+
     def __init__(self, run_dir: str, project: str, name: str, config: dict):
         import wandb
 
+        id_path = os.path.join(run_dir, self.ID_FILE)
+        if os.path.isfile(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = wandb.util.generate_id()
+            os.makedirs(run_dir, exist_ok=True)
+            with open(id_path + ".tmp", "w") as f:
+                f.write(run_id + "\n")
+            os.replace(id_path + ".tmp", id_path)
         self.run = wandb.init(project=project, name=name, dir=run_dir, config=config,
-                              resume="allow")
+                              id=run_id, resume="allow")
+        self.logged_up_to = int(getattr(self.run, "step", 0) or 0) - 1  # W&B's next step - 1
+
+    def resumed_at(self, step: int) -> None:
+        if self.logged_up_to > step:
+            log.warning("W&B run %s already has steps up to %d; resumed at step %d, so W&B will "
+                        "ignore steps %d..%d of this run (metrics.jsonl and TensorBoard have them)",
+                        self.run.id, self.logged_up_to, step, step + 1, self.logged_up_to)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -238,11 +277,13 @@ class Tracking:
             t.log(step, metrics)
 
     def resumed_at(self, step: int) -> None:
-        """The run resumed from the checkpoint of `step`: later rows in metrics.jsonl are stale
-        (JsonlTracker.drop_rows_after)."""
+        """The run resumed from the checkpoint of `step`: what the trackers hold of later steps
+        is stale (JsonlTracker.drop_rows_after, TensorBoardTracker / WandbTracker.resumed_at)."""
         for t in self.trackers:
             if isinstance(t, JsonlTracker):
                 t.drop_rows_after(step)
+            elif hasattr(t, "resumed_at"):
+                t.resumed_at(step)
 
     def close(self) -> None:
         for t in self.trackers:

@@ -108,3 +108,70 @@ def test_plot_writes_pngs(tmp_path):
     assert main([str(tmp_path)]) == 0
     for name in ("reward", "kl", "entropy", "response_length", "throughput", "overview"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
+
+
+class _FakeSummaryWriter:
+    """torch.utils.tensorboard.SummaryWriter's surface (tensorboard is not a test dependency)."""
+
+    opened: list = []
+
+    def __init__(self, log_dir, purge_step=None):
+        self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, [], False
+        _FakeSummaryWriter.opened.append(self)
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_purges_steps_past_the_resume_point(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    _FakeSummaryWriter.opened = []
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                       types.SimpleNamespace(SummaryWriter=_FakeSummaryWriter))
+    t = Tracking(["tensorboard"], str(tmp_path), rank=0)
+    t.resumed_at(3)
+    t.log(4, {"loss": 1.5})
+    t.close()
+    first, second = _FakeSummaryWriter.opened
+    assert first.closed and first.purge_step is None and first.scalars == []
+    assert second.purge_step == 4 and second.scalars == [("loss", 1.5, 4)] and second.closed
+    assert second.log_dir == str(tmp_path / "tensorboard")
+
+
+def test_wandb_run_id_survives_a_requeue(tmp_path, monkeypatch, caplog):
+    import sys
+    import types
+
+    inits = []
+
+    class Run:
+        def __init__(self, **kw):
+            self.id, self.step, self.rows = kw["id"], 6 if len(inits) > 1 else 0, []
+
+        def log(self, metrics, step):
+            self.rows.append((step, metrics))
+
+        def finish(self):
+            pass
+
+    def init(**kw):
+        inits.append(kw)
+        return Run(**kw)
+
+    ids = iter(["abc123", "other"])
+    fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: next(ids)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp").close()
+    t = Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp")  # the requeued job
+    with caplog.at_level("WARNING"):
+        t.resumed_at(2)
+    assert [(kw["id"], kw["resume"], kw["name"]) for kw in inits] == [("abc123", "allow", "exp")] * 2
+    assert "ignore steps 3..5" in caplog.text
