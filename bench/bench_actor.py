@@ -195,6 +195,10 @@ def main(argv=None) -> dict:
         "mfu_vs_matmul_ceiling": (flops / mean / ceiling) if ceiling else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        # cudaMalloc failures the caching allocator recovered from by freeing its cache (each
+        # one synchronizes the device): a sign the micro-batch budget is too close to the limit
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if cuda else None,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "grad_norm": summary["actor/grad_norm"], "loss": summary["actor/loss"],
         "transformer_engine": _have_te(),
     }

@@ -6,7 +6,7 @@
 #   [COMMIT=sha] bash bench/gpu_suite.sh [PART...]   (carry: .whl with the cp312 megatron-core
 #                                   wheel, and trl/datasets/dill/multiprocess wheels for the TRL part)
 # PARTS: kernels, rollout, actor, grpo, trl, tests (GPU-marked tests), quickstart (trainer on
-# CUDA), or `all` (the default). One device call allows 10 minutes: `rollout actor tests` and
+# CUDA), or `all` (the default); rollout_short and actor_3b run one setting of rollout / actor. One device call allows 10 minutes: `rollout actor tests` and
 # `grpo trl` each fit in one.
 #
 # $OUT gets per part NAME.log and NAME.json (rollout, rollout_long, actor_1.5b, actor_3b,
@@ -50,15 +50,19 @@ if want kernels; then
   TAIL=45 run kernels 120 python3 bench/bench_kernels.py --results "$OUT/kernels.md" \
     --json "$OUT/kernels.json"
 fi
-if want rollout; then
+if want rollout || want rollout_short; then
   TAIL=14 run rollout 150 python3 bench/bench_rollout.py --compare-unfused --repartition \
     --json "$OUT/rollout.json"
+fi
+if want rollout; then
   TAIL=6 run rollout_long 200 python3 bench/bench_rollout.py --batch 64 --prompt-len 1024 \
     --new-tokens 1024 --json "$OUT/rollout_long.json"
 fi
 if want actor; then
   TAIL=20 run actor_1.5b 110 python3 bench/bench_actor.py --shape 1.5b --seq 4096 --samples 32 \
     --json "$OUT/actor_1.5b.json"
+fi
+if want actor || want actor_3b; then
   # 12288-token micro-batches: the best measured on an H200 (44.9% MFU, 115 GiB peak)
   TAIL=20 run actor_3b 110 python3 bench/bench_actor.py --shape 3b --seq 4096 --samples 32 \
     --max-tokens 12288 --json "$OUT/actor_3b.json"

@@ -171,8 +171,14 @@ def test_lpe_backward_matches_reference(ext, tokens, vocab, dtype):
     _assert_poisoned(grad, ptrs)
     assert grad.dtype == dtype and grad.shape == logits.shape
     ref = reference.grad_logits(logits.double(), target, vocab_start, inv_temp, logz, ez, g_logp, g_ent)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert _rel(grad, ref) <= tol
+    if vocab == 1:
+        # One token: the gradient is exactly 0, and the kernel's p = exp(x / T - logZ) is 1 only up
+        # to fp32 rounding of logZ, so it returns rounding noise, |g| x ulp: no relative error.
+        scale = (g_logp.abs() + g_ent.abs()).max().item()
+        assert grad.double().abs().max().item() <= 1e-6 * scale
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert _rel(grad, ref) <= tol
 
 
 def test_lpe_strided_rows(ext):
