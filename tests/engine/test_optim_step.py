@@ -32,6 +32,24 @@ def test_cpu_params_and_other_optimizers_are_left_alone():
     assert adam.param_groups[0]["fused"] in (None, False)
 
 
+def test_clip_scales_every_grad_by_megatrons_coefficient_in_place():
+    params = _params("cpu")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[1].grad = None  # a parameter without a gradient is skipped, as megatron does
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    opt = types.SimpleNamespace(get_parameters=lambda: params, config=types.SimpleNamespace(
+        use_precision_aware_optimizer_no_fp8_or_ds_fp8=False))
+    storages = [p.grad.data_ptr() for p in params if p.grad is not None]
+    optim_step.clip_by_total_norm(opt, 1.0, 100.0)  # megatron: grads *= max_norm / (norm + 1e-6)
+    coeff = 1.0 / (100.0 + 1.0e-6)
+    assert torch.equal(params[0].grad, before[0] * coeff) and torch.equal(params[2].grad, before[2] * coeff)
+    assert params[1].grad is None and [p.grad.data_ptr() for p in params if p.grad is not None] == storages
+    scaled = [p.grad.clone() for p in params if p.grad is not None]
+    optim_step.clip_by_total_norm(opt, 1.0, 0.5)  # under the limit: untouched
+    assert all(torch.equal(a, p.grad) for a, p in zip(scaled, [params[0], params[2]]))
+
+
 @pytest.mark.gpu
 def test_fused_adam_takes_the_same_step_after_a_host_side_step_count():
     if not torch.cuda.is_available():

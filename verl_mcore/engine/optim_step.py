@@ -12,7 +12,7 @@ Without them megatron 0.16.1 falls back to
 
 `global_grad_norm` computes the same quantity as megatron's `get_grad_norm` (sum of squared
 per-shard norms, reduced over each optimizer's grad-stats group) with one sync at the end, and
-`clip_by_total_norm` applies megatron's own clipping with the norm already computed.
+`clip_by_total_norm` applies megatron's clipping with the norm already computed.
 """
 from __future__ import annotations
 
@@ -48,16 +48,19 @@ def global_grad_norm(optimizer) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_by_total_norm(optimizer, max_norm: float, total_norm: float) -> None:
-    """Scale every main gradient by max_norm / total_norm when that is below 1 (megatron's
-    clip_grad_by_total_norm_fp32, on each sub-optimizer, with the norm computed once)."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
+    """Scale every main gradient by max_norm / (total_norm + 1e-6) when that is below 1:
+    megatron's clip_grad_by_total_norm_fp32 with the norm computed once, and one in-place
+    multi-tensor multiply (megatron's fallback without apex writes `src * scale` into a new
+    tensor and copies it back, per gradient). The same products, so the same values."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
     for opt in sub_optimizers(optimizer):
-        params = opt.get_parameters()
-        if params:
-            clip_grad_by_total_norm_fp32(
-                params, max_norm, total_norm, opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            )
+        decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        grads = [g for g in (getattr(p, "decoupled_grad" if decoupled else "grad", None)
+                             for p in opt.get_parameters()) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff)
 
 
 def prefer_fused_adam(optimizer) -> int:
