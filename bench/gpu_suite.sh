@@ -6,7 +6,8 @@
 #   [COMMIT=sha] bash bench/gpu_suite.sh [PART...]   (carry: .whl with the cp312 megatron-core
 #                                   wheel, and trl/datasets/dill/multiprocess wheels for the TRL part)
 # PARTS: kernels, rollout, actor, grpo, trl, tests (GPU-marked tests), quickstart (trainer on
-# CUDA), or `all` (the default); rollout_short and actor_3b run one setting of rollout / actor. One device call allows 10 minutes: `rollout actor tests` and
+# CUDA, then a resume from its checkpoint), or `all` (the default); rollout_short and actor_3b run
+# one setting of rollout / actor. One device call allows 10 minutes: `rollout actor tests` and
 # `grpo trl` each fit in one.
 #
 # $OUT gets per part NAME.log and NAME.json (rollout, rollout_long, actor_1.5b, actor_3b,
@@ -76,9 +77,13 @@ if want trl; then
   TAIL=20 run trl_grpo 330 python3 bench/bench_trl_grpo.py --json "$OUT/trl_grpo.json"
 fi
 if want quickstart; then
-  TAIL=15 run quickstart_gpu 90 bash -c "python3 -m tools.make_tiny_model --out /tmp/tiny && \
-    python3 -m verl_mcore.train --config configs/quickstart.yaml model.path=/tmp/tiny \
-    trainer.device=cuda trainer.total_steps=20 trainer.val_every=10 trainer.run_dir=/tmp/qs"
+  # 6 steps saving at 3 and 6, then the same run to 9: it must resume from step 6 (checkpoint load
+  # with the GPU optimizer: fused Adam, its step counts on the device) and finish.
+  qs="python3 -m verl_mcore.train --config configs/quickstart.yaml model.path=/tmp/tiny \
+    trainer.device=cuda trainer.val_every=0 checkpoint.save_every=3 trainer.run_dir=/tmp/qs"
+  TAIL=15 run quickstart_gpu 150 bash -c "python3 -m tools.make_tiny_model --out /tmp/tiny && \
+    $qs trainer.total_steps=6 && $qs trainer.total_steps=9 2>&1 | tee /tmp/qs_resume.log && \
+    grep -q 'resumed from step 6' /tmp/qs_resume.log && echo 'resumed from step 6: ok'"
 fi
 
 if compgen -G "$OUT/*.json" > /dev/null; then  # the tests and quickstart parts write none
