@@ -5,13 +5,10 @@ config -> launch environment -> torch.distributed -> process groups -> Trainer -
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from verl_mcore.config import Config, ConfigError, ModelShape, validate
-
-log = logging.getLogger("verl_mcore.train")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,14 +58,16 @@ def main(argv=None) -> int:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
-    try:
-        from verl_mcore.trainer import Trainer
-    except ImportError:
-        log.error("verl_mcore.trainer is not implemented yet (issue 8): this build can load and "
-                  "validate configs (--print-config) and set up process groups, not train")
-        return 3
-    return Trainer(cfg, launch=info).fit()
+    from verl_mcore.trainer import Trainer
 
+    code = Trainer(cfg, launch=info).fit()
+    if code == 0:
+        # Every rank finished the same last step; without this NCCL warns that resources leak.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())
