@@ -215,8 +215,11 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """One W&B run per run directory: its id is kept in RUN_DIR/wandb_run_id, so a requeued or
-    resumed job continues the same W&B run (resume="allow") instead of starting a new one.
+    """One W&B run per resumable run: a job that resumes from a checkpoint continues the W&B run
+    whose id is kept in RUN_DIR/wandb_run_id (resume="allow"), instead of starting a new one; a
+    job that starts from step 0 (no checkpoint, even in a used run directory) starts a new W&B
+    run and records its id. The W&B run is opened at the first `resumed_at` or `log`, when
+    which of the two it is is known.
 
     W&B keeps a run's history append-only (rewinding is a private-preview server feature):
     after a resume at step S, steps S+1..K that the lost run already logged are ignored by W&B
@@ -226,33 +229,44 @@ class WandbTracker:
     ID_FILE = "wandb_run_id"
 
     def __init__(self, run_dir: str, project: str, name: str, config: dict):
-        import wandb
+        import wandb  # fail at start, not at the first log
 
-        id_path = os.path.join(run_dir, self.ID_FILE)
-        if os.path.isfile(id_path):
+        self._wandb = wandb
+        self.run_dir, self.project, self.name, self.config = run_dir, project, name, config
+        self.run = None
+
+    def _open(self, resuming: bool) -> None:
+        id_path = os.path.join(self.run_dir, self.ID_FILE)
+        run_id = None
+        if resuming and os.path.isfile(id_path):
             with open(id_path) as f:
-                run_id = f.read().strip()
-        else:
-            run_id = wandb.util.generate_id()
-            os.makedirs(run_dir, exist_ok=True)
+                run_id = f.read().strip() or None
+        if run_id is None:
+            run_id = self._wandb.util.generate_id()
+            os.makedirs(self.run_dir, exist_ok=True)
             with open(id_path + ".tmp", "w") as f:
                 f.write(run_id + "\n")
             os.replace(id_path + ".tmp", id_path)
-        self.run = wandb.init(project=project, name=name, dir=run_dir, config=config,
-                              id=run_id, resume="allow")
-        self.logged_up_to = int(getattr(self.run, "step", 0) or 0) - 1  # W&B's next step - 1
+        self.run = self._wandb.init(project=self.project, name=self.name, dir=self.run_dir,
+                                    config=self.config, id=run_id, resume="allow")
 
     def resumed_at(self, step: int) -> None:
-        if self.logged_up_to > step:
+        if self.run is None:
+            self._open(resuming=True)
+        logged_up_to = int(getattr(self.run, "step", 0) or 0) - 1  # W&B's next step - 1
+        if logged_up_to > step:
             log.warning("W&B run %s already has steps up to %d; resumed at step %d, so W&B will "
                         "ignore steps %d..%d of this run (metrics.jsonl and TensorBoard have them)",
-                        self.run.id, self.logged_up_to, step, step + 1, self.logged_up_to)
+                        self.run.id, logged_up_to, step, step + 1, logged_up_to)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.run is None:
+            self._open(resuming=False)
         self.run.log(metrics, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 class Tracking:

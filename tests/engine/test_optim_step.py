@@ -48,6 +48,8 @@ def test_clip_scales_every_grad_by_megatrons_coefficient_in_place():
     scaled = [p.grad.clone() for p in params if p.grad is not None]
     optim_step.clip_by_total_norm(opt, 1.0, 0.5)  # under the limit: untouched
     assert all(torch.equal(a, p.grad) for a, p in zip(scaled, [params[0], params[2]]))
+    optim_step.clip_by_total_norm(opt, 1.0, float("nan"))  # as megatron: a nan norm scales nothing
+    assert all(torch.equal(a, p.grad) for a, p in zip(scaled, [params[0], params[2]]))
 
 
 @pytest.mark.gpu
@@ -75,3 +77,23 @@ def test_fused_adam_takes_the_same_step_after_a_host_side_step_count():
         for p, q in zip(ref_params, params):
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
     assert all(s["step"].is_cuda and float(s["step"]) == 4 for s in opt.state.values())
+
+
+@pytest.mark.gpu
+def test_checkpoint_common_state_leaves_the_gpu():
+    """The fused Adam's `step` is a GPU tensor; in a checkpoint's common state (megatron's
+    non-distributed optimizer saves it as `common_step`) it must be a host tensor, or every rank
+    unpickles it onto rank 0's GPU during dist_checkpointing's validation."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from verl_mcore.engine.checkpoint import _common_tensors_to_cpu
+
+    sharded = ShardedTensor.from_rank_offsets("w", torch.zeros(4, device="cuda"))
+    state = {"state": {"common_step": torch.tensor(3.0, device="cuda"), "w": sharded},
+             "param_groups": [{"lr": 1.0, "step": (torch.tensor(3, device="cuda"), 2)}]}
+    out = _common_tensors_to_cpu(state)
+    assert out is state and out["state"]["common_step"].device.type == "cpu"
+    assert out["state"]["w"] is sharded and sharded.data.is_cuda
+    assert out["param_groups"][0]["step"][0].device.type == "cpu"

@@ -146,7 +146,7 @@ def test_tensorboard_purges_steps_past_the_resume_point(tmp_path, monkeypatch):
     assert second.log_dir == str(tmp_path / "tensorboard")
 
 
-def test_wandb_run_id_survives_a_requeue(tmp_path, monkeypatch, caplog):
+def test_wandb_run_continues_only_when_a_checkpoint_is_resumed(tmp_path, monkeypatch, caplog):
     import sys
     import types
 
@@ -154,7 +154,8 @@ def test_wandb_run_id_survives_a_requeue(tmp_path, monkeypatch, caplog):
 
     class Run:
         def __init__(self, **kw):
-            self.id, self.step, self.rows = kw["id"], 6 if len(inits) > 1 else 0, []
+            # W&B's next step: the run "abc123" has logged steps up to 5
+            self.id, self.step, self.rows = kw["id"], 6 if kw["id"] == "abc123" and len(inits) > 1 else 0, []
 
         def log(self, metrics, step):
             self.rows.append((step, metrics))
@@ -166,12 +167,20 @@ def test_wandb_run_id_survives_a_requeue(tmp_path, monkeypatch, caplog):
         inits.append(kw)
         return Run(**kw)
 
-    ids = iter(["abc123", "other"])
+    ids = iter(["abc123", "fresh1"])
     fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: next(ids)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp").close()
-    t = Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp")  # the requeued job
+    first = Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp")
+    first.log(1, {"a": 1.0})  # a fresh start opens a new W&B run
+    first.close()
+    requeued = Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp")
     with caplog.at_level("WARNING"):
-        t.resumed_at(2)
-    assert [(kw["id"], kw["resume"], kw["name"]) for kw in inits] == [("abc123", "allow", "exp")] * 2
+        requeued.resumed_at(2)  # resumed from the checkpoint of step 2: the same W&B run
+    requeued.close()
     assert "ignore steps 3..5" in caplog.text
+    restarted = Tracking(["wandb"], str(tmp_path), rank=0, experiment="exp")
+    restarted.log(1, {"a": 1.0})  # from step 0 again (no checkpoint): a new W&B run
+    restarted.close()
+    assert [(kw["id"], kw["resume"], kw["name"]) for kw in inits] == [
+        ("abc123", "allow", "exp"), ("abc123", "allow", "exp"), ("fresh1", "allow", "exp")]
+    assert (tmp_path / "wandb_run_id").read_text().strip() == "fresh1"

@@ -442,7 +442,26 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
             is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": optimizer_sharding},
         )
+        if not is_loading:
+            sharded["optimizer"] = _common_tensors_to_cpu(sharded["optimizer"])
     return sharded
+
+
+def _common_tensors_to_cpu(tree):
+    """Plain tensors in a sharded state dict are common state that dist_checkpointing pickles and
+    broadcasts from rank 0 (its save-time validation); a GPU tensor there unpickles onto rank 0's
+    device index on every rank, which opens a CUDA context on that GPU from each process of the
+    node. The fused Adam keeps its `step` on the GPU, and megatron's non-distributed optimizer
+    saves one as `common_step`. Sharded tensors (not torch.Tensor) are left alone."""
+    if isinstance(tree, dict | list):  # in place: the containers stay the ones megatron built
+        for k, v in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+            tree[k] = _common_tensors_to_cpu(v)
+        return tree
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_common_tensors_to_cpu(v) for v in tree)
+    if isinstance(tree, torch.Tensor) and tree.device.type != "cpu":
+        return tree.detach().cpu()
+    return tree
 
 
 def _check_layout_matches(model: torch.nn.Module) -> None:

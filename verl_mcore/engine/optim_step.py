@@ -53,7 +53,7 @@ def clip_by_total_norm(optimizer, max_norm: float, total_norm: float) -> None:
     multi-tensor multiply (megatron's fallback without apex writes `src * scale` into a new
     tensor and copies it back, per gradient). The same products, so the same values."""
     coeff = max_norm / (total_norm + 1.0e-6)
-    if coeff >= 1.0:
+    if not coeff < 1.0:  # also a nan norm: megatron leaves the gradients as they are then
         return
     for opt in sub_optimizers(optimizer):
         decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
