@@ -32,14 +32,21 @@ def global_grad_norm(optimizer) -> torch.Tensor:
     (model- and data-parallel ranks for the distributed optimizer): a 0-dim fp32 tensor, the
     same on every rank. Duplicated parameters (shared embeddings, TP-replicated norms) are
     counted once, as megatron's `get_main_grads_for_grad_norm` selects them."""
-    total = None
-    for opt in sub_optimizers(optimizer):
+    per_group: list[list] = []  # [group, sum of squares]: one all-reduce per distinct group, as
+    for opt in sub_optimizers(optimizer):  # megatron's ChainedOptimizer does for a shared one
         grads = opt.get_main_grads_for_grad_norm() if opt.get_parameters() else []
         if grads:
             squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
         else:
             squares = torch.zeros((), dtype=torch.float32, device=_device_of(opt))
         group = opt.get_grad_stats_parallel_group()
+        entry = next((e for e in per_group if e[0] is group), None)
+        if entry is None:
+            per_group.append([group, squares])
+        else:
+            entry[1] = entry[1] + squares.to(entry[1].device)
+    total = None
+    for group, squares in per_group:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(squares, group=group)
         total = squares if total is None else total + squares.to(total.device)
