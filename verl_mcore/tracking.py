@@ -114,7 +114,7 @@ class JsonlTracker:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = _open_on_fresh_line(self.path)
 
-    def drop_rows_after(self, step: int) -> None:
+    def resumed_at(self, step: int) -> None:
         """A run resumed at `step`: rows of later steps were logged by a run whose progress since
         that checkpoint was lost (killed, or rolled back with checkpoint.load_path), and the
         resumed run logs those steps again. Drop them, and any line cut by a kill (the row of a
@@ -292,11 +292,9 @@ class Tracking:
 
     def resumed_at(self, step: int) -> None:
         """The run resumed from the checkpoint of `step`: what the trackers hold of later steps
-        is stale (JsonlTracker.drop_rows_after, TensorBoardTracker / WandbTracker.resumed_at)."""
+        is stale (each tracker's resumed_at; the console has nothing to take back)."""
         for t in self.trackers:
-            if isinstance(t, JsonlTracker):
-                t.drop_rows_after(step)
-            elif hasattr(t, "resumed_at"):
+            if hasattr(t, "resumed_at"):
                 t.resumed_at(step)
 
     def close(self) -> None:

@@ -69,5 +69,6 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
     return code
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -54,8 +54,6 @@ def test_clip_scales_every_grad_by_megatrons_coefficient_in_place():
 
 @pytest.mark.gpu
 def test_fused_adam_takes_the_same_step_after_a_host_side_step_count():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     ref_params, params = _params("cuda"), _params("cuda")
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=True)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
@@ -84,8 +82,6 @@ def test_checkpoint_common_state_leaves_the_gpu():
     """The fused Adam's `step` is a GPU tensor; in a checkpoint's common state (megatron's
     non-distributed optimizer saves it as `common_step`) it must be a host tensor, or every rank
     unpickles it onto rank 0's GPU during dist_checkpointing's validation."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from verl_mcore.engine.checkpoint import _common_tensors_to_cpu

@@ -503,8 +503,7 @@ def _allocate_optimizer_state(optimizer: Any) -> list[tuple[dict, torch.Tensor]]
     same assertion).
     """
     filled = []
-    chained = getattr(optimizer, "chained_optimizers", None)
-    for opt in chained if chained is not None else [optimizer]:
+    for opt in optim_step.sub_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or any(inner.state.values()):
             continue

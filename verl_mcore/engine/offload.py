@@ -26,6 +26,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from verl_mcore.engine import optim_step
+
 KINDS = ("params", "grads", "optimizer")
 
 
@@ -228,9 +230,8 @@ def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     itself when it is a plain torch one."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
-    chained = getattr(optimizer, "chained_optimizers", None)
     out = []
-    for opt in chained if chained is not None else [optimizer]:
+    for opt in optim_step.sub_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is not None and not getattr(opt, "is_stub_optimizer", False):
             out.append(inner)  # (a stub: a rank with no parameters of this kind)
