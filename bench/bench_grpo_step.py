@@ -43,11 +43,13 @@ checkpointing) in its update; we do not (the memory fits).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -101,6 +103,7 @@ def config_overrides(args, model_dir: str, data_file: str, run_dir: str) -> list
         f"actor.dtype={args.dtype}", f"reference.dtype={args.dtype}",
         f"actor.ppo_mini_batch_size={args.prompts}", "actor.ppo_epochs=1",
         f"actor.max_tokens_per_microbatch={args.max_tokens}",
+        f"critic.max_tokens_per_microbatch={args.max_tokens}",  # PPO (adv_estimator=gae) only
         "actor.use_kl_loss=true", "actor.kl_loss_coef=0.001", "actor.kl_loss_type=k3",
         "actor.optim.lr=1e-6", "actor.optim.weight_decay=0.0",
         "parallel.use_distributed_optimizer=true",
@@ -123,8 +126,9 @@ def prepare(args, workdir: str, rank: int) -> tuple[str, str]:
     return model_dir, data_file
 
 
-def run(args, workdir: str) -> list[dict]:
-    """Train --steps steps; returns the per-step metric rows (on every rank)."""
+def run(args, workdir: str) -> tuple[list[dict], dict]:
+    """Train --steps steps; returns the per-step metric rows (on every rank) and the planner's
+    per-phase estimate for the run's config (`planner_estimate`)."""
     import torch.distributed as dist
 
     from verl_mcore.config import Config, ModelShape, validate
@@ -143,6 +147,7 @@ def run(args, workdir: str) -> list[dict]:
     cfg = Config.load(None, config_overrides(args, model_dir, data_file, run_dir))
     validate(cfg, launch.world_size, ModelShape.from_hf_dir(model_dir))
     trainer = Trainer(cfg, launch=launch)
+    estimate = planner_estimate(cfg, model_dir, launch.world_size, launch.local_world_size)
     _check_prompt_lengths(trainer, args.prompt_len)
     # fit() saves a checkpoint after the last step (27 GB with the optimizer state at 1.5B);
     # after the metrics are logged, so skipping it changes no number here.
@@ -151,7 +156,30 @@ def run(args, workdir: str) -> list[dict]:
     if code != 0:
         raise SystemExit(f"the trainer exited with {code}")
     dist.barrier()
-    return read_metrics(run_dir)
+    return read_metrics(run_dir), estimate
+
+
+# The trainer's phases whose peak the planner's phases estimate (verl_mcore/plan.py).
+PLANNER_PHASE = {"sync": "generate", "gen": "generate", "old_logp": "score", "ref": "score",
+                 "values": "score", "actor": "actor_update", "critic": "critic_update"}
+
+
+def planner_estimate(cfg, model_dir: str, world: int, gpus_per_node: int) -> dict:
+    """{"offload": bool, "why": str, "gib": {planner phase: GiB}} as the trainer's own choice
+    (build.resolve_offload) sees this GPU; {} on CPU."""
+    import torch
+
+    from verl_mcore.plan import Knobs, choose_offload, plan_memory, resolve_dims
+
+    if not torch.cuda.is_available():
+        return {}
+    dims = resolve_dims(model_dir)
+    gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    knobs = Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gib)
+    offload, why = choose_offload(cfg, dims, world, knobs)
+    memory = plan_memory(cfg, dims, world, dataclasses.replace(knobs, offload=offload))
+    return {"offload": offload, "why": why,
+            "gib": {name: ph["total"] / 2**30 for name, ph in memory.items() if name != "host"}}
 
 
 def _check_prompt_lengths(trainer, prompt_len: int) -> None:
@@ -163,8 +191,9 @@ def _check_prompt_lengths(trainer, prompt_len: int) -> None:
                          f"not {prompt_len}: the tokenizer or chat template changed")
 
 
-def summarize(rows: list[dict], world: int) -> dict:
-    """Per-phase medians (steps after the first) and the whole step, from the metric rows."""
+def summarize(rows: list[dict], world: int, estimate: Optional[dict] = None) -> dict:
+    """Per-phase medians (steps after the first) and the whole step, from the metric rows;
+    with the planner's `estimate`, its GiB beside each phase's measured peak."""
     med = lambda key: common.median_after_first([r.get(key) for r in rows])  # noqa: E731
     peak = lambda key: max((r[key] for r in rows if r.get(key) is not None), default=None)  # noqa: E731
     tokens = [(r["prompt_length/mean"] + r["response_length/mean"]) * r["samples"] for r in rows]
@@ -175,12 +204,15 @@ def summarize(rows: list[dict], world: int) -> dict:
     phases = []
     for name in names:
         seconds = med(f"timing_s/{name}")
+        planned = (estimate or {}).get("gib", {}).get(PLANNER_PHASE.get(name))
         phases.append({"phase": name, "seconds": seconds, "share": seconds / step_s,
                        "tokens_per_s_per_gpu": step_tokens / seconds / world if seconds > 0 else None,
-                       "peak_memory_gib": peak(f"memory_gb/{name}")})
+                       "peak_memory_gib": peak(f"memory_gb/{name}"), "planner_gib": planned,
+                       "alloc_retries": peak(f"memory/alloc_retries/{name}")})
     other = step_s - sum(p["seconds"] for p in phases)
     phases.append({"phase": "other", "seconds": other, "share": other / step_s,
-                   "tokens_per_s_per_gpu": None, "peak_memory_gib": None})
+                   "tokens_per_s_per_gpu": None, "peak_memory_gib": None, "planner_gib": None,
+                   "alloc_retries": None})
     response_tokens = med("response_length/mean") * rows[-1]["samples"]
     without = sum(p["seconds"] for p in phases if p["phase"] in ("sync", "old_logp"))
     step = {
@@ -202,11 +234,14 @@ def summarize(rows: list[dict], world: int) -> dict:
 
 def print_tables(summary: dict, world: int) -> None:
     rows = [[p["phase"], p["seconds"], f"{100 * p['share']:.1f}%", p["tokens_per_s_per_gpu"],
-             p["peak_memory_gib"]] for p in summary["phases"]]
+             p["peak_memory_gib"], p.get("planner_gib"), p.get("alloc_retries")]
+            for p in summary["phases"]]
     s = summary["step"]
-    rows.append(["**step**", s["seconds"], "100%", s["tokens_per_s_per_gpu"], s["peak_memory_gib"]])
+    rows.append(["**step**", s["seconds"], "100%", s["tokens_per_s_per_gpu"], s["peak_memory_gib"],
+                 None, None])
     print(common.markdown_table(
-        ["phase", "seconds (median)", "share", "tokens/s per GPU", "peak GiB"], rows))
+        ["phase", "seconds (median)", "share", "tokens/s per GPU", "peak GiB",
+         "planner GiB", "allocator retries (max/step)"], rows))
     print()
     print(common.markdown_table(["step", "value"], [
         ["GPUs", world], ["tokens per step (prompt + response)", s["tokens"]],
@@ -232,25 +267,29 @@ def main(argv=None) -> dict:
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_grpo_step_")
     os.makedirs(workdir, exist_ok=True)
     try:
-        rows = run(args, workdir)
+        rows, estimate = run(args, workdir)
     finally:
         if not args.workdir and (not dist.is_initialized() or dist.get_rank() == 0):
             shutil.rmtree(workdir, ignore_errors=True)
     world = dist.get_world_size()
     for r in rows:
         r["samples"] = args.prompts * args.n
-    summary = summarize(rows, world)
+    summary = summarize(rows, world, estimate)
     result = {
         "bench": "bench_grpo_step", "args": {k: v for k, v in vars(args).items()},
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "gpus": world, "torch": torch.__version__, "ops": _ops_status(), **summary,
+        "gpus": world, "torch": torch.__version__, "ops": _ops_status(), "planner": estimate,
+        **summary,
         "per_step": [{k: v for k, v in r.items()
-                      if k.split("/")[0] in ("timing_s", "memory_gb", "perf", "response_length",
+                      if k.split("/")[0] in ("timing_s", "memory_gb", "memory", "perf", "response_length",
                                              "prompt_length", "actor", "critic", "step")}
                      for r in rows],
     }
     if dist.get_rank() == 0:
-        print(f"\nops: {result['ops']}\n")
+        print(f"\nops: {result['ops']}")
+        if estimate:
+            print(f"offload between phases: {'on' if estimate['offload'] else 'off'} ({estimate['why']})")
+        print()
         print_tables(summary, world)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -151,6 +151,16 @@ def bench_gae(table: Table, quick: bool):
             table.add("GAE+whiten", "ops.gae + algo.masked_whiten, eager", shape, base_ms, min_bytes)
             table.add("GAE+whiten", "ops.gae_whitened (fused stats), eager", shape,
                       time_ms(fused, sets, reps=20, warmup=3), min_bytes, base_ms, peak_extra_gb(fused, sets[0]))
+            # What the trainer's adv phase runs for PPO: the registry entry, whitening on, a float32
+            # response mask (TrainBatch.response_mask), as Trainer.advantages calls it.
+            float_sets = [(r, v, m.float()) for r, v, m in sets]
+
+            def trainer_gae(r, v, m):
+                return algo.compute_advantages("gae", r, m, values=v, gamma=1.0, lam=0.95, whiten=True)
+
+            table.add("GAE+whiten", "trainer: compute_advantages('gae'), eager", shape,
+                      time_ms(trainer_gae, float_sets, reps=50, warmup=5),
+                      batch * length * (4 + 4 + 4 + 4 + 4), base_ms)
         if ext is None:
             continue
         # Device time per tile shape (config -1 = the automatic choice); see csrc/gae.cu kConfigs.
@@ -284,6 +294,7 @@ def main():
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--date", default=None, help="date to record (default: this machine's UTC clock)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the table's rows here")
+    parser.add_argument("--only", choices=["gae", "logprob"], default=None, help="run one group")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
@@ -293,8 +304,10 @@ def main():
     bandwidth = bench_copy(reps=20)
     table = Table(bandwidth)
     print(f"  {'implementation':<44} {'shape':<22} {'median':>13}  {'roof':>5} {'speed-up':>10} {'extra GB':>8}")
-    bench_gae(table, args.quick)
-    bench_logprob_entropy(table, args.quick)
+    if args.only in (None, "gae"):
+        bench_gae(table, args.quick)
+    if args.only in (None, "logprob"):
+        bench_logprob_entropy(table, args.quick)
     md = table.markdown()
     print("\n" + md)
     entry = (

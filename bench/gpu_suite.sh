@@ -5,9 +5,11 @@
 #
 #   [COMMIT=sha] bash bench/gpu_suite.sh [PART...]   (carry: .whl with the cp312 megatron-core
 #                                   wheel, and trl/datasets/dill/multiprocess wheels for the TRL part)
-# PARTS: kernels, rollout, actor, grpo, trl, tests (GPU-marked tests), quickstart (trainer on
-# CUDA, then a resume from its checkpoint), or `all` (the default); rollout_short and actor_3b run
-# one setting of rollout / actor. One device call allows 10 minutes: `rollout actor tests` and
+# PARTS: kernels, rollout, actor, grpo, ppo (the same step with a critic: adv_estimator=gae),
+# trl, tests (GPU-marked tests), quickstart (trainer on CUDA, then a resume from its checkpoint),
+# or `all` (the default); rollout_short and actor_3b run one setting of rollout / actor, gae the
+# GAE rows of the kernel bench (the trainer's call included). grpo and ppo share one random model
+# in $BENCH_WORKDIR (default /tmp/bench_work); STEPS (default 3) steps each. One device call allows 10 minutes: `rollout actor tests` and
 # `grpo trl` each fit in one.
 #
 # $OUT gets per part NAME.log and NAME.json (rollout, rollout_long, actor_1.5b, actor_3b,
@@ -47,6 +49,10 @@ if want tests; then
   TAIL=6 run gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/models tests/rollout \
     tests/engine/test_optim_step.py
 fi
+if want gae && ! want kernels; then
+  TAIL=16 run kernels_gae 120 python3 bench/bench_kernels.py --only gae --results "$OUT/kernels_gae.md" \
+    --json "$OUT/kernels_gae.json"
+fi
 if want kernels; then
   TAIL=45 run kernels 120 python3 bench/bench_kernels.py --results "$OUT/kernels.md" \
     --json "$OUT/kernels.json"
@@ -71,7 +77,13 @@ fi
 if want grpo; then
   # The default config: offload_between_phases=auto keeps the optimizer state on a GPU with
   # memory to spare (offloading cost 10.8 s a step on the H200), old log-probs from the update.
-  TAIL=30 run grpo_step 330 python3 bench/bench_grpo_step.py --json "$OUT/grpo_step.json"
+  TAIL=30 run grpo_step 330 python3 bench/bench_grpo_step.py --steps "${STEPS:-3}" \
+    --workdir "${BENCH_WORKDIR:-/tmp/bench_work}" --json "$OUT/grpo_step.json"
+fi
+if want ppo; then
+  # PPO at the same shape and defaults: a bf16 critic with the actor's micro-batch token budget.
+  TAIL=30 run ppo_step 420 python3 bench/bench_grpo_step.py --steps "${STEPS:-3}" \
+    --workdir "${BENCH_WORKDIR:-/tmp/bench_work}" --json "$OUT/ppo_step.json" algorithm.adv_estimator=gae
 fi
 if want trl; then
   TAIL=20 run trl_grpo 330 python3 bench/bench_trl_grpo.py --json "$OUT/trl_grpo.json"

@@ -133,7 +133,8 @@ def build_reference(cfg: Config, groups, info: ModelInfo):
     engine = build_engine(cfg, groups, info, "reference", cfg.reference.dtype)
     return Reference(engine, temperature=cfg.rollout.temperature or 1.0,
                      max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch,
-                     micro_batch_size=cfg.actor.micro_batch_size_per_gpu)
+                     micro_batch_size=cfg.actor.micro_batch_size_per_gpu,
+                     offload_params=cfg.reference.offload_params)
 
 
 def build_critic(cfg: Config, groups, info: ModelInfo):

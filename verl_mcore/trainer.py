@@ -12,6 +12,7 @@ decide themselves which data-parallel rank computes which samples (engine/batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -51,10 +52,17 @@ class Rollout:
     responses: list
     finish: list
 
+    def to(self, device) -> "Rollout":
+        """The rollout with its tensors on `device` (the step's rule: engine/batch.py)."""
+        return dataclasses.replace(self, train=self.train.to(device), group_ids=self.group_ids.to(device))
+
 
 class StageTimer:
     """Wall time per phase (CUDA synchronised), for `timing_s/<phase>` and the stage line; on
-    CUDA also the peak allocated memory of each phase, for `memory_gb/<phase>`.
+    CUDA also the peak allocated memory of each phase, for `memory_gb/<phase>`, and how often
+    the caching allocator had to free its cache and retry a cudaMalloc in it
+    (`memory/alloc_retries/<phase>`): each retry synchronises the device and returns memory to
+    the driver, so a phase that retries runs near the memory limit and slower than it should.
 
     Per-phase peaks need `torch.cuda.reset_peak_memory_stats()` at each phase start, which would
     lose the process peak `perf/max_memory_allocated_gb` reports; so the peak reached since the
@@ -66,15 +74,18 @@ class StageTimer:
     def __init__(self, peak_seen: int = 0):
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}  # phase -> max over its repeats (CUDA only)
+        self.alloc_retries: dict[str, int] = {}  # phase -> sum over its repeats (CUDA only)
         self.peak_seen = peak_seen  # bytes: every peak read before a reset
         self.cuda = torch.cuda.is_available()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        retries = 0
         if self.cuda:
             torch.cuda.synchronize()
             self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
+            retries = _alloc_retries()
         start = time.perf_counter()
         try:
             yield
@@ -83,6 +94,7 @@ class StageTimer:
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()
                 self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
+                self.alloc_retries[name] = self.alloc_retries.get(name, 0) + _alloc_retries() - retries
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def process_peak_bytes(self) -> int:
@@ -93,7 +105,13 @@ class StageTimer:
     def metrics(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory_gb/{k}": v / 2**30 for k, v in self.peak_bytes.items()})
+        out.update({f"memory/alloc_retries/{k}": float(v) for k, v in self.alloc_retries.items()})
         return out
+
+
+def _alloc_retries() -> int:
+    # reset_peak_memory_stats leaves this counter alone (it resets only peaks).
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 class Trainer:
@@ -117,6 +135,7 @@ class Trainer:
 
             cpu_compat.install()  # idempotent; also when the caller initialised torch.distributed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = _training_device()
         self.run_dir = build.resolve_run_dir(cfg)
         self.groups = build_groups(
             cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
@@ -210,6 +229,8 @@ class Trainer:
             if cfg.algorithm.adv_estimator == "remax":
                 baseline = self.generate(prompts, self.sampling(1, 0.0, seed_offset=1))
             self.rollout.end()  # release the KV cache (and the weight buffer) before training
+        # The step's tensors live on the training device from here on (engine/batch.py).
+        rollout = rollout.to(self.device)
         batch = rollout.train
         with phase("reward"):
             scores, reward_metrics = self.score(rollout)
@@ -329,7 +350,8 @@ class Trainer:
         return make_rollout(samples, group_ids, self.info)
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-        """Rule / custom / model scores [B]: each rank scores a slice, then all-gather."""
+        """Rule / custom / model scores [B] on the training device: each rank scores a slice,
+        then all-gather."""
         from verl_mcore.tracking import MetricAccumulator
 
         n = len(rollout.responses)
@@ -353,7 +375,7 @@ class Trainer:
         for name, values in per_source.items():
             metrics[f"reward/{name}/mean"] = float(values.mean())
         metrics["reward/failed"] = float(failed)
-        return scores, metrics
+        return scores.to(self.device), metrics
 
     def token_rewards(self, batch, scores) -> tuple[torch.Tensor, dict[str, float]]:
         from verl_mcore.algo.kl import apply_kl_penalty
@@ -519,6 +541,11 @@ def make_rollout(samples, group_ids, info) -> Rollout:
 def _both(a, b):
     with a, b:
         yield
+
+
+def _training_device() -> torch.device:
+    """The device of this rank's models (the current CUDA device, else the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _seed_everything(seed: int, rank: int) -> None:

@@ -157,6 +157,35 @@ def test_gradients_match_finite_differences(name):
     assert torch.autograd.gradcheck(f, (b[key].clone().requires_grad_(True),), eps=1e-7, atol=1e-6)
 
 
+def test_vf_clipfrac_counts_only_values_the_clip_changed():
+    """At and inside the clip boundaries nothing counts as clipped, in float32 and bfloat16-like
+    magnitudes: the old `old + (v - old).clamp(-eps, eps)` was an ulp off for about 13% of
+    in-range values and counted them. Just outside, the clipped term counts when it is larger."""
+    eps = 0.2
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 256, generator=g) * 3
+    inside = old + (torch.rand(64, 256, generator=g) * 2 - 1) * eps  # strictly inside
+    returns = torch.randn(64, 256, generator=g) * 3
+    mask = torch.ones(64, 256)
+    denoms = LossDenominators.of(mask)
+    _, diag = value_loss(inside, old, returns, mask, denoms, clip_eps=eps)
+    assert diag["vf_clipfrac"].item() == 0.0
+    # Exactly on the boundaries: the clamp leaves the value as it is.
+    for edge in (old + eps, old - eps):
+        _, diag = value_loss(edge, old, returns, mask, denoms, clip_eps=eps)
+        assert diag["vf_clipfrac"].item() == 0.0
+    # Outside, moving away from the return: clipped term smaller, not counted; moving past the
+    # return from the far side: the clipped prediction stays farther, counted.
+    old1 = torch.zeros(1, 4)
+    values = torch.tensor([[0.5, -0.5, 0.5, 0.1]])  # |v - old| > eps except the last
+    rets = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    _, diag = value_loss(values, old1, rets, torch.ones(1, 4), LossDenominators.of(torch.ones(1, 4)), eps)
+    # token 0: v 0.5 -> clip 0.2, return 1: clipped farther (0.64 > 0.25): counted
+    # token 1: v -0.5 -> clip -0.2, return 1: clipped nearer (1.44 < 2.25): not counted
+    # token 2: v 0.5 -> clip 0.2, return 0: clipped nearer: not counted; token 3 inside: not
+    assert diag["vf_clipfrac"].item() == 0.25
+
+
 def test_value_loss_rejects_negative_clip():
     m = torch.ones(1, 2)
     with pytest.raises(ValueError, match="cliprange_value"):

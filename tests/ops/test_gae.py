@@ -109,3 +109,26 @@ def test_moments_from_tile_stats_across_ranks():
     for n, mean, var in results:
         assert n == pooled.numel()
         assert abs(mean - pooled.mean().item()) <= 1e-5 and abs(var - pooled.var().item()) <= 1e-4
+
+
+@pytest.mark.parametrize("whiten", [True, False])
+def test_trainer_gae_goes_through_ops_and_equals_the_loop(whiten, monkeypatch):
+    """compute_advantages("gae") (the trainer's call) dispatches through verl_mcore.ops (the
+    CUDA kernel there on GPUs) and on the CPU equals the loop, whitening included."""
+    from verl_mcore import ops
+    from verl_mcore.algo import advantages as algo
+
+    called = []
+    for name in ("gae", "gae_whitened"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
+    g = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(5, 33, generator=g), torch.randn(5, 33, generator=g)
+    mask = (torch.rand(5, 33, generator=g) > 0.3).float()
+    adv, ret = algo.compute_advantages("gae", rewards, mask, values=values, gamma=0.99, lam=0.9,
+                                       whiten=whiten)
+    assert called == ["gae_whitened" if whiten else "gae"]
+    ref_adv, ref_ret = algo.gae(rewards, values, mask, 0.99, 0.9)
+    if whiten:
+        ref_adv = algo.masked_whiten(ref_adv, mask)
+    assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret)

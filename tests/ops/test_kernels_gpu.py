@@ -111,6 +111,29 @@ def test_gae_whitened_kernel_matches_reference(ext, case):
     assert (adv[~valid] == 0).all()
 
 
+@pytest.mark.parametrize("whiten", [True, False])
+def test_trainer_gae_runs_the_kernel_and_equals_the_cpu_loop(ext, whiten, monkeypatch):
+    """compute_advantages("gae") as Trainer.advantages calls it (float32 mask, CUDA tensors)
+    takes the kernel, never the Python loop, and gives the loop's numbers."""
+    def no_loop(*args, **kwargs):
+        raise AssertionError("the trainer's GAE ran the Python loop on CUDA tensors")
+
+    rewards = torch.randn(64, 700, device="cuda")
+    values = torch.randn(64, 700, device="cuda")
+    valid = torch.rand(64, 700, device="cuda") > 0.2
+    mask = valid.float()
+    monkeypatch.setattr(algo, "gae", no_loop)
+    adv, ret = algo.compute_advantages("gae", rewards, mask, values=values, gamma=0.99, lam=0.95,
+                                       whiten=whiten)
+    monkeypatch.undo()
+    ref_adv, ref_ret = algo.gae(rewards.cpu().double(), values.cpu().double(), valid.cpu(), 0.99, 0.95)
+    if whiten:
+        ref_adv = algo.masked_whiten(ref_adv, valid.cpu())
+    assert adv.device.type == "cuda" and adv.dtype == torch.float32
+    assert (adv.cpu().double() - ref_adv).abs().max() <= 1e-4
+    assert (ret.cpu().double() - ref_ret).abs().max() <= 2e-5 * ref_ret.abs().max().clamp_min(1)
+
+
 def test_gae_kernel_is_deterministic_under_lookback(ext):
     """Many tiles per row racing through the look-back must give identical results every time."""
     rewards = torch.randn(256, 65536, device="cuda")

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from verl_mcore.algo.checks import same_device
+
 __all__ = [
     "ADV_ESTIMATORS",
     "compute_advantages",
@@ -49,6 +51,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def _check_token_shapes(where: str, mask: Tensor, **tensors: Tensor) -> None:
+    same_device(where, mask=mask, **tensors)
     if mask.dim() != 2:
         raise ValueError(f"{where}: mask must be [batch, response_len], got shape {tuple(mask.shape)}")
     for name, t in tensors.items():
@@ -60,6 +63,7 @@ def _check_token_shapes(where: str, mask: Tensor, **tensors: Tensor) -> None:
 
 
 def _check_per_sequence(where: str, mask: Tensor, **tensors: Tensor) -> None:
+    same_device(where, mask=mask, **tensors)
     for name, t in tensors.items():
         if t.shape != (mask.shape[0],):
             raise ValueError(
@@ -177,6 +181,7 @@ def masked_whiten(
     Raises ValueError when fewer than 2 valid tokens exist (over all ranks of `group`): the
     variance is undefined. If all valid values are equal the result is 0 there (finite).
     """
+    same_device("masked_whiten", x=x, mask=mask)
     if x.shape != mask.shape:
         raise ValueError(f"masked_whiten: x has shape {tuple(x.shape)} but mask has {tuple(mask.shape)}")
     dtype = _compute_dtype(x)
@@ -383,10 +388,13 @@ def _require(estimator: str, **inputs: Optional[Tensor]) -> None:
 def _gae_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
                norm_by_std, whiten, eps, group, scores):
     _require("gae", values=values)
-    advantages, returns = gae(token_rewards, values, mask, gamma, lam)
+    # Through verl_mcore.ops: the CUDA kernel on GPU tensors, `gae` above (+ masked_whiten) on
+    # the CPU; one dispatch, the same numbers (tests/ops/test_gae.py).
+    from verl_mcore import ops
+
     if whiten:
-        advantages = masked_whiten(advantages, mask, group=group)
-    return advantages, returns
+        return ops.gae_whitened(token_rewards, values, mask, gamma, lam, group=group)
+    return ops.gae(token_rewards, values, mask, gamma, lam)
 
 
 def _grpo_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
@@ -466,6 +474,8 @@ def compute_advantages(
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; choose one of {sorted(ADV_ESTIMATORS)}"
         ) from None
+    same_device(f"compute_advantages({estimator!r})", token_rewards=token_rewards, mask=mask,
+                values=values, group_ids=group_ids, baseline_scores=baseline_scores, scores=scores)
     return fn(token_rewards, mask, values=values, group_ids=group_ids, baseline_scores=baseline_scores,
               gamma=gamma, lam=lam, norm_by_std=norm_by_std, whiten=whiten, eps=eps, group=group,
               scores=scores)

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from verl_mcore.algo.checks import same_device
+
 __all__ = ["AGG_MODES", "LossDenominators", "aggregate_loss", "global_denominators", "masked_token_mean"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -133,6 +135,7 @@ def aggregate_loss(
     docstring; summing the contributions of all micro-batches (and DP ranks) gives the mini-batch
     loss. With `denoms = LossDenominators.of(mask)` the result is the plain loss of this batch.
     """
+    same_device("aggregate_loss", loss_mat=loss_mat, mask=mask)
     if loss_mat.shape != mask.shape or mask.dim() != 2:
         raise ValueError(
             f"aggregate_loss: loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} must be "

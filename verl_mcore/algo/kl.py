@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from verl_mcore.algo.aggregation import LossDenominators, aggregate_loss
+from verl_mcore.algo.checks import same_device
 
 __all__ = [
     "AdaptiveKLController",
@@ -40,6 +41,7 @@ K3_CLAMP = 10.0
 
 
 def _log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    same_device("KL penalty", logp=logp, ref_logp=ref_logp)
     if logp.shape != ref_logp.shape:
         raise ValueError(f"KL penalty: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ")
     return logp - ref_logp
@@ -121,6 +123,7 @@ def apply_kl_penalty(
     the controller update that follows, `kl_ctrl.update(current_kl, n_steps=batch_size)`, is the
     same on every rank. This function does not update the controller.
     """
+    same_device("apply_kl_penalty", token_rewards=token_rewards, logp=logp, ref_logp=ref_logp, mask=mask)
     if not (token_rewards.shape == logp.shape == mask.shape):
         raise ValueError(
             f"apply_kl_penalty: token_rewards {tuple(token_rewards.shape)}, logp {tuple(logp.shape)} "

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from verl_mcore.algo.aggregation import AGG_MODES, LossDenominators, aggregate_loss, masked_token_mean
+from verl_mcore.algo.checks import same_device
 
 __all__ = [
     "POLICY_LOSSES",
@@ -68,6 +69,7 @@ class PolicyLossParams:
 
 
 def _check_shapes(where: str, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor):
+    same_device(where, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=mask)
     if mask.dim() != 2 or not (log_prob.shape == old_log_prob.shape == advantages.shape == mask.shape):
         raise ValueError(
             f"{where}: log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)}, "

@@ -165,6 +165,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
+    # Compute dtype (weights, activations); master weights and optimizer state are fp32 always.
     dtype: Dtype = "bf16"
     ppo_mini_batch_size: int = 8  # prompts per optimizer step, global
     micro_batch_size_per_gpu: int = 2  # samples per forward/backward per rank (padded path)
@@ -194,12 +195,18 @@ class ActorConfig:
 @dataclass
 class ReferenceConfig:
     dtype: Dtype = "bf16"
-    offload_params: bool = False  # keep parameters in host memory between uses
+    # Keep the weights in pinned host memory between reference passes: they come to the GPU for
+    # the reference log-probs only (one host-to-device copy a step; README: what it costs).
+    offload_params: bool = False
 
 
 @dataclass
 class CriticConfig:
-    dtype: Dtype = "fp32"
+    # Compute dtype of the critic's model, as actor.dtype: with bf16 (the default) the weights and
+    # activations are bf16 while the master weights and Adam state stay fp32 (megatron's mixed
+    # precision) and the value head and value loss compute in fp32. fp32 is full fp32 training
+    # (README: what it costs).
+    dtype: Dtype = "bf16"
     ppo_mini_batch_size: Optional[int] = None  # default: actor's
     micro_batch_size_per_gpu: int = 2
     max_tokens_per_microbatch: Optional[int] = None

@@ -78,19 +78,39 @@ def compute_log_probs(
 
 
 class Reference:
-    """Forward-only reference policy (no optimizer, no grads)."""
+    """Forward-only reference policy (no optimizer, no grads).
+
+    offload_params (reference.offload_params): the weights live in pinned host memory and come
+    to the device only for `compute_ref_log_prob` (one host-to-device copy per call; the host
+    copy is never written back, the weights do not change). The memory they free while away is
+    left in torch's cache for the phases that follow.
+    """
 
     def __init__(self, engine: MegatronEngine, *, temperature: float = 1.0,
-                 max_tokens_per_microbatch: Optional[int] = None, micro_batch_size: Optional[int] = None):
+                 max_tokens_per_microbatch: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 offload_params: bool = False):
         if engine.optimizer is not None:
             raise ValueError("Reference: build its engine with optim=None (forward only)")
         self.engine = engine
         self.temperature = temperature
         self.mb_kwargs = micro_batching(max_tokens_per_microbatch, micro_batch_size)
+        self.offloader = None
+        if offload_params:
+            from verl_mcore.engine.offload import HostOffloader
+
+            self.offloader = HostOffloader(engine.model, None, params=True, grads=False,
+                                           optimizer_state=False, empty_cache=False, frozen=True)
+            self.offloader.offload()
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         """`[B, R]` reference log-probs of the response tokens (0 outside responses)."""
-        return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, False)[0]
+        if self.offloader is None:
+            return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, False)[0]
+        self.offloader.onload()
+        try:
+            return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, False)[0]
+        finally:
+            self.offloader.offload()
 
 
 class Actor:

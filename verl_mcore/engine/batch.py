@@ -22,8 +22,16 @@ response are padding (mask 0). Optional fields, needed by the role that reads th
 
 The engine receives the GLOBAL batch, the same on every rank of the data-parallel (DP) group, and
 returns global results ([B, R], original sample order) on every rank; it decides itself which DP
-rank computes which samples (balanced by tokens, see `packing`). Tensors live on the CPU or on the
-rank's device; the engine moves each micro-batch to the device when it runs it.
+rank computes which samples (balanced by tokens, see `packing`).
+
+Where the tensors live (one rule for a whole step). The rollout batch is built on the host from
+the engine's outputs and moves to the training device ONCE, when scoring begins
+(`Trainer.step`: `rollout.to(device)`, and the scores are put there too). From then on every
+tensor a phase produces (log-probs, values, rewards, advantages) and every tensor handed to
+`verl_mcore.algo` or to reward placement is on that one device; the `algo` functions check it at
+their entry and name the tensors when they differ (`algo.checks.same_device`). The engine's
+roles accept a batch on either side: `MegatronEngine.micro_batches` lays micro-batches out on
+the host (one copy per call) and moves each to the device when it runs it.
 """
 from __future__ import annotations
 
@@ -126,12 +134,17 @@ class TrainBatch:
             out[f.name] = None if t is None else t[idx.to(t.device)]
         return TrainBatch(**out)
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The batch with every tensor on `device` (the same object when all already are)."""
+        device = torch.device(device)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if all(t is None or _on(t, device) for t in fields.values()):
+            return self
+        return TrainBatch(**{k: None if t is None else t.to(device) for k, t in fields.items()})
+
     def cpu(self) -> "TrainBatch":
         """The batch with every tensor on the host (the same object when all already are)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if all(t is None or t.device.type == "cpu" for t in fields.values()):
-            return self
-        return TrainBatch(**{k: None if t is None else t.cpu() for k, t in fields.items()})
+        return self.to("cpu")
 
     def require(self, *names: str, role: str) -> None:
         missing = [n for n in names if getattr(self, n) is None]
@@ -142,3 +155,10 @@ class TrainBatch:
         """[B, R] bool: columns inside each sample's response (whether or not they count)."""
         cols = torch.arange(self.response_width, device=self.response_mask.device)
         return cols[None, :] < self.response_lens.to(cols.device)[:, None]
+
+
+def _on(t: Tensor, device: torch.device) -> bool:
+    """Whether `t` is on `device`; a device without an index ("cuda") means the current one."""
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index == device.index

@@ -81,6 +81,9 @@ class HostOffloader:
     keep_grads: copy the gradient values out and back. Off by default: between phases the
         buffers hold nothing the next step reads (it zeroes them first), so they are only freed
         and come back as zeros, which saves two copies of 4 bytes per parameter.
+    frozen: the selected tensors are never written while on the device (the reference model's
+        weights), so the host copy made by the first offload stays current: later offloads only
+        free the device memory, and each cycle costs one host-to-device copy.
     optimizer_state: move the optimizer's state tensors (Adam moments, step) and its own copies
         of the parameters (fp32 main parameters of a bf16 model). Parameters the optimizer shares
         with the model (fp32 training) count as "params", not as optimizer state.
@@ -96,6 +99,7 @@ class HostOffloader:
         keep_grads: bool = False,
         optimizer_state: bool = True,
         empty_cache: bool = True,
+        frozen: bool = False,
     ):
         self.model_chunks = list(model_chunks)
         self.optimizer = optimizer
@@ -104,6 +108,7 @@ class HostOffloader:
         self.keep_grads = keep_grads
         self.optimizer_state = optimizer_state
         self.empty_cache = empty_cache
+        self.frozen = frozen
         self._entries: list[_Entry] | None = None  # set while offloaded
         self._host: dict[int, torch.Tensor] = {}  # storage id -> reusable host byte buffer
         self._on_cuda = torch.cuda.is_available()
@@ -119,7 +124,7 @@ class HostOffloader:
         before = cuda_memory_allocated()
         entries = self._collect()
         for entry in entries:
-            if entry.keep_values:
+            if entry.keep_values and not (self.frozen and id(entry.storage) in self._host):
                 host = self._host_buffer(entry)
                 host.copy_(_byte_view(entry.storage, entry.nbytes), non_blocking=self._on_cuda)
         if self._on_cuda:

@@ -53,7 +53,12 @@ def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: 
 
 
 class ScalarHead(torch.nn.Module):
-    """Value / reward head in the output layer's place: [s, b, H] -> [s, b, n_out].
+    """Value / reward head in the output layer's place: [s, b, H] -> [s, b, n_out], float32.
+
+    It computes in float32 whatever the model's dtype (a bf16 critic's weight, whose master copy
+    in the optimizer is fp32, is upcast with its input, as megatron computes its MoE router in
+    `moe_router_dtype`): values are regression targets, and bf16 outputs would round every value
+    to 8 bits of mantissa before the value loss sees it.
 
     The weight [n_out, H] is replicated over TP (every rank computes the same values). With
     sequence parallelism the input arrives split along s and is gathered first; the gather's
@@ -79,7 +84,8 @@ class ScalarHead(torch.nn.Module):
 
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False)
-        return F.linear(hidden_states, self.weight), None  # (output, bias) like a megatron linear
+        # (output, bias) like a megatron linear
+        return F.linear(hidden_states.float(), self.weight.float()), None
 
 
 def _stage_flags(pg_collection, pre_process, post_process) -> tuple[bool, bool]:

@@ -58,23 +58,28 @@ def _gae_whitened_op(
 
 def moments_from_tile_stats(tile_stats: Tensor, group: Optional[dist.ProcessGroup]) -> tuple[int, float, float]:
     """Pool per-tile `(count, mean, M2)` rows `[tiles, 3]` (over `group`'s ranks too) into
-    `(n, mean, unbiased variance)` of all valid advantages, as `masked_whiten` defines them."""
+    `(n, mean, unbiased variance)` of all valid advantages, as `masked_whiten` defines them.
+
+    The pooling stays on the device and the three numbers come to the host in one read: each
+    read is a sync, and at B=1024, T=8192 three of them were half of the whitened GAE's time.
+    """
     n_i, mean_i, m2_i = tile_stats.double().unbind(dim=-1)  # [tiles] each
     totals = torch.stack([n_i.sum(), (n_i * mean_i).sum()])
     if group is not None:
         dist.all_reduce(totals, group=group)
-    n = int(round(totals[0].item()))
+    mean = totals[1] / totals[0].clamp(min=1)
+    m2 = (m2_i + n_i * (mean_i - mean) ** 2).sum()  # pooled sum of squared deviations from `mean`
+    if group is not None:
+        dist.all_reduce(m2, group=group)
+    count, mean, m2 = torch.stack([totals[0], mean, m2]).tolist()
+    n = int(round(count))
     if n < 2:
         where = f" over {dist.get_world_size(group)} ranks" if group is not None else ""
         raise ValueError(
             f"gae_whitened: needs at least 2 valid tokens to estimate a variance, found {n}{where}; "
             "check the response mask (is every response empty?) or disable whitening"
         )
-    mean = totals[1] / n
-    m2 = (m2_i + n_i * (mean_i - mean) ** 2).sum()  # pooled sum of squared deviations from `mean`
-    if group is not None:
-        dist.all_reduce(m2, group=group)
-    return n, mean.item(), m2.item() / (n - 1)
+    return n, mean, m2 / (n - 1)
 
 
 def _whiten_from_tile_stats(adv: Tensor, mask: Tensor, tile_stats: Tensor, eps: float, group_name: str) -> None:

@@ -5,6 +5,8 @@ from typing import Sequence, Union
 
 import torch
 
+from verl_mcore.algo.checks import same_device
+
 
 def place_on_last_token(scores: Union[torch.Tensor, Sequence[float]],
                         response_mask: torch.Tensor) -> torch.Tensor:
@@ -13,6 +15,8 @@ def place_on_last_token(scores: Union[torch.Tensor, Sequence[float]],
     Row b is zero except at the position of its last 1 in the mask, which holds scores[b]. A row
     with no valid token (an empty response) gets no reward: there is no token it could credit.
     """
+    if isinstance(scores, torch.Tensor):
+        same_device("place_on_last_token", scores=scores, response_mask=response_mask)
     mask = response_mask.bool()
     batch, width = mask.shape
     scores = torch.as_tensor(scores, dtype=torch.float32, device=mask.device)
