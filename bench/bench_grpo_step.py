@@ -160,13 +160,15 @@ def run(args, workdir: str) -> tuple[list[dict], dict]:
 
 
 # The trainer's phases whose peak the planner's phases estimate (verl_mcore/plan.py).
-PLANNER_PHASE = {"sync": "generate", "gen": "generate", "old_logp": "score", "ref": "score",
-                 "values": "score", "actor": "actor_update", "critic": "critic_update"}
+PLANNER_PHASE = {"gen": "generate", "old_logp": "score", "ref": "score", "values": "values",
+                 "actor": "actor_update", "critic": "critic_update"}
 
 
 def planner_estimate(cfg, model_dir: str, world: int, gpus_per_node: int) -> dict:
     """{"offload": bool, "why": str, "gib": {planner phase: GiB}} as the trainer's own choice
-    (build.resolve_offload) sees this GPU; {} on CPU."""
+    (build.resolve_offload) sees this GPU; {} on CPU. GiB leave out the planner's `runtime`
+    (CUDA context, NCCL buffers), which torch's allocator does not count, so they compare with
+    the measured max_memory_allocated."""
     import torch
 
     from verl_mcore.plan import Knobs, choose_offload, plan_memory, resolve_dims
@@ -179,7 +181,8 @@ def planner_estimate(cfg, model_dir: str, world: int, gpus_per_node: int) -> dic
     offload, why = choose_offload(cfg, dims, world, knobs)
     memory = plan_memory(cfg, dims, world, dataclasses.replace(knobs, offload=offload))
     return {"offload": offload, "why": why,
-            "gib": {name: ph["total"] / 2**30 for name, ph in memory.items() if name != "host"}}
+            "gib": {name: (ph["total"] - ph["components"].get("runtime", 0)) / 2**30
+                    for name, ph in memory.items() if name != "host"}}
 
 
 def _check_prompt_lengths(trainer, prompt_len: int) -> None:
@@ -241,7 +244,7 @@ def print_tables(summary: dict, world: int) -> None:
                  None, None])
     print(common.markdown_table(
         ["phase", "seconds (median)", "share", "tokens/s per GPU", "peak GiB",
-         "planner GiB", "allocator retries (max/step)"], rows))
+         "planner GiB (no runtime)", "allocator retries (max/step)"], rows))
     print()
     print(common.markdown_table(["step", "value"], [
         ["GPUs", world], ["tokens per step (prompt + response)", s["tokens"]],

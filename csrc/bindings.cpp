@@ -102,6 +102,30 @@ void masked_normalize_(Tensor x, Tensor mask, double mean, double rstd, int64_t 
              "masked_normalize_");
 }
 
+// Whiten x in place from gae's tile statistics, on the device; returns moments float64 [4] =
+// (n, mean, var, rstd) on x's device (the caller reads n to refuse n < 2).
+Tensor whiten_by_tile_stats_(Tensor x, Tensor mask, Tensor tile_stats, double eps, int64_t stream) {
+  TORCH_CHECK(x.sizes() == mask.sizes(), "verl_mcore._C.whiten_by_tile_stats_: x ", x.sizes(), " and mask ",
+              mask.sizes(), " must have the same shape");
+  check_on_device(x, "x", x, "whiten_by_tile_stats_");
+  check_on_device(mask, "mask", x, "whiten_by_tile_stats_");
+  check_on_device(tile_stats, "tile_stats", x, "whiten_by_tile_stats_");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "verl_mcore._C.whiten_by_tile_stats_: x must be a contiguous float32 tensor");
+  TORCH_CHECK(tile_stats.scalar_type() == at::kFloat && tile_stats.dim() == 2 && tile_stats.size(1) == 3 &&
+                  tile_stats.is_contiguous(),
+              "verl_mcore._C.whiten_by_tile_stats_: tile_stats must be contiguous float32 [tiles, 3]");
+  const verl_mcore::MaskDtype mask_dtype = mask_dtype_of(mask, "whiten_by_tile_stats_");
+  const c10::DeviceGuard guard(x.device());
+  mask = mask.contiguous();
+  Tensor moments = at::empty({4}, x.options().dtype(at::kDouble));
+  check_cuda(verl_mcore::whiten_by_tile_stats_launch(x.data_ptr<float>(), mask.data_ptr(), mask_dtype, x.numel(),
+                                                     tile_stats.data_ptr<float>(), tile_stats.size(0), eps,
+                                                     moments.data_ptr<double>(), to_stream(stream)),
+             "whiten_by_tile_stats_");
+  return moments;
+}
+
 Tensor rows_with_unit_stride(const Tensor& logits) {
   return logits.stride(1) == 1 ? logits : logits.contiguous();
 }
@@ -227,6 +251,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rewards"), py::arg("values"), py::arg("mask"), py::arg("gamma"), py::arg("lam"), py::arg("stream"),
         py::arg("config") = -1, py::arg("with_stats") = false);
   m.def("masked_normalize_", &masked_normalize_, "x = mask ? (x - mean) * rstd : 0, in place");
+  m.def("whiten_by_tile_stats_", &whiten_by_tile_stats_,
+        "whiten x in place from gae's tile statistics on the device; returns (n, mean, var, rstd)");
   m.def("lpe_forward", &lpe_forward, "local log-prob/entropy statistics of vocab-parallel logits");
   m.def("lpe_backward", &lpe_backward, "grad-logits of log-prob and entropy from saved statistics");
   m.def("rmsnorm", &rmsnorm, "[residual += delta;] rmsnorm(residual) * weight (decode step)",

@@ -330,6 +330,61 @@ __global__ void masked_normalize_kernel(float* __restrict__ x, const MaskT* __re
   }
 }
 
+// Whitening without a host round trip, part 1: one block pools the tiles' (count, mean, M2) in
+// double, as verl_mcore.ops.gae.moments_from_tile_stats does (sum of counts, count-weighted mean,
+// then sum of M2 + n (mean_i - mean)^2), and writes moments = (n, mean, var, rstd) with
+// var = M2 / (n - 1) and rstd = 1 / sqrt(var + eps). For n < 2 the variance is undefined: the
+// caller reads n and raises (the normalised values are then not used).
+__device__ double block_sum(double x, double* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_down_sync(0xffffffffu, x, off);
+  __syncthreads();  // `shared` may still be read by a previous call
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < warps; ++w) total += shared[w];
+  return total;
+}
+
+__global__ void pool_moments_kernel(const float* __restrict__ tile_stats, int64_t tiles, double eps,
+                                    double* __restrict__ moments) {
+  __shared__ double shared[32];
+  double n = 0.0, s = 0.0;
+  for (int64_t i = threadIdx.x; i < tiles; i += blockDim.x) {
+    const double ni = tile_stats[3 * i];
+    n += ni;
+    s += ni * double(tile_stats[3 * i + 1]);
+  }
+  n = block_sum(n, shared);
+  s = block_sum(s, shared);
+  const double mean = s / (n > 1.0 ? n : 1.0);
+  double m2 = 0.0;
+  for (int64_t i = threadIdx.x; i < tiles; i += blockDim.x) {
+    const double d = double(tile_stats[3 * i + 1]) - mean;
+    m2 += double(tile_stats[3 * i + 2]) + double(tile_stats[3 * i]) * d * d;
+  }
+  m2 = block_sum(m2, shared);
+  if (threadIdx.x == 0) {
+    const double var = m2 / (n > 1.0 ? n - 1.0 : 1.0);
+    moments[0] = n;
+    moments[1] = mean;
+    moments[2] = var;
+    moments[3] = 1.0 / sqrt(var + eps);
+  }
+}
+
+// Part 2: masked_normalize_kernel with mean and rstd read from `moments` (float32, as
+// masked_whiten casts them before the elementwise pass).
+template <typename MaskT>
+__global__ void masked_normalize_by_moments_kernel(float* __restrict__ x, const MaskT* __restrict__ mask,
+                                                   int64_t n, const double* __restrict__ moments) {
+  const float mean = float(moments[1]), rstd = float(moments[3]);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] = is_valid(mask[i]) ? (x[i] - mean) * rstd : 0.f;
+  }
+}
+
 struct GaeConfig {
   int warps, items;
 };
@@ -413,6 +468,23 @@ cudaError_t gae_launch(const float* rewards, const float* values, const void* ma
                         gamma, c, workspace, tile_stats, config, stream);
   return launch_typed(rewards, values, static_cast<const float*>(mask), advantages, returns, batch, T, gamma, c,
                       workspace, tile_stats, config, stream);
+}
+
+cudaError_t whiten_by_tile_stats_launch(float* x, const void* mask, MaskDtype mask_dtype, int64_t n,
+                                        const float* tile_stats, int64_t tiles, double eps, double* moments,
+                                        cudaStream_t stream) {
+  pool_moments_kernel<<<1, 1024, 0, stream>>>(tile_stats, tiles, eps, moments);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || n <= 0) return err;
+  const int threads = 256;
+  const int64_t blocks = (n + threads - 1) / threads;
+  const unsigned grid = unsigned(blocks < 65536 ? blocks : 65536);
+  if (mask_dtype == MaskDtype::kBool)
+    masked_normalize_by_moments_kernel<<<grid, threads, 0, stream>>>(x, static_cast<const unsigned char*>(mask), n,
+                                                                     moments);
+  else
+    masked_normalize_by_moments_kernel<<<grid, threads, 0, stream>>>(x, static_cast<const float*>(mask), n, moments);
+  return cudaGetLastError();
 }
 
 cudaError_t masked_normalize_launch(float* x, const void* mask, MaskDtype mask_dtype, int64_t n, float mean,

@@ -37,6 +37,13 @@ cudaError_t gae_launch(const float* rewards, const float* values, const void* ma
 cudaError_t masked_normalize_launch(float* x, const void* mask, MaskDtype mask_dtype, int64_t n, float mean,
                                     float rstd, cudaStream_t stream);
 
+// Fused whitening with no host round trip: pool `tile_stats` [tiles, 3] (gae_launch's) in double
+// into moments [4] float64 = (n, mean, unbiased var, 1 / sqrt(var + eps)), then normalise x as
+// masked_normalize_launch does with that mean and rstd, all on `stream`. The caller checks n >= 2.
+cudaError_t whiten_by_tile_stats_launch(float* x, const void* mask, MaskDtype mask_dtype, int64_t n,
+                                        const float* tile_stats, int64_t tiles, double eps, double* moments,
+                                        cudaStream_t stream);
+
 // ---------------------------------------------------------------------------------------------
 // Vocab-parallel log-prob + entropy, local (per-shard) statistics.
 // logits: [tokens, V_local] with row stride `row_stride` elements (unit column stride).

@@ -224,22 +224,44 @@ def build_checkpointers(cfg: Config, run_dir: str):
 
 def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:
     """trainer.offload_between_phases for this run: (offload?, why). "auto" asks the planner with
-    this GPU's memory (plan.choose_offload); on CPU there is no device memory to free."""
+    this GPU's memory (plan.choose_offload); on CPU there is no device memory to free.
+
+    When even offloading leaves a phase over this GPU's memory, "auto" refuses to start (a run
+    that would run out of memory an hour into the queue), naming the phases and what they need;
+    an explicit true / false is taken as set, with a warning."""
+    import dataclasses
+
     import torch
 
-    from verl_mcore.plan import Knobs, choose_offload, resolve_dims
+    from verl_mcore.plan import GiB, USABLE_FRACTION, Knobs, choose_offload, misfits, plan_memory, resolve_dims
 
     setting = cfg.trainer.offload_between_phases
-    if setting != "auto":
-        return setting, f"trainer.offload_between_phases={str(setting).lower()}"
     if not torch.cuda.is_available():
+        if setting != "auto":
+            return setting, f"trainer.offload_between_phases={str(setting).lower()}"
         return False, "auto: on CPU the training state already lives in host memory"
     try:
         dims = resolve_dims(info.hf_dir or cfg.model.path)
     except ConfigError as e:  # no HF config.json to read the shape from: the safe choice
+        if setting != "auto":
+            return setting, f"trainer.offload_between_phases={str(setting).lower()}"
         return True, f"auto: no model shape for the planner ({e})"
     gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-    return choose_offload(cfg, dims, world, Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib))
+    knobs = Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib)
+    offload, why = choose_offload(cfg, dims, world, knobs)
+    memory = plan_memory(cfg, dims, world, dataclasses.replace(knobs, offload=offload))
+    bad = [n for n in misfits(memory, knobs) if n != "host"]
+    if bad:
+        need = ", ".join(f"{n} {memory[n]['total'] / GiB:.1f} GiB" for n in bad)
+        msg = (f"the memory planner finds that with offload between phases "
+               f"{'on' if offload else 'off'} {need} would not fit the "
+               f"{gpu_gib * USABLE_FRACTION:.1f} usable GiB of this GPU; `python -m verl_mcore.plan "
+               f"--config ... --gpu-memory-gb {gpu_gib:.0f}` with this run's overrides names the "
+               "changes that make it fit (recompute, smaller micro-batches, more parallelism)")
+        if setting == "auto":
+            raise ConfigError(msg + "; or set trainer.offload_between_phases=true/false to try anyway")
+        log.warning("%s (trainer.offload_between_phases=%s: trying anyway)", msg, str(setting).lower())
+    return offload, why
 
 
 def build_offloaders(cfg: Config, actor, critic, offload: bool) -> dict:

@@ -26,10 +26,13 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       (4·P): 12·P for bf16, 8·P for fp32; divided by d with
                       parallel.use_distributed_optimizer (ZeRO-1).
   activations         per layer and token, the tensors autograd keeps for backward (bf16):
-                        attention: 2·h/s (norm input, QKV input) + (a_l + 2·kv_l)·hd (q, k, v)
-                                   + a_l·hd (core-attention output) + 4·a_l (fp32 log-sum-exp)
+                        attention: 2·h/s (norm input, QKV input) + (a_l + 2·kv_l)·hd (the QKV
+                                   output, kept whole by the v view into it) + (a_l + kv_l)·hd
+                                   (q and k after RoPE) + a_l·hd (core-attention output)
+                                   + 4·a_l (fp32 log-sum-exp)
                         MLP (SwiGLU): 2·h/s (norm input, fc1 input) + 2·f/t (fc1 output)
-                                   + f/t (silu output) + f/t (fc2 input)
+                                   + 3·f/t (megatron's unfused glu: silu output, a copy of the
+                                   gate, the product that is fc2's input)
                       with s = t under sequence parallelism (else 1), a_l = a/t, kv_l =
                       max(kv/t, 1), f the FFN size. This is Korthikanti et al. 2022 (arXiv
                       2205.05198) redone for SwiGLU, GQA, RMSNorm, no dropout and a flash /
@@ -43,6 +46,9 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       layer's full activations while it is recomputed.
                       T = max_tokens_per_microbatch (packed) or micro_batch_size_per_gpu ×
                       (max_prompt_length + max_response_length) (padded).
+                      The saved tensors were listed with autograd's saved-tensor hooks on one
+                      layer of the Qwen2.5-1.5B shape (2026-12-03; the CPU's unfused RMSNorm
+                      aside, whose fp32 copies the GPU's fused norm does not keep).
   logits              last stage, actor only: T·V/t bf16 logits kept for the fused log-prob /
                       entropy op, plus their gradient of the same size in backward.
   generation weights  the TP_g-only copy of the actor that the engine reads: 2·P_full/TP_g
@@ -55,10 +61,12 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       PREFILL_CHUNK_TOKENS tokens (logits only for each prompt's last token).
   runtime             RUNTIME_OVERHEAD_GIB: CUDA context, NCCL buffers of all groups, cuBLAS
                       workspaces. A guess to calibrate against measured peaks.
-Checked against one H200 run (bench/RESULTS.md 2026-12-02, the 1.5B GRPO step, offload off;
-tests/hpc/test_plan.py): generate 46.3 GiB estimated / 46.1 measured, score 36.8 / 33.8,
-actor_update 79.0 / 86.6 (the update is underestimated by 9%; where the missing 7.6 GiB goes
-was not profiled).
+  rollout batch       the step's global batch on every rank after generation: input_ids (int64,
+                      samples × (prompt + response)) and the response-aligned float32 fields
+                      (mask, old / ref log-probs, values, rewards, advantages, returns).
+Checked against H200 runs (bench/RESULTS.md 2026-12-03, the 1.5B GRPO and PPO steps, offload
+off; tests/hpc/test_plan.py), the estimate without `runtime` (which lies outside torch's
+allocator) against max_memory_allocated: within 10% in every phase (RESULTS.md has the table).
 A phase fits when its total is at most USABLE_FRACTION of the GPU (allocator fragmentation and
 temporaries not modelled above).
 
@@ -68,7 +76,9 @@ they stay on the GPU; "auto" (the default) keeps them on the GPU when every phas
 and offloads otherwise (`choose_offload`, which the trainer runs too). Parameters of the actor,
 critic and reference stay on the GPU unless reference.offload_params. `--no-offload` is
 trainer.offload_between_phases=false. Phases: generate; score (forward-only log-probs and
-values); actor_update; critic_update (GAE only). Host memory per node = GPUs per node × what a
+values); values (the critic's forward pass, GAE only: no logits); actor_update; critic_update
+(GAE only). The reference's weights are on the GPU in every phase unless
+reference.offload_params, and then only in score (the reference pass). Host memory per node = GPUs per node × what a
 GPU offloads. Reward models are not modelled yet.
 """
 from __future__ import annotations
@@ -226,8 +236,8 @@ def activation_bytes_per_token_layer(dims: ModelDims, tp: int, sequence_parallel
     s = tp if sequence_parallel else 1
     a_l = dims.num_attention_heads // tp
     kv_l = max(dims.num_key_value_heads // tp, 1)
-    attn = (2 * h // s + (a_l + 2 * kv_l) * hd + a_l * hd) * dtype_bytes + 4 * a_l
-    mlp = (2 * h // s + 4 * f // tp) * dtype_bytes
+    attn = (2 * h // s + (a_l + 2 * kv_l) * hd + (a_l + kv_l) * hd + a_l * hd) * dtype_bytes + 4 * a_l
+    mlp = (2 * h // s + 5 * f // tp) * dtype_bytes
     return attn + mlp
 
 
@@ -301,16 +311,28 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     return out
 
 
-def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str]) -> dict[str, int]:
-    """Parameters of other models that stay on the GPU during a phase."""
+def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str],
+                     reference_pass: bool = False) -> dict[str, int]:
+    """Parameters of other models on the GPU during a phase (the reference's, with
+    reference.offload_params, only during its own pass)."""
     out = {}
     for role in roles:
-        if role == "reference" and (cfg.reference.offload_params or not _uses_reference(cfg)):
+        if role == "reference" and (not _uses_reference(cfg)
+                                    or (cfg.reference.offload_params and not reference_pass)):
             continue
         if role == "critic" and not cfg.uses_critic:
             continue
         out[f"{role} parameters"] = _dtype_bytes(getattr(cfg, role).dtype) * role_params(cfg, dims, role, stage)
     return out
+
+
+def rollout_batch_bytes(cfg: Config) -> int:
+    """The step's global rollout batch, held by every rank after generation (engine/batch.py):
+    input_ids int64 [B, prompt + response] and 7 float32 [B, response] fields (mask, old and
+    reference log-probs, values, token rewards, advantages, returns)."""
+    d = cfg.data
+    samples = d.train_batch_size * cfg.rollout.n
+    return samples * (8 * (d.max_prompt_length + d.max_response_length) + 7 * 4 * d.max_response_length)
 
 
 def _uses_reference(cfg: Config) -> bool:
@@ -379,24 +401,36 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
     best("generate", lambda s: {**actor_params(s), **_resident_params(cfg, dims, s, ["reference", "critic"]),
                                 **idle_state(s), **generation_bytes(cfg, dims, world, knobs)})
 
-    def score(stage):
-        t = training_bytes(cfg, dims, world, "actor", stage, knobs)
-        tokens = math.ceil(_micro_tokens(cfg, "actor")[0] / p.context_parallel_size)
-        per_layer = activation_bytes_per_token_layer(dims, p.tensor_model_parallel_size,
-                                                     p.sequence_parallel) * tokens
-        comps = {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"]),
-                 **idle_state(stage), "forward activations": per_layer}
-        if "logits" in t:
-            comps["logits"] = t["logits"] // 2
-        return comps
+    batch = {"rollout batch": rollout_batch_bytes(cfg)}
 
-    best("score", score)
+    def forward_pass(role):
+        """A forward-only pass of `role` over the batch: one layer's activations of a
+        micro-batch at a time, plus (log-prob passes) that micro-batch's logits."""
+        def f(stage):
+            tokens = math.ceil(_micro_tokens(cfg, "critic" if role == "critic" else "actor")[0]
+                               / p.context_parallel_size)
+            per_layer = activation_bytes_per_token_layer(dims, p.tensor_model_parallel_size,
+                                                         p.sequence_parallel) * tokens
+            comps = {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"],
+                                                               reference_pass=role == "reference"),
+                     **idle_state(stage), **batch, "forward activations": per_layer}
+            t = training_bytes(cfg, dims, world, "actor", stage, knobs)
+            if role != "critic" and "logits" in t:
+                comps["logits"] = t["logits"] // 2
+            return comps
+        return f
+
+    # score: the log-prob passes (old log-probs of the actor, the reference's); the reference's
+    # weights are on the GPU for it even when offloaded between uses.
+    best("score", forward_pass("reference" if _uses_reference(cfg) else "actor"))
+    if cfg.uses_critic:
+        best("values", forward_pass("critic"))
 
     def update(role, others):
         def f(stage):
             t = training_bytes(cfg, dims, world, role, stage, knobs)
             return ({f"{role} {k}": v for k, v in t.items()} | _resident_params(cfg, dims, stage, others)
-                    | idle_state(stage, busy=role))
+                    | idle_state(stage, busy=role) | batch)
         return f
 
     best("actor_update", update("actor", ["reference", "critic"]))

@@ -147,6 +147,8 @@ class Trainer:
 
         with self.watchdog.phase("build models"):
             self.info = build.load_model_info(cfg)
+            # Before any model is built: "auto" refuses a run whose phases would not fit.
+            offload, why = build.resolve_offload(cfg, self.info, self.world, self.launch.local_world_size)
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
             self.critic = build.build_critic(cfg, self.groups, self.info)
@@ -157,7 +159,6 @@ class Trainer:
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
-        offload, why = build.resolve_offload(cfg, self.info, self.world, self.launch.local_world_size)
         if self.rank == 0:
             log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
         self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)

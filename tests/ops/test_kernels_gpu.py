@@ -111,6 +111,15 @@ def test_gae_whitened_kernel_matches_reference(ext, case):
     assert (adv[~valid] == 0).all()
 
 
+@pytest.mark.parametrize("valid_tokens", [0, 1])
+def test_gae_whitened_refuses_fewer_than_two_valid_tokens(ext, valid_tokens):
+    rewards = torch.randn(3, 4096, device="cuda")
+    valid = torch.zeros(3, 4096, dtype=torch.bool, device="cuda")
+    valid.view(-1)[:valid_tokens] = True
+    with pytest.raises(ValueError, match="at least 2 valid tokens"):
+        ops.gae_whitened(rewards, torch.randn_like(rewards), valid, 0.99, 0.95)
+
+
 @pytest.mark.parametrize("whiten", [True, False])
 def test_trainer_gae_runs_the_kernel_and_equals_the_cpu_loop(ext, whiten, monkeypatch):
     """compute_advantages("gae") as Trainer.advantages calls it (float32 mask, CUDA tensors)

@@ -83,10 +83,24 @@ def moments_from_tile_stats(tile_stats: Tensor, group: Optional[dist.ProcessGrou
 
 
 def _whiten_from_tile_stats(adv: Tensor, mask: Tensor, tile_stats: Tensor, eps: float, group_name: str) -> None:
-    """Whiten `adv` in place from the kernel's per-tile (count, mean, M2), as masked_whiten does."""
+    """Whiten `adv` in place from the kernel's per-tile (count, mean, M2), as masked_whiten does.
+
+    One rank: the pooling and the normalisation both run on the device and the host reads only
+    the count afterwards, to refuse fewer than 2 valid tokens (one sync, after all the work is
+    queued). Across ranks the pooled moments are all-reduced first (moments_from_tile_stats).
+    """
     group = _groups.lookup(group_name, "verl_mcore::gae_whitened")
-    _, mean, var = moments_from_tile_stats(tile_stats, group)
     stream = torch.cuda.current_stream(adv.device).cuda_stream
+    if group is None:
+        moments = extension().whiten_by_tile_stats_(adv, mask, tile_stats, float(eps), stream)
+        n = int(round(moments[0].item()))
+        if n < 2:
+            raise ValueError(
+                f"gae_whitened: needs at least 2 valid tokens to estimate a variance, found {n}; "
+                "check the response mask (is every response empty?) or disable whitening"
+            )
+        return
+    _, mean, var = moments_from_tile_stats(tile_stats, group)
     extension().masked_normalize_(adv, mask, mean, 1.0 / math.sqrt(var + eps), stream)
 
 
