@@ -21,18 +21,8 @@
 # `python3 bench/report.py DIR --append` here instead.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-git rev-parse --short HEAD 2>/dev/null || true
-if MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
-  echo "extension built"
-else
-  echo "extension build FAILED"; tail -20 "$OUT/build.log"
-fi
+# shellcheck source=SCRIPTDIR/device_setup.sh
+. bench/device_setup.sh  # wheels, PYTHONPATH, the CUDA extension
 : > "$OUT/commands.txt"
 
 run() {  # name, timeout, command...
