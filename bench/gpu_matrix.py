@@ -156,6 +156,9 @@ def _cases() -> list[Case]:
         Case("recompute-activations", (GAE, "actor.recompute_activations=true",
                                        "critic.recompute_activations=true")),
         Case("keep-weights-buffer", ("rollout.keep_weights_buffer=true",)),
+        # The reference's weights in host memory between its passes.
+        Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
+             expect=("actor/kl_loss",)),
         # A rule source (scored by reward.custom_fn, which replaces the built-in dispatch) and a
         # custom source, weighted.
         Case("reward-sources", (

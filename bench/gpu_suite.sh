@@ -13,7 +13,8 @@
 # `grpo trl` each fit in one.
 #
 # $OUT gets per part NAME.log and NAME.json (rollout, rollout_long, actor_1.5b, actor_3b,
-# grpo_step, trl_grpo, kernels), commands.txt (what each part ran), results_entry.md and
+# grpo_step, ppo_step, trl_grpo, kernels), commands.txt (what each part ran), all packed into
+# suite_files.tar.gz at the end (the device returns at most 8 files), results_entry.md and
 # summary.json, and RESULTS.md: bench/RESULTS.md with the new entry appended. The device copy of
 # the tree has no .git (so pass COMMIT=$(git rev-parse --short HEAD) for the entry) and only $OUT
 # comes back: copy the returned $OUT/RESULTS.md over bench/RESULTS.md to keep the entry. Parts
@@ -94,3 +95,9 @@ if compgen -G "$OUT/*.json" > /dev/null; then  # the tests and quickstart parts 
   python3 bench/report.py "$OUT" --append --results "$OUT/RESULTS.md" \
     --command "bash bench/gpu_suite.sh $PARTS" ${COMMIT:+--commit "$COMMIT"}
 fi
+# The device returns at most 8 files: keep the report's (*.md, summary.json) and pack the rest.
+pack=()
+for f in "$OUT"/*.log "$OUT"/*.json "$OUT"/commands.txt; do
+  [ -f "$f" ] && [ "$(basename "$f")" != summary.json ] && pack+=("$(basename "$f")")
+done
+if [ ${#pack[@]} -gt 0 ]; then tar czf "$OUT/suite_files.tar.gz" -C "$OUT" --remove-files "${pack[@]}"; fi
