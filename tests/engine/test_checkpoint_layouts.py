@@ -133,6 +133,55 @@ def test_async_save_commits_on_finalize_with_values_of_its_step(tmp_path):
         assert r["same"] and r["step"] == 1
 
 
+def _two_roles_async_save_then_load(rank, world_size, root, shared):
+    """PPO's case: actor and critic saved asynchronously at the same step."""
+    from tests.engine import checkpoint_trainer as ct
+    from verl_mcore.engine import checkpoint
+
+    ct.seed_everything(0)
+    batches = _batches()
+    roles = {}
+    for name in ("actor", "critic"):
+        # Models of different layouts (as actor and critic are): their write results differ.
+        chunks, optimizer, scheduler = ct.build(bf16=name == "critic")
+        ct.train_step(chunks, optimizer, scheduler, batches[0 if name == "actor" else 1])
+        roles[name] = (chunks, optimizer, scheduler)
+    saves = checkpoint.AsyncSaves() if shared else None
+    out = {}
+    with _children_allowed():
+        savers = {name: checkpoint.Checkpointer(os.path.join(root, name), async_save=True,
+                                                async_saves=saves if shared else checkpoint.AsyncSaves())
+                  for name in roles}
+        expected = {}
+        for name in ("critic", "actor"):  # RunCheckpoints' order; the critic's writes end first
+            chunks, optimizer, scheduler = roles[name]
+            savers[name].save(1, chunks, optimizer, scheduler, {"step": 1})
+            expected[name] = {k: v.detach().clone() for k, v in chunks[0].module.state_dict().items()
+                              if isinstance(v, torch.Tensor)}
+        for name in ("actor", "critic"):  # RunCheckpoints.close's order
+            savers[name].close()
+        for name in roles:
+            fresh, fresh_opt, fresh_sched = ct.build(bf16=name == "critic")
+            try:
+                checkpoint.load_checkpoint(checkpoint.find_latest_checkpoint(os.path.join(root, name)),
+                                           fresh, fresh_opt, fresh_sched)
+            except Exception as e:  # noqa: BLE001 - the unshared queues' failure, reported
+                out[name] = f"{type(e).__name__}: {e}"[:200]
+                continue
+            got = fresh[0].module.state_dict()
+            out[name] = all(torch.equal(got[k], v) for k, v in expected[name].items())
+    return out
+
+
+@pytest.mark.slow
+def test_two_roles_saved_async_at_one_step_both_load(tmp_path):
+    """One AsyncSaves for both roles (RunCheckpoints): both checkpoints hold their own values.
+    With a queue each, megatron's process-wide write-results queue mixed the two saves."""
+    results = run_on_ranks(_two_roles_async_save_then_load, 2, (str(tmp_path), True), timeout=TIMEOUT)
+    for r in results:
+        assert r == {"actor": True, "critic": True}, r
+
+
 def _load_with_mismatched_config(rank, world_size, root):
     from megatron.core import parallel_state
 

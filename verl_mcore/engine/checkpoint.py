@@ -185,6 +185,38 @@ class _PendingSave:
     final: str
 
 
+class AsyncSaves:
+    """The asynchronous saves of one process: megatron's queue of async calls, at most one save
+    in flight. megatron's async writer gathers every save's write results through one
+    process-wide queue (dist_checkpointing.strategies.filesystem_async._results_queue), so two
+    saves in flight at once can each take the other's results and write the other's file
+    offsets into their `.metadata`: PPO's actor and critic, saved asynchronously at the same
+    step by two queues, left an actor checkpoint that failed to load (UnpicklingError). Every
+    Checkpointer of a run shares one AsyncSaves (RunCheckpoints)."""
+
+    def __init__(self):
+        self._queue = None
+
+    def schedule(self, request) -> None:
+        self.finalize(blocking=True)  # the one in flight first
+        if self._queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue()
+        self._queue.schedule_async_request(request)
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Commit the saves whose writes finished on all ranks (all of them when blocking)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.close()
+            self._queue = None
+
+
 class Checkpointer:
     """Saves and loads checkpoints under one root directory (see the module docstring).
 
@@ -199,6 +231,8 @@ class Checkpointer:
     model_chunks: the megatron model chunks (DDP-wrapped or not; one per virtual pipeline stage).
     optimizer: a MegatronOptimizer (distributed or not, possibly chained) or None.
     scheduler: an OptimizerParamScheduler or None.
+    async_saves: shared with the other Checkpointers of the process (see AsyncSaves); its own
+    when not given.
     """
 
     def __init__(
@@ -208,6 +242,7 @@ class Checkpointer:
         async_save: bool = False,
         save_optimizer: bool = True,
         optimizer_sharding: str = "fully_reshardable",
+        async_saves: Optional[AsyncSaves] = None,
     ):
         if optimizer_sharding not in OPTIMIZER_SHARDINGS:
             raise ValueError(
@@ -219,13 +254,13 @@ class Checkpointer:
         self.keep_last = keep_last
         self.async_save = async_save
         self.save_optimizer = save_optimizer
-        self._async_queue = None
+        self.async_saves = async_saves or AsyncSaves()
 
     @classmethod
-    def from_config(cls, cfg, root: str) -> "Checkpointer":
+    def from_config(cls, cfg, root: str, async_saves: Optional[AsyncSaves] = None) -> "Checkpointer":
         """From a config.schema.CheckpointConfig."""
         return cls(root, keep_last=cfg.keep_last, async_save=cfg.async_save,
-                   save_optimizer=cfg.save_optimizer)
+                   save_optimizer=cfg.save_optimizer, async_saves=async_saves)
 
     def save(
         self,
@@ -244,8 +279,9 @@ class Checkpointer:
         final = os.path.join(self.root, checkpoint_name(step))
         tmp = os.path.join(self.root, TMP_PREFIX + checkpoint_name(step))
         if self.async_save:
-            # One save in flight at a time: the previous one must commit before this one starts
-            # (rotation and `latest` assume commits happen in step order).
+            # One save in flight at a time (this role's or another's, AsyncSaves): the previous
+            # one must commit before this one starts (rotation and `latest` assume commits happen
+            # in step order).
             self.maybe_finalize(blocking=True)
         if rank == 0:
             if os.path.exists(tmp):
@@ -289,28 +325,17 @@ class Checkpointer:
             self._commit(pending, meta)
         else:
             request.add_finalize_fn(lambda: self._commit(pending, meta))
-            self._queue().schedule_async_request(request)
+            self.async_saves.schedule(request)
         return final
 
     def maybe_finalize(self, blocking: bool = False) -> None:
         """Async saves: commit every save whose writes have finished on all ranks (all of them
         when blocking). Collective; call it at the same point of every step on every rank."""
-        if self._async_queue is not None:
-            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        self.async_saves.finalize(blocking=blocking)
 
     def close(self) -> None:
-        """Wait for and commit pending async saves."""
-        if self._async_queue is not None:
-            self._async_queue.maybe_finalize_async_calls(blocking=True)
-            self._async_queue.close()
-            self._async_queue = None
-
-    def _queue(self):
-        if self._async_queue is None:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            self._async_queue = AsyncCallsQueue()
-        return self._async_queue
+        """Wait for and commit pending async saves (of every Checkpointer sharing the queue)."""
+        self.async_saves.close()
 
     def _commit(self, pending: _PendingSave, meta: dict) -> None:
         """Make a fully written temporary directory the newest checkpoint (rank 0 does the file
