@@ -81,6 +81,18 @@ def _transformer_config(cfg: Config, info: ModelInfo, dtype: str, tp: int, pp: i
     return transformer_config(info.arch, tp=tp, pp=pp, dtype=dtype, **extra)
 
 
+def padded_vocab(cfg: Config, arch) -> int:
+    """The padded vocabulary of every model of the run: the training layout's, a multiple of
+    lcm(model.make_vocab_size_divisible_by, TP_t) (models/hf_config.padded_vocab_size).
+
+    The generation model takes this same size whatever its TP_g: its vocabulary shards are then
+    TP_t / TP_g training shards end to end (TP_g divides TP_t, so it divides this size too).
+    Padding for TP_g instead, or by Megatron's divisible × TP rule, gives another size for most
+    vocabularies (36 ids at TP_t = 2 -> TP_g = 1: 128 rows here, 256 by that rule)."""
+    return arch.padded_vocab_size(cfg.parallel.tensor_model_parallel_size,
+                                  cfg.model.make_vocab_size_divisible_by)
+
+
 def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, optim=None,
                  recompute: bool = False, lr_decay_steps: int = 1):
     from verl_mcore.engine.engine import MegatronEngine
@@ -90,12 +102,11 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
     config = _transformer_config(cfg, info, dtype, p.tensor_model_parallel_size,
                                  p.pipeline_model_parallel_size,
                                  p.virtual_pipeline_model_parallel_size)
-    arch, divisible = info.arch, cfg.model.make_vocab_size_divisible_by
+    arch, vocab = info.arch, padded_vocab(cfg, info.arch)
 
     def provider(config, pre_process, post_process, vp_stage):
         return build_gpt_model(arch, config, role=role, pre_process=pre_process,
-                               post_process=post_process, vp_stage=vp_stage,
-                               vocab_divisible_by=divisible)
+                               post_process=post_process, vp_stage=vp_stage, padded_vocab=vocab)
 
     return MegatronEngine(provider, config, groups.train, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
@@ -172,10 +183,11 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
         return unwrap(actor.engine.model[0]), None
     config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
     config.perform_initialization = False  # the repartition writes every weight
-    # Same padded vocabulary as training, so vocab shards concatenate exactly.
-    divisible = cfg.model.make_vocab_size_divisible_by * (p.tensor_model_parallel_size // tp_g)
+    # The training model's padded vocabulary, so its vocab shards concatenate into ours; the
+    # Repartitioner refuses two different sizes before any weight moves.
     gen = build_gpt_model(info.arch, config, role="actor", pg_collection=groups.gen,
-                          pre_process=True, post_process=True, vocab_divisible_by=divisible)
+                          pre_process=True, post_process=True,
+                          padded_vocab=padded_vocab(cfg, info.arch))
     device = next(unwrap(actor.engine.model[0]).parameters()).device
     gen = gen.to(device).eval().requires_grad_(False)
     chunks = [unwrap(m) for m in actor.engine.model]

@@ -51,14 +51,16 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       aside, whose fp32 copies the GPU's fused norm does not keep).
   logits              last stage, actor only: T·V/t bf16 logits kept for the fused log-prob /
                       entropy op, plus their gradient of the same size in backward.
-  generation weights  the TP_g-only copy of the actor that the engine reads: 2·P_full/TP_g
-                      (none when TP_g = t and p = 1: the training parameters are used in place).
+  generation weights  the TP_g-only copy of the actor that the engine reads: 2·P_full/TP_g, the
+                      vocabulary padded as in training, for t (none when TP_g = t and p = 1: the
+                      training parameters are used in place).
   KV cache            2 (K, V) · layers · kv_g · hd · 2 bytes per token, kv_g = max(kv/TP_g, 1),
                       for min(rollout.max_num_seqs, sequences per generation group) sequences of
                       max_prompt_length + max_response_length tokens.
-  engine overhead     fp32 sampling logits of the decoding batch (×3: logits, probabilities,
-                      sorted copy for top-p) + one layer's activations for a prefill chunk of
-                      PREFILL_CHUNK_TOKENS tokens (logits only for each prompt's last token).
+  engine overhead     fp32 sampling logits of the decoding batch over the whole (gathered)
+                      vocabulary (×3: logits, probabilities, sorted copy for top-p) + one layer's
+                      activations for a prefill chunk of PREFILL_CHUNK_TOKENS tokens (logits only
+                      for each prompt's last token).
   runtime             RUNTIME_OVERHEAD_GIB: CUDA context, NCCL buffers of all groups, cuBLAS
                       workspaces. A guess to calibrate against measured peaks.
   rollout batch       the step's global batch on every rank after generation: input_ids (int64,
@@ -199,9 +201,11 @@ def layer_params(dims: ModelDims, tp: int) -> int:
     return attn + mlp + 2 * h  # two RMSNorm weights, replicated over TP
 
 
-def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int) -> int:
-    """Parameters held by one rank of pipeline stage `stage`."""
-    vocab_shard = padded_vocab(dims, tp, divisible_by) // tp * dims.hidden_size
+def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int,
+                 vocab_tp: Optional[int] = None) -> int:
+    """Parameters held by one rank of pipeline stage `stage`. The vocabulary is padded for TP
+    `vocab_tp` (default `tp`): the generation copy keeps the training TP's padding."""
+    vocab_shard = padded_vocab(dims, vocab_tp or tp, divisible_by) // tp * dims.hidden_size
     n = dims.num_layers // pp * layer_params(dims, tp)
     if stage == 0:
         n += vocab_shard
@@ -345,17 +349,18 @@ def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> 
     p, r, d = cfg.parallel, cfg.rollout, cfg.data
     tp_g = r.tensor_parallel_size
     dp_g = world // tp_g
-    if tp_g == p.tensor_model_parallel_size and p.pipeline_model_parallel_size == 1:
+    tp_t, div = p.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by
+    if tp_g == tp_t and p.pipeline_model_parallel_size == 1:
         weights = 0  # the training layout already is the generation layout
-    else:  # bf16, every layer of this rank's TP_g slice
-        weights = 2 * stage_params(dims, tp_g, 1, 0, cfg.model.make_vocab_size_divisible_by)
+    else:  # bf16, every layer of this rank's TP_g slice, vocabulary padded as training pads it
+        weights = 2 * stage_params(dims, tp_g, 1, 0, div, vocab_tp=tp_t)
     seqs = math.ceil(d.train_batch_size * r.n / dp_g)
     concurrent = min(r.max_num_seqs, seqs)
     seq_len = d.max_prompt_length + d.max_response_length
     kv_g = max(dims.num_key_value_heads // tp_g, 1)
     kv_cache = 2 * dims.num_layers * kv_g * dims.head_dim * 2 * seq_len * concurrent
-    vocab_g = padded_vocab(dims, tp_g, cfg.model.make_vocab_size_divisible_by) // tp_g
-    sampling = 3 * 4 * concurrent * vocab_g
+    # Every rank samples from the full vocabulary: the TP_g logit shards are all-gathered first.
+    sampling = 3 * 4 * concurrent * padded_vocab(dims, tp_t, div)
     chunk = min(PREFILL_CHUNK_TOKENS, concurrent * d.max_prompt_length)
     prefill = chunk * activation_bytes_per_token_layer(dims, tp_g, False)
     return {"generation weights": weights, "KV cache": kv_cache, "engine overhead": sampling + prefill}

@@ -80,6 +80,7 @@ def test_yaml_round_trip():
     (4, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=2",
          "actor.micro_batch_size_per_gpu=3"], ["actor.micro_batch_size_per_gpu=3"]),
     (1, ["data.max_prompt_length=0"], ["data.max_prompt_length=0 must be positive"]),
+    (1, ["model.make_vocab_size_divisible_by=0"], ["model.make_vocab_size_divisible_by=0 must be >= 1"]),
     (1, ["rollout.n=1", "algorithm.adv_estimator=grpo"], ["set rollout.n >= 2"]),
     (1, ["actor.max_tokens_per_microbatch=100", "data.max_prompt_length=64",
          "data.max_response_length=64"], ["actor.max_tokens_per_microbatch=100 is smaller"]),

@@ -132,6 +132,18 @@ def test_progress_resets_and_idle_outside_phases():
         wd.stop()
 
 
+def test_stop_wakes_the_thread_watching_signals():
+    """The thread waits in select() on the signal pipe for poll_s (10 s by default): stop()
+    returns at once, and its wake-up is not reported as a signal (Trainer.finish waited 10 s)."""
+    stream = io.StringIO()
+    wd = Watchdog(100, rank=0, poll_s=10, stream=stream).start(watch_signals=True)
+    time.sleep(0.2)  # the thread is in select()
+    start = time.monotonic()
+    wd.stop()
+    assert time.monotonic() - start < 2
+    assert stream.getvalue() == ""
+
+
 def test_nested_phase_inherits_step_and_current():
     wd = Watchdog(10, rank=0)
     assert wd.current() is None

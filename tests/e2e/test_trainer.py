@@ -61,9 +61,11 @@ def _train(rank, world_size, overrides):
     return code
 
 
-def _check_run(run_dir: Path, algo: str):
+def _check_metrics(run_dir: Path, algo: str, steps: int) -> list[dict]:
+    """Every step's metrics row: the named metrics present and finite, and the weight-sync check
+    passed (the engine samples from the actor's weights)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     needed = COMMON + (WITH_CRITIC if algo == "ppo" else [])
     for row in rows:
         missing = [k for k in needed if k not in row]
@@ -71,6 +73,11 @@ def _check_run(run_dir: Path, algo: str):
         bad = [k for k in needed if row[k] is None or not math.isfinite(row[k])]
         assert not bad, f"step {row['step']}: non-finite {bad}"
         assert row["rollout/logprob_diff_max"] < 1e-3  # generation weights == actor weights
+    return rows
+
+
+def _check_run(run_dir: Path, algo: str):
+    rows = _check_metrics(run_dir, algo, 3)
     assert any(k.startswith("val/") and "score/mean@" in k for k in rows[1])
     ckpts = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("step_*"))
     assert ckpts == ["step_00000002", "step_00000003"]
@@ -96,6 +103,50 @@ def test_trainer_four_ranks_tp2_pp2_gen_tp2(tiny_model, tmp_path, algo):
                          timeout=900, fresh=True)
     assert codes == [0, 0, 0, 0]
     _check_run(run_dir, algo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation TP below training TP, with vocabularies whose padding Megatron's old "divisible × TP"
+# rule gets wrong (issue 17): the generation model must pad exactly as the training model does.
+
+@pytest.fixture(scope="module")
+def tiny_model_4_kv_heads(tmp_path_factory):
+    """The quickstart model with as many KV heads as query heads: TP = 4 needs 4 KV groups."""
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_mha") / "model"), kv_heads=4)
+
+
+def _old_and_new_padding(model_dir: str, tp: int, tp_g: int, divisible_by: int) -> tuple[int, int]:
+    """(generation padding under Megatron's divisible × TP_t / TP_g rule, the training padding)."""
+    from verl_mcore.models.hf_config import padded_vocab_size, read_hf_arch
+
+    vocab = read_hf_arch(model_dir).vocab_size
+    return (padded_vocab_size(vocab, tp_g, divisible_by * tp // tp_g),
+            padded_vocab_size(vocab, tp, divisible_by))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("algo, layout, divisible_by", [
+    ("grpo", (2, 1, 1), 128),  # DP = 2; 36 ids pad to 128 (old rule: 256)
+    ("ppo", (2, 2, 1), 100),   # DP = 1, PP = 2; 100 (old rule: 200)
+    ("grpo", (4, 1, 2), 7),    # DP = 1; 56, the last TP_t shard all padding (old rule: 42)
+    ("ppo", (4, 1, 2), 128),   # 128 (old rule: 256)
+])
+def test_trainer_generation_tp_below_training_tp(tiny_model, tiny_model_4_kv_heads, tmp_path, algo,
+                                                 layout, divisible_by):
+    tp, _, tp_g = layout
+    model_dir = tiny_model_4_kv_heads if tp == 4 else tiny_model
+    old, new = _old_and_new_padding(model_dir, tp, tp_g, divisible_by)
+    assert old != new  # else this run would not tell the two rules apart
+    run_dir = tmp_path / "run"
+    overrides = _overrides(model_dir, run_dir, algo, layout) + [
+        f"model.make_vocab_size_divisible_by={divisible_by}", "trainer.total_steps=2",
+        "trainer.val_every=0", "checkpoint.save_every=0", "actor.ppo_epochs=1"]
+    codes = run_on_ranks(_train, 4, args=(overrides,), timeout=600, fresh=True)
+    assert codes == [0, 0, 0, 0]
+    _check_metrics(run_dir, algo, 2)
 
 
 # ---------------------------------------------------------------------------------------------

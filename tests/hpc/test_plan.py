@@ -68,6 +68,17 @@ def test_kv_cache_formula():
     assert g["generation weights"] == 2 * plan.stage_params(dims, 8, 1, 0, 128)
 
 
+def test_generation_weights_keep_the_training_vocabulary_padding():
+    """TP_t = 8 -> TP_g = 4 with make_vocab_size_divisible_by = 5: the generation copy holds the
+    training model's 128280 vocabulary rows (lcm(5, 8) = 40), not the 128260 of padding for TP_g."""
+    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    cfg = _cfg("rollout.tensor_parallel_size=4", "model.make_vocab_size_divisible_by=5")
+    g = plan.generation_bytes(cfg, dims, 64, plan.Knobs())
+    padded_for_tp_g = plan.stage_params(dims, 4, 1, 0, 5)
+    extra_rows = 2 * (128280 - 128260) // 4  # embedding and output layer, over TP_g = 4
+    assert g["generation weights"] == 2 * (padded_for_tp_g + extra_rows * dims.hidden_size)
+
+
 def test_70b_layout_fits_and_prints_groups(capsys):
     assert plan.main(["--config", PPO70B, "--nodes", "8", "--gpus-per-node", "8"]) == 0
     out = capsys.readouterr().out

@@ -40,16 +40,18 @@ def setup(tp: int, tp_gen: int, pp: int = 1):
     return build_groups(cfg)
 
 
-def generation_model(hf_dir: str, groups, tp_gen: int, tp_train: int, load: bool = True):
-    """The TP_g generation-layout GPTModel (fp32), with the training model's padded vocabulary."""
+def generation_model(hf_dir: str, groups, tp_gen: int, tp_train: int, load: bool = True,
+                     divisible_by: int = 128):
+    """The TP_g generation-layout GPTModel (fp32), with the padded vocabulary of a training model
+    at TP = tp_train (build.padded_vocab)."""
     from verl_mcore.models.gpt import build_gpt_model
-    from verl_mcore.models.hf_config import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_arch, transformer_config
+    from verl_mcore.models.hf_config import read_hf_arch, transformer_config
     from verl_mcore.models.hf_weights import load_hf_weights
 
     arch = read_hf_arch(hf_dir)
     model = build_gpt_model(arch, transformer_config(arch, tp=tp_gen, dtype="fp32"), role="actor",
                             pg_collection=groups.gen,
-                            vocab_divisible_by=DEFAULT_VOCAB_DIVISIBLE_BY * tp_train // tp_gen)
+                            padded_vocab=arch.padded_vocab_size(tp_train, divisible_by))
     if load:
         load_hf_weights(model, arch, hf_dir, role="actor")
     return arch, model
@@ -209,4 +211,84 @@ def sync_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int):
         res["corrupt"] = None
     except WeightSyncError as e:
         res["corrupt"] = str(e)
+    return res
+
+
+def _lm_head(model) -> torch.Tensor:
+    """The LM head's weight of a GPTModel holding every layer (the embedding when tied)."""
+    head = model.output_layer.weight
+    return head if head is not None else model.embedding.word_embeddings.weight
+
+
+def _global_max(x: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def padding_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int, divisible_by: int):
+    """Huge logits on the padding ids (LM-head rows >= the real vocabulary, randomly large, so at
+    every position some padding id has by far the largest logit): the engine's samples and
+    log-probs and the trainer's log-probs of the sync check are those of the clean model."""
+    from verl_mcore.config import Config
+    from verl_mcore.models.gpt import build_gpt_model
+    from verl_mcore.models.hf_config import transformer_config
+    from verl_mcore.models.hf_weights import load_hf_weights
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.repartition import Repartitioner
+    from verl_mcore.rollout.sync_check import check_weight_sync, model_logprobs_fn
+
+    groups = setup(tp_train, tp_gen)
+    arch, gen = generation_model(hf_dir, groups, tp_gen, tp_train, load=False,
+                                 divisible_by=divisible_by)
+    train = build_gpt_model(arch, transformer_config(arch, tp=tp_train, dtype="fp32"), role="actor",
+                            vocab_divisible_by=divisible_by)
+    load_hf_weights(train, arch, hf_dir, role="actor")
+    rollout_cfg = Config.load(None, ["rollout.max_num_seqs=4"]).rollout
+    engine = NativeEngine.from_config(rollout_cfg, gen, vocab_size=arch.vocab_size, groups=groups,
+                                      repartitioner=Repartitioner([train], gen, groups, True))
+    trainer = model_logprobs_fn(train, arch.vocab_size, groups.train.tp)
+    prompts = PROMPTS[groups.gen_dp_rank::groups.layout.dp_gen]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, logprobs=True)
+    sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5, logprobs=True)
+
+    def run():
+        engine.load_weights()
+        out = {}
+        for name, sp in (("greedy", greedy), ("sampled", sampled)):
+            outs = engine.generate(PROMPTS, sp)
+            out[name] = [o.token_ids for o in outs]
+            out[name + "_logp"] = [o.logprobs for o in outs]
+            theirs = trainer([PROMPTS[o.prompt_index] for o in outs], [o.token_ids for o in outs],
+                             sp.temperature)
+            out[name + "_trainer"] = [t.tolist() for t in theirs]
+        out["check"] = check_weight_sync(engine, trainer, prompts, sampled, max_abs_diff=1e-4)
+        return out
+
+    res = {"vocab": arch.vocab_size, "padded": train.vocab_size, "clean": run()}
+    head = _lm_head(train)  # this TP_t rank's rows [start, start + rows) of the padded head
+    rows = head.shape[0]
+    start = groups.train.tp.rank() * rows
+    # The same poison on every rank, sliced per shard: rows in +/- pairs, so at any position one
+    # row of each pair has a logit of 1e3 * |h . r| > 0.
+    g = torch.Generator().manual_seed(11)
+    pairs = torch.randn(-(-(train.vocab_size - arch.vocab_size) // 2), head.shape[1], generator=g)
+    poison = torch.stack([pairs, -pairs], dim=1).flatten(0, 1) * 1e3
+    lo = max(arch.vocab_size, start)
+    with torch.no_grad():
+        if lo < start + rows:
+            head[lo - start:] = poison[lo - arch.vocab_size: start + rows - arch.vocab_size]
+        # The poison is real: at every position of every prompt a padding id has the top logit.
+        tokens = torch.tensor([PROMPTS[0]])
+        logits = train(tokens, torch.arange(tokens.shape[1])[None], None)[0]  # [s, V_local]
+        ids = torch.arange(start, start + rows)
+        real = _global_max(logits.masked_fill(ids >= arch.vocab_size, float("-inf")).amax(-1),
+                           groups.train.tp)
+        pad = _global_max(logits.masked_fill(ids < arch.vocab_size, float("-inf")).amax(-1),
+                          groups.train.tp)
+    res["poison_margin"] = (pad - real).min().item()
+    res["poisoned"] = run()
     return res

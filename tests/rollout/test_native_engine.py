@@ -99,3 +99,28 @@ def test_weight_sync_check_after_repartition(hf_model):
         assert res["slots"] == 4
         # Rank 0's copy was corrupted; both ranks stop together.
         assert res["corrupt"] is not None and "logprob_check.max_abs_diff" in res["corrupt"], rank
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp_train, tp_gen, divisible_by, padded", [
+    (2, 1, 128, 256),  # repartitioned TP 2 -> 1; 6 padding ids, in the second TP_t shard
+    (2, 2, 100, 300),  # 50 padding ids in the second TP_g shard: gathered, then cut
+])
+def test_padding_ids_are_never_sampled_nor_counted(hf_model, tp_train, tp_gen, divisible_by, padded):
+    """The padding rows of the LM head get huge logits; the engine's tokens and log-probs and the
+    sync check's trainer log-probs stay those of the clean model."""
+    hf_dir, tokens, _ = hf_model
+    results = run_on_ranks(eb.padding_body, 2, args=(hf_dir, tp_train, tp_gen, divisible_by),
+                           timeout=240)
+    for rank, res in enumerate(results):
+        assert res["padded"] == padded
+        assert res["poison_margin"] > 100, rank  # unmasked, a padding id would win everywhere
+        clean, poisoned = res["clean"], res["poisoned"]
+        assert clean["greedy"] == tokens
+        for name in ("greedy", "sampled"):
+            assert poisoned[name] == clean[name], (rank, name)
+            assert all(0 <= t < res["vocab"] for ts in poisoned[name] for t in ts)
+            for key in (name + "_logp", name + "_trainer"):  # engine's, sync check trainer's
+                diff = max(abs(a - b) for x, y in zip(poisoned[key], clean[key]) for a, b in zip(x, y))
+                assert diff < 1e-5, (rank, key, diff)
+        assert poisoned["check"]["rollout/logprob_diff_max"] < 1e-4, rank

@@ -102,3 +102,18 @@ def test_repartition_matches_unsharded_slices(tp, pp, tp_gen, world, query_group
             assert s.bytes_received == 0
         else:
             assert s.bytes_received > 0
+
+
+def test_different_padded_vocabularies_are_refused_before_any_weight_moves():
+    """A generation model padded otherwise than the training model (e.g. by Megatron's
+    divisible × TP rule) is refused when the Repartitioner is built: no groups are touched."""
+    from verl_mcore.rollout.repartition import Repartitioner
+
+    class Model(torch.nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.decoder, self.vocab_size = torch.nn.Module(), vocab_size
+
+    with pytest.raises(ValueError, match="generation model pads the vocabulary to 256 rows, the "
+                                         "training model to 128; they must be equal"):
+        Repartitioner([Model(128), Model(128)], Model(256), groups=None, gated_linear_unit=True)

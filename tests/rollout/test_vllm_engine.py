@@ -11,13 +11,13 @@ from verl_mcore.rollout.base import SamplingParams
 from verl_mcore.rollout.vllm_engine import from_vllm_outputs, to_vllm_sampling, vllm_available
 
 
-def _stream_body(rank, world_size, hf_dir, tp_gen, bucket_bytes):
+def _stream_body(rank, world_size, hf_dir, tp_gen, bucket_bytes, tp_train, divisible_by):
     from tests.rollout import engine_bodies as eb
     from verl_mcore.models.hf_weights import HFCheckpoint
     from verl_mcore.rollout.vllm_engine import hf_weight_stream
 
     groups = eb.setup(tp_gen, tp_gen)
-    arch, model = eb.generation_model(hf_dir, groups, tp_gen, tp_gen)
+    arch, model = eb.generation_model(hf_dir, groups, tp_gen, tp_train, divisible_by=divisible_by)
     ckpt = HFCheckpoint(hf_dir)
     seen, mismatched, buckets = [], [], []
     for bucket in hf_weight_stream(model, arch, groups.gen_tp, bucket_bytes=bucket_bytes):
@@ -26,18 +26,28 @@ def _stream_body(rank, world_size, hf_dir, tp_gen, bucket_bytes):
             seen.append(name)
             if not torch.equal(tensor, ckpt.read(name)):
                 mismatched.append(name)
-    return {"seen": seen, "names": ckpt.names(), "mismatched": mismatched, "buckets": buckets}
+    return {"seen": seen, "names": ckpt.names(), "mismatched": mismatched, "buckets": buckets,
+            "padded": model.vocab_size}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family, tp_gen", [("qwen2_untied", 1), ("qwen2_untied", 2), ("qwen3", 2)])
-def test_hf_stream_reproduces_checkpoint(tmp_path, family, tp_gen):
+@pytest.mark.parametrize("family, tp_gen, tp_train, divisible_by, padded", [
+    ("qwen2_untied", 1, 1, 128, 256),
+    # Padded for training TP 4: the last 50 rows (in the second TP_g shard) are never sent.
+    ("qwen2_untied", 2, 4, 100, 300),
+    ("qwen3", 2, 2, 128, 256),
+])
+def test_hf_stream_reproduces_checkpoint(tmp_path, family, tp_gen, tp_train, divisible_by, padded):
+    """The stream is the HF checkpoint, tensor for tensor: the embedding and LM head have exactly
+    the HF vocabulary's rows (what vLLM's vocab-parallel weight loaders assert)."""
     from tests.models.hf_factory import save_tiny_model
 
     hf_dir = save_tiny_model(family, str(tmp_path / family), seed=5)
     bucket_bytes = 40_000
-    results = run_on_ranks(_stream_body, tp_gen, args=(hf_dir, tp_gen, bucket_bytes), timeout=180)
+    results = run_on_ranks(_stream_body, tp_gen, args=(hf_dir, tp_gen, bucket_bytes, tp_train,
+                                                       divisible_by), timeout=180)
     for rank, r in enumerate(results):
+        assert r["padded"] == padded
         assert r["mismatched"] == [], (rank, r["mismatched"])
         assert sorted(r["seen"]) == sorted(r["names"]), rank  # every HF tensor exactly once
         assert len(r["buckets"]) > 1

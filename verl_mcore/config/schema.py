@@ -29,7 +29,8 @@ class ModelConfig:
     checkpoint: Optional[str] = None
     tokenizer: Optional[str] = None  # defaults to `path`
     trust_remote_code: bool = False
-    # Pad the vocabulary to a multiple of this × TP (Megatron's make-vocab-size-divisible-by).
+    # Pad the vocabulary to a multiple of lcm(this, training TP) (Megatron's option of that name,
+    # whose own rule is this × TP); the generation model keeps that same padded size.
     make_vocab_size_divisible_by: int = 128
 
 

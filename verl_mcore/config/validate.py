@@ -65,7 +65,8 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list
                     ("parallel.pipeline_model_parallel_size", pp),
                     ("parallel.context_parallel_size", cp),
                     ("parallel.expert_model_parallel_size", ep),
-                    ("rollout.tensor_parallel_size", tp_g)]:
+                    ("rollout.tensor_parallel_size", tp_g),
+                    ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by)]:
         if v < 1:
             errs.append(f"{name}={v} must be >= 1")
     if errs:

@@ -129,6 +129,11 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._wakeup is not None:
+            try:  # the thread sleeps in select() on the signal pipe for up to poll_s: wake it
+                os.write(self._wakeup[1], b"\0")
+            except OSError:  # a full pipe wakes it as well
+                pass
         if self._thread is not None:
             self._thread.join(timeout=self.poll_s * 2 + 1)
             self._thread = None
@@ -184,6 +189,8 @@ class Watchdog:
         while not self._stopped.is_set():
             if self._wakeup is not None:
                 ready, _, _ = select.select([self._wakeup[0]], [], [], self.poll_s)
+                if self._stopped.is_set():
+                    return  # stop() woke us: its byte is not a signal
                 if ready:
                     self._report_signals()
             elif self._stopped.wait(self.poll_s):

@@ -55,7 +55,8 @@ def response_logprobs(
 
 
 def mask_padded_vocab(flat: Tensor, vocab_size: int, tp_group=None) -> Tensor:
-    """Push the logits of padded vocabulary ids (>= vocab_size) to a large negative value.
+    """Push the logits `[..., V_local]` of padded vocabulary ids (>= vocab_size) to a large
+    negative value: this TP rank's shard starts at id rank * V_local.
 
     Only shards that hold padding pay for a copy; the value is finite so that p * z stays 0 in
     the entropy (-inf would give 0 * -inf = NaN).

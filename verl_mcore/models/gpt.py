@@ -109,18 +109,27 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
                     pg_collection=None, use_te: Optional[bool] = None,
                     core_attention: str = "sdpa",
                     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+                    padded_vocab: Optional[int] = None,
                     vp_stage: Optional[int] = None):
     """This rank's GPTModel for `role` (weights initialised randomly; load them afterwards).
 
     `config` comes from `transformer_config(arch, ...)`; `pg_collection` (megatron
     ProcessGroupCollection) selects non-default TP/PP groups, otherwise megatron's parallel_state
-    is used. The vocabulary is padded to `arch.padded_vocab_size(tp, vocab_divisible_by)`;
-    `model.vocab_size` is the padded size and logits beyond `arch.vocab_size` are padding.
+    is used. The vocabulary is padded to `padded_vocab` rows when given (a generation model takes
+    its training model's, whose TP differs), else to `arch.padded_vocab_size(tp,
+    vocab_divisible_by)`; `model.vocab_size` is the padded size and logits beyond
+    `arch.vocab_size` are padding.
     """
     from megatron.core.models.gpt import GPTModel
 
     if role not in ROLES:
         raise ValueError(f"build_gpt_model: unknown role {role!r}; expected one of {list(ROLES)}")
+    tp = config.tensor_model_parallel_size
+    if padded_vocab is None:
+        padded_vocab = arch.padded_vocab_size(tp, vocab_divisible_by)
+    elif padded_vocab < arch.vocab_size or padded_vocab % tp:
+        raise ValueError(f"build_gpt_model: padded_vocab={padded_vocab} must be at least the "
+                         f"vocabulary ({arch.vocab_size}) and divisible by TP={tp}")
     # Packed (THD) RoPE without megatron's per-layer host syncs (models/rope.py); process-wide,
     # bit for bit the same values, and a no-op after the first model.
     install_packed_rope()
@@ -130,7 +139,7 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
     model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(arch, use_te, core_attention),
-        vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size, vocab_divisible_by),
+        vocab_size=padded_vocab,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre,
         post_process=post,

@@ -24,8 +24,8 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-# Megatron's default: pad the vocabulary to a multiple of 128 * TP. HF vocabularies of the supported
-# families (32000, 32768, 128256, 151936) are already multiples of 128, so padding is usually a no-op.
+# Megatron's default divisor (make-vocab-size-divisible-by). HF vocabularies of the supported
+# families (32000, 32768, 128256, 151936) are multiples of 128, so padding is usually a no-op.
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 
 

@@ -4,7 +4,8 @@ For every parameter of the generation model, in one fixed order on all ranks:
   1. pipeline gather: the pipeline stage that owns the tensor broadcasts its TP_t shard inside the
      pipeline group, so every rank holds the TP_t shard of every layer;
   2. tensor re-slice: the k = TP_t / TP_g ranks of a micro-DP group all-gather their TP_t shards,
-     which concatenate into this rank's TP_g shard (see distributed/groups.py for why).
+     which concatenate into this rank's TP_g shard (see distributed/groups.py for why). For the
+     vocabulary this needs both models padded to the same size (`check_same_padded_vocab`).
 The result is written straight into the generation model's parameters, which live in one flat
 buffer per rank (allocated once, reused every step, releasable between phases). No rank ever holds
 more than its TP_g shard plus one tensor in flight; nothing is staged through host memory.
@@ -51,6 +52,21 @@ def global_param_names(chunk: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 def generation_model_is_training_model(tp_train: int, pp: int, tp_gen: int, vpp: Optional[int]) -> bool:
     return tp_train == tp_gen and pp == 1 and not (vpp and vpp > 1)
+
+
+def check_same_padded_vocab(train_chunks: Iterable[torch.nn.Module], gen_model: torch.nn.Module) -> None:
+    """Refuse, before any weight moves, a generation model whose padded vocabulary differs from
+    the training model's: only equal sizes let TP_t vocabulary shards concatenate into TP_g ones
+    (otherwise the copy fails on a shape mid-way, or a padding row lands on a real id)."""
+    train = sorted({_unwrap(c).vocab_size for c in train_chunks})
+    gen = _unwrap(gen_model).vocab_size
+    if train != [gen]:
+        raise ValueError(
+            f"repartition: the generation model pads the vocabulary to {gen} rows, the training "
+            f"model to {', '.join(map(str, train))}; they must be equal so that the training TP "
+            "shards concatenate into the generation ones. Build the generation model with "
+            "build_gpt_model(..., padded_vocab=<training model>.vocab_size) "
+            "(verl_mcore.build.padded_vocab gives the run's size)")
 
 
 @dataclass
@@ -120,6 +136,8 @@ class Repartitioner:
 
     def __init__(self, train_chunks: Iterable[torch.nn.Module], gen_model: torch.nn.Module, groups,
                  gated_linear_unit: bool):
+        train_chunks = list(train_chunks)
+        check_same_padded_vocab(train_chunks, gen_model)
         self.groups = groups
         self.layout = groups.layout
         self.gated = gated_linear_unit

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from verl_mcore.engine.logprobs import mask_padded_vocab
 from verl_mcore.ops import logprob_entropy
 from verl_mcore.rollout.base import RolloutEngine, SamplingParams
 
@@ -34,8 +35,9 @@ def model_logprobs_fn(model: torch.nn.Module, vocab_size: int, tp_group=None) ->
     """Trainer log-probs from a GPTModel holding every layer (PP = 1), at any TP.
 
     Each prompt + response is one right-padded row of a causal forward; the logits of padded
-    vocabulary ids (>= vocab_size) are pushed to -1e30 so they take no probability mass, as in
-    the engine. Uses `verl_mcore.ops.logprob_entropy` over the vocab-parallel logits.
+    vocabulary ids (>= vocab_size) get no probability mass, as in the engine and the actor
+    (engine.logprobs.mask_padded_vocab). Uses `verl_mcore.ops.logprob_entropy` over the
+    vocab-parallel logits.
     """
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError("model_logprobs_fn: the model is one pipeline stage; pass the trainer's "
@@ -67,10 +69,8 @@ def model_logprobs_fn(model: torch.nn.Module, vocab_size: int, tp_group=None) ->
         model.eval()
         logits = model(tokens, positions, None)  # [b, s, V_local]
         model.train(was_training)
-        v_local = logits.shape[-1]
-        start = (dist.get_rank(tp_group) if tp_group is not None else 0) * v_local
-        ids = torch.arange(start, start + v_local, device=device)
-        logits = logits.float().masked_fill(ids >= vocab_size, -1e30)
+        start = (dist.get_rank(tp_group) if tp_group is not None else 0) * logits.shape[-1]
+        logits = mask_padded_vocab(logits.float(), vocab_size, tp_group)
         # Position t predicts token t + 1.
         target = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
         logp, _ = logprob_entropy(logits, target, tp_group=tp_group, temperature=temperature or 1.0,

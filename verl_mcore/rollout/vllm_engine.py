@@ -67,7 +67,14 @@ def hf_weight_stream(model: torch.nn.Module, arch: HFArch, tp_group=None, role: 
     Collective over `tp_group` (every rank of the group must consume the stream). One megatron
     tensor is gathered at a time and a bucket holds at most `bucket_bytes` (a single larger tensor
     goes alone), so no rank ever holds more than one bucket plus one tensor in flight beside its
-    shard. Vocabulary padding is dropped; fused QKV and gate/up are split back into HF tensors.
+    shard. Fused QKV and gate/up are split back into HF tensors.
+
+    The embedding and LM head go out as HF has them, `arch.vocab_size` rows: our padding rows
+    (up to the training layout's padded size) are dropped. vLLM wants exactly that: its
+    VocabParallelEmbedding / ParallelLMHead weight loader asserts that the loaded tensor has the
+    config's vocab_size rows and zero-fills vLLM's own padding rows (it pads to a multiple of 64),
+    and its LogitsProcessor cuts the logits to vocab_size before sampling, so no padding id of
+    either side can be sampled.
     """
     maps = {pm.mcore: pm for pm in wm.param_maps(arch, role)}
     bucket: list[tuple[str, torch.Tensor]] = []
