@@ -104,26 +104,37 @@ def _whiten_from_tile_stats(adv: Tensor, mask: Tensor, tile_stats: Tensor, eps: 
     extension().masked_normalize_(adv, mask, mean, 1.0 / math.sqrt(var + eps), stream)
 
 
+def _gae_cuda(rewards, values, mask, gamma, lam):
+    inputs = _kernel_inputs(rewards, values, mask)
+    if inputs is None or rewards.dim() != 2:
+        return _algo.gae(rewards, values, mask, gamma, lam)
+    stream = torch.cuda.current_stream(rewards.device).cuda_stream
+    adv, ret, _ = extension().gae(*inputs, float(gamma), float(lam), stream, -1, False)
+    return adv, ret
+
+
+def _gae_whitened_cuda(rewards, values, mask, gamma, lam, eps, group_name):
+    inputs = _kernel_inputs(rewards, values, mask)
+    if inputs is None or rewards.dim() != 2:
+        return _gae_whitened_reference(rewards, values, mask, gamma, lam, eps, group_name)
+    stream = torch.cuda.current_stream(rewards.device).cuda_stream
+    adv, ret, tile_stats = extension().gae(*inputs, float(gamma), float(lam), stream, -1, True)
+    _whiten_from_tile_stats(adv, inputs[2], tile_stats, eps, group_name)
+    return adv, ret
+
+
 if extension() is not None:
+    _gae_op.register_kernel("cuda")(_gae_cuda)
+    _gae_whitened_op.register_kernel("cuda")(_gae_whitened_cuda)
 
-    @_gae_op.register_kernel("cuda")
-    def _gae_cuda(rewards, values, mask, gamma, lam):
-        inputs = _kernel_inputs(rewards, values, mask)
-        if inputs is None or rewards.dim() != 2:
-            return _algo.gae(rewards, values, mask, gamma, lam)
-        stream = torch.cuda.current_stream(rewards.device).cuda_stream
-        adv, ret, _ = extension().gae(*inputs, float(gamma), float(lam), stream, -1, False)
-        return adv, ret
 
-    @_gae_whitened_op.register_kernel("cuda")
-    def _gae_whitened_cuda(rewards, values, mask, gamma, lam, eps, group_name):
-        inputs = _kernel_inputs(rewards, values, mask)
-        if inputs is None or rewards.dim() != 2:
-            return _gae_whitened_reference(rewards, values, mask, gamma, lam, eps, group_name)
-        stream = torch.cuda.current_stream(rewards.device).cuda_stream
-        adv, ret, tile_stats = extension().gae(*inputs, float(gamma), float(lam), stream, -1, True)
-        _whiten_from_tile_stats(adv, inputs[2], tile_stats, eps, group_name)
-        return adv, ret
+def _eager_kernel(t: Tensor) -> bool:
+    """Whether this call goes straight to the kernel's implementation instead of through the
+    registered op: eager calls on CUDA tensors with the extension loaded. torch.library's dispatch
+    of a Python custom op costs ~60 us a call on the H200 (ops.gae 0.146 ms against 0.083 ms for
+    the extension call at B=1024, T=8192; whitened: 0.294 against ~0.16 ms), as much as the
+    kernels themselves. Under torch.compile the registered op is what gets traced."""
+    return t.is_cuda and extension() is not None and not torch.compiler.is_compiling()
 
 
 def _fake(rewards, values, mask, *args):
@@ -151,6 +162,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     computed by the CUDA kernel for float32/bf16/fp16 GPU tensors when the extension is loaded.
     """
     _check_shapes("gae", rewards, values, mask)
+    if _eager_kernel(rewards):
+        return _gae_cuda(rewards, values, mask, float(gamma), float(lam))
     return _gae_op(rewards, values, mask, float(gamma), float(lam))
 
 
@@ -171,4 +184,7 @@ def gae_whitened(
     Raises ValueError below 2 valid tokens.
     """
     _check_shapes("gae_whitened", rewards, values, mask)
+    if _eager_kernel(rewards):
+        return _gae_whitened_cuda(rewards, values, mask, float(gamma), float(lam), float(eps),
+                                  _groups.group_name(group))
     return _gae_whitened_op(rewards, values, mask, float(gamma), float(lam), float(eps), _groups.group_name(group))
