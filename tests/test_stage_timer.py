@@ -9,11 +9,13 @@ GiB = 2**30
 
 
 class FakeAllocator:
-    """torch.cuda's allocated-bytes counter and its resettable peak."""
+    """torch.cuda's allocated-bytes counter and its resettable peak, and the allocator's count of
+    cudaMalloc retries (memory_stats()["num_alloc_retries"], which a peak reset leaves alone)."""
 
     def __init__(self, allocated: int = 0):
         self.allocated = allocated
         self.peak = allocated
+        self.retries = 0
 
     def alloc(self, n: int) -> None:
         self.allocated += n
@@ -33,6 +35,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem.peak)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", mem.reset_peak)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": mem.retries})
     return mem
 
 
@@ -47,12 +50,16 @@ def test_peak_per_phase_max_over_repeats_and_process_peak(fake_cuda):
     with timer("actor"):
         mem.alloc(1 * GiB)
         mem.free(1 * GiB)
-    with timer("actor"):  # a repeated phase keeps its largest peak
+    mem.retries += 5  # between phases: counted in none
+    with timer("actor"):  # a repeated phase keeps its largest peak, and sums its retries
         mem.alloc(2 * GiB)
+        mem.retries += 2
         mem.free(2 * GiB)
     m = timer.metrics()
     assert m["memory_gb/gen"] == 7.0 and m["memory_gb/actor"] == 6.0
-    assert set(m) == {"timing_s/gen", "timing_s/actor", "memory_gb/gen", "memory_gb/actor"}
+    assert m["memory/alloc_retries/gen"] == 0.0 and m["memory/alloc_retries/actor"] == 2.0
+    assert set(m) == {"timing_s/gen", "timing_s/actor", "memory_gb/gen", "memory_gb/actor",
+                      "memory/alloc_retries/gen", "memory/alloc_retries/actor"}
     # The phase resets did not lose the build peak: the process peak is still 10 GiB.
     assert timer.process_peak_bytes() == 10 * GiB
 
