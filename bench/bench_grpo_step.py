@@ -43,7 +43,6 @@ checkpointing) in its update; we do not (the memory fits).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -171,15 +170,13 @@ def planner_estimate(cfg, model_dir: str, world: int, gpus_per_node: int) -> dic
     the measured max_memory_allocated."""
     import torch
 
-    from verl_mcore.plan import Knobs, choose_offload, plan_memory, resolve_dims
+    from verl_mcore.plan import Knobs, plan_with_offload_choice, resolve_dims
 
     if not torch.cuda.is_available():
         return {}
-    dims = resolve_dims(model_dir)
     gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-    knobs = Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gib)
-    offload, why = choose_offload(cfg, dims, world, knobs)
-    memory = plan_memory(cfg, dims, world, dataclasses.replace(knobs, offload=offload))
+    offload, why, memory = plan_with_offload_choice(
+        cfg, resolve_dims(model_dir), world, Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gib))
     return {"offload": offload, "why": why,
             "gib": {name: (ph["total"] - ph["components"].get("runtime", 0)) / 2**30
                     for name, ph in memory.items() if name != "host"}}

@@ -236,44 +236,66 @@ def build_checkpointers(cfg: Config, run_dir: str):
 
 def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:
     """trainer.offload_between_phases for this run: (offload?, why). "auto" asks the planner with
-    this GPU's memory (plan.choose_offload); on CPU there is no device memory to free.
+    the memory of the job's smallest GPU (plan.choose_offload); on CPU there is no device memory
+    to free.
 
-    When even offloading leaves a phase over this GPU's memory, "auto" refuses to start (a run
-    that would run out of memory an hour into the queue), naming the phases and what they need;
-    an explicit true / false is taken as set, with a warning."""
-    import dataclasses
-
+    When even offloading leaves a phase over the GPU's memory, "auto" refuses to start (a run
+    that would run out of memory an hour into the queue), naming the phases and what they need
+    (ConfigError on every rank alike; train.py exits 2). An explicit true / false is taken as
+    set, with a warning. The estimates are for megatron's local layer spec (what bench/RESULTS.md
+    measured): with TransformerEngine installed they only warn."""
     import torch
 
-    from verl_mcore.plan import GiB, USABLE_FRACTION, Knobs, choose_offload, misfits, plan_memory, resolve_dims
+    from verl_mcore.models.gpt import have_transformer_engine
+    from verl_mcore.plan import GiB, USABLE_FRACTION, Knobs, misfits, plan_with_offload_choice, resolve_dims
 
     setting = cfg.trainer.offload_between_phases
+    explicit = setting != "auto"
+    as_set = (setting, f"trainer.offload_between_phases={str(setting).lower()}")
     if not torch.cuda.is_available():
-        if setting != "auto":
-            return setting, f"trainer.offload_between_phases={str(setting).lower()}"
-        return False, "auto: on CPU the training state already lives in host memory"
+        return as_set if explicit else (False, "auto: on CPU the training state already lives in host memory")
     try:
         dims = resolve_dims(info.hf_dir or cfg.model.path)
     except ConfigError as e:  # no HF config.json to read the shape from: the safe choice
-        if setting != "auto":
-            return setting, f"trainer.offload_between_phases={str(setting).lower()}"
-        return True, f"auto: no model shape for the planner ({e})"
-    gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        return as_set if explicit else (True, f"auto: no model shape for the planner ({e})")
+    gpu_gib = _smallest_gpu_gib()
     knobs = Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib)
-    offload, why = choose_offload(cfg, dims, world, knobs)
-    memory = plan_memory(cfg, dims, world, dataclasses.replace(knobs, offload=offload))
+    try:
+        offload, why, memory = plan_with_offload_choice(cfg, dims, world, knobs)
+    except Exception as e:  # noqa: BLE001 - the user chose; a planner bug must not stop the run
+        if not explicit:
+            raise
+        log.warning("memory planner failed (%s: %s); offload as set", type(e).__name__, e)
+        return as_set
     bad = [n for n in misfits(memory, knobs) if n != "host"]
-    if bad:
-        need = ", ".join(f"{n} {memory[n]['total'] / GiB:.1f} GiB" for n in bad)
-        msg = (f"the memory planner finds that with offload between phases "
-               f"{'on' if offload else 'off'} {need} would not fit the "
-               f"{gpu_gib * USABLE_FRACTION:.1f} usable GiB of this GPU; `python -m verl_mcore.plan "
-               f"--config ... --gpu-memory-gb {gpu_gib:.0f}` with this run's overrides names the "
-               "changes that make it fit (recompute, smaller micro-batches, more parallelism)")
-        if setting == "auto":
-            raise ConfigError(msg + "; or set trainer.offload_between_phases=true/false to try anyway")
-        log.warning("%s (trainer.offload_between_phases=%s: trying anyway)", msg, str(setting).lower())
-    return offload, why
+    if not bad:
+        return offload, why
+    need = ", ".join(f"{n} {memory[n]['total'] / GiB:.1f} GiB" for n in bad)
+    msg = (f"the memory planner finds that with offload between phases {'on' if offload else 'off'} "
+           f"{need} would not fit the {gpu_gib * USABLE_FRACTION:.1f} usable GiB of this GPU; "
+           f"`python -m verl_mcore.plan --config ... --gpu-memory-gb {gpu_gib:.0f}` with this run's "
+           "overrides names the changes that make it fit (recompute, smaller micro-batches, more "
+           "parallelism)")
+    if explicit or have_transformer_engine():
+        # TE's fused layers keep fewer activations than the local spec the model is calibrated on.
+        log.warning("%s; trying anyway (%s)", msg,
+                    as_set[1] if explicit else "TransformerEngine installed: the estimate may be high")
+        return offload, why
+    raise ConfigError(msg + "; or set trainer.offload_between_phases=true/false to try anyway")
+
+
+def _smallest_gpu_gib() -> float:
+    """GiB of the smallest GPU of the job (all ranks agree: a mixed job plans for the smallest,
+    and every rank takes the same offload decision)."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([float(total)], device=torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        total = t.item()
+    return total / 2**30
 
 
 def build_offloaders(cfg: Config, actor, critic, offload: bool) -> dict:

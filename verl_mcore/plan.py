@@ -77,11 +77,13 @@ gradient buffers of the actor and critic live in pinned host memory between phas
 they stay on the GPU; "auto" (the default) keeps them on the GPU when every phase fits that way
 and offloads otherwise (`choose_offload`, which the trainer runs too). Parameters of the actor,
 critic and reference stay on the GPU unless reference.offload_params. `--no-offload` is
-trainer.offload_between_phases=false. Phases: generate; score (forward-only log-probs and
-values); values (the critic's forward pass, GAE only: no logits); actor_update; critic_update
-(GAE only). The reference's weights are on the GPU in every phase unless
-reference.offload_params, and then only in score (the reference pass). Host memory per node = GPUs per node × what a
-GPU offloads. Reward models are not modelled yet.
+trainer.offload_between_phases=false. Phases: generate; score (the forward-only log-prob
+passes: old and reference log-probs); values (the critic's forward pass, GAE only: no logits);
+actor_update; critic_update (GAE only). The reference's weights are on the GPU in every phase
+unless reference.offload_params, and then only in score (the reference pass). Host memory per
+node = GPUs per node × what a GPU offloads. Reward models are not modelled yet. The activation
+terms are megatron's local layer spec (no TransformerEngine), as measured; TE's fused layers
+keep fewer tensors, so with TE the estimate errs high.
 """
 from __future__ import annotations
 
@@ -491,6 +493,14 @@ def choose_offload(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> tu
                    f"(peak {peak} {memory[peak]['total'] / GiB:.1f} GiB of {usable:.1f} usable)")
 
 
+def plan_with_offload_choice(cfg: Config, dims: ModelDims, world: int,
+                             knobs: Knobs) -> tuple[bool, str, dict]:
+    """(offload?, why, memory plan with that choice): what the trainer (build.resolve_offload),
+    this CLI and the benchmarks report."""
+    offload, why = choose_offload(cfg, dims, world, knobs)
+    return offload, why, plan_memory(cfg, dims, world, replace(knobs, offload=offload))
+
+
 # ---------------------------------------------------------------------------------------------
 # Suggestions: re-plan with one knob changed
 # ---------------------------------------------------------------------------------------------
@@ -714,9 +724,8 @@ def main(argv=None) -> int:
         print(f"plan: config error: {e}", file=sys.stderr)
         return EXIT_INVALID
     knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention)
-    offload, offload_why = choose_offload(cfg, dims, world, knobs)
+    offload, offload_why, memory = plan_with_offload_choice(cfg, dims, world, knobs)
     knobs = replace(knobs, offload=offload)
-    memory = plan_memory(cfg, dims, world, knobs)
     bad = misfits(memory, knobs)
     if args.json:
         print(json.dumps({"world_size": world, "nodes": nodes, "gpus_per_node": gpn,

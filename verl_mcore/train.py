@@ -60,7 +60,15 @@ def main(argv=None) -> int:
             f.write(cfg.to_yaml())
     from verl_mcore.trainer import Trainer
 
-    code = Trainer(cfg, launch=info).fit()
+    try:
+        trainer = Trainer(cfg, launch=info)
+    except ConfigError as e:
+        # Checks that need the devices (build.resolve_offload: the memory plan) run in the
+        # trainer, before any model is built; every rank reaches the same verdict.
+        if info.rank == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        return 2
+    code = trainer.fit()
     if code == 0:
         # Every rank finished the same last step; without this NCCL warns that resources leak.
         import torch.distributed as dist

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from verl_mcore import build
 from verl_mcore.config import Config
+from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import build_generation_phase
 
 log = logging.getLogger("verl_mcore.trainer")
@@ -135,7 +136,7 @@ class Trainer:
 
             cpu_compat.install()  # idempotent; also when the caller initialised torch.distributed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = _training_device()
+        self.device = training_device()
         self.run_dir = build.resolve_run_dir(cfg)
         self.groups = build_groups(
             cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
@@ -542,11 +543,6 @@ def make_rollout(samples, group_ids, info) -> Rollout:
 def _both(a, b):
     with a, b:
         yield
-
-
-def _training_device() -> torch.device:
-    """The device of this rank's models (the current CUDA device, else the CPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _seed_everything(seed: int, rank: int) -> None:

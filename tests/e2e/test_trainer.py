@@ -260,3 +260,32 @@ def test_nonfinite_skip_counts_and_keeps_weights_finite(tiny_model, tmp_path):
     assert rows[-1]["train/skipped_updates"] > 0
     # the weights stayed finite: the second step's log-probs and entropy are finite
     assert math.isfinite(rows[-1]["actor/old_entropy"])
+
+
+def _refused_by_trainer_check(rank, world_size, model_dir, tmp_path):
+    """train.main when a check inside the Trainer (the memory plan) raises ConfigError."""
+    import contextlib
+    import io
+
+    from verl_mcore import build, train
+    from verl_mcore.config import ConfigError
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("the memory planner finds that ... would not fit")
+
+    real, build.resolve_offload = build.resolve_offload, refuse
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = train.main(["--config", str(ROOT / "configs/quickstart.yaml")]
+                              + _overrides(model_dir, f"{tmp_path}/r", "grpo", (1, 1, 1)))
+    finally:
+        build.resolve_offload = real
+    return code, err.getvalue()
+
+
+def test_a_config_error_from_the_trainer_exits_2_with_one_message(tiny_model, tmp_path):
+    [(code, err)] = run_on_ranks(_refused_by_trainer_check, 1, args=(tiny_model, str(tmp_path)),
+                                 timeout=120, fresh=True)
+    assert code == 2 and "config error: the memory planner finds" in err
+    assert "Traceback" not in err

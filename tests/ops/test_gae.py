@@ -132,3 +132,17 @@ def test_trainer_gae_goes_through_ops_and_equals_the_loop(whiten, monkeypatch):
     if whiten:
         ref_adv = algo.masked_whiten(ref_adv, mask)
     assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret)
+
+
+def test_reward_to_go_through_ops_is_the_loop_bit_for_bit():
+    """REINFORCE++ and ReMax take their returns from ops.gae (values 0, lam 1): the same as
+    discounted_returns, holes and empty rows included."""
+    from verl_mcore.algo import advantages as algo
+
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.randn(6, 40, generator=g)
+    mask = (torch.rand(6, 40, generator=g) > 0.3).float()
+    mask[2] = 0
+    for gamma in (1.0, 0.99, 0.5):
+        assert torch.equal(algo._returns_via_ops(rewards, mask, gamma),
+                           algo.discounted_returns(rewards, mask, gamma))

@@ -255,3 +255,13 @@ def test_public_op_under_torch_compile(ext):
     expected = sum(o.sum() for o in ops.logprob_entropy(logits.detach(), target))
     torch.testing.assert_close(out, expected)
     assert torch.isfinite(logits.grad.float()).all()
+
+
+def test_reward_to_go_estimators_take_the_kernel(ext):
+    """REINFORCE++ / ReMax on CUDA: returns from the GAE kernel, equal to the CPU loop."""
+    rewards = torch.randn(32, 3000, device="cuda")
+    mask = (torch.rand(32, 3000, device="cuda") > 0.2).float()
+    got = algo._returns_via_ops(rewards, mask, 0.99)
+    ref = algo.discounted_returns(rewards.cpu().double(), mask.cpu(), 0.99)
+    assert got.is_cuda
+    assert (got.cpu().double() - ref).abs().max() <= 2e-5 * ref.abs().max().clamp_min(1)

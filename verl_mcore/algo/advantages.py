@@ -157,6 +157,16 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return out
 
 
+def _returns_via_ops(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """`discounted_returns`, computed by verl_mcore.ops.gae (the CUDA kernel on GPUs, the loop of
+    `gae` on the CPU): with values 0 and lam 1 GAE's recurrence is A_t = r_t + gamma * A_next
+    over the valid positions, exactly the reward-to-go (bit for bit on the CPU). On a GPU the
+    time loop above would launch ~5 kernels per token position."""
+    from verl_mcore import ops
+
+    return ops.gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # Whitening
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +341,7 @@ def reinforce_plus_plus(
     (over `group`) has fewer than 2 valid tokens; all-masked rows are fine and give zeros.
     """
     _check_token_shapes("reinforce_plus_plus", mask, token_rewards=token_rewards)
-    returns = discounted_returns(token_rewards, mask, gamma)
+    returns = _returns_via_ops(token_rewards, mask, gamma)
     return masked_whiten(returns, mask, group=group), returns
 
 
@@ -369,7 +379,7 @@ def remax(token_rewards: Tensor, baseline_scores: Tensor, mask: Tensor) -> tuple
     """
     _check_token_shapes("remax", mask, token_rewards=token_rewards)
     _check_per_sequence("remax", mask, baseline_scores=baseline_scores)
-    returns = discounted_returns(token_rewards, mask, 1.0)
+    returns = _returns_via_ops(token_rewards, mask, 1.0)
     base = baseline_scores.to(returns.dtype)
     return _broadcast_to_tokens(base, mask).neg_().add_(returns), returns
 

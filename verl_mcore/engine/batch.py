@@ -158,7 +158,9 @@ class TrainBatch:
 
 
 def _on(t: Tensor, device: torch.device) -> bool:
-    """Whether `t` is on `device`; a device without an index ("cuda") means the current one."""
+    """Whether `t` is on `device`; a CUDA device without an index means the current one."""
     if t.device.type != device.type:
         return False
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device.index is None or t.device.index == device.index

@@ -241,7 +241,7 @@ class MegatronEngine:
         if not forward_only and not self.trainable:
             raise RuntimeError("forward_backward(forward_only=False) on a forward-only engine (no optimizer)")
         n_micro = len(micro_batches)
-        device = _device()
+        device = training_device()
         scale = float(n_micro * self.dp_size)
         half = self.dtype != "fp32"
 
@@ -335,7 +335,7 @@ class MegatronEngine:
         result = None
         if self.is_last_stage:
             keys = sorted({k for d in per_micro_batch for k in d})
-            sums = torch.zeros(len(keys), dtype=torch.float64, device=_device())
+            sums = torch.zeros(len(keys), dtype=torch.float64, device=training_device())
             for d in per_micro_batch:
                 for i, k in enumerate(keys):
                     if k in d:
@@ -353,7 +353,7 @@ class MegatronEngine:
         """Per-micro-batch results `(rows [n], values [n, R])` of this rank -> `[num_rows, R]`
         float32 in batch order, the same on every rank (sum over DP, then over PP: each row is
         computed by exactly one DP rank, on the last stage)."""
-        out = torch.zeros(num_rows, width, dtype=torch.float32, device=_device())
+        out = torch.zeros(num_rows, width, dtype=torch.float32, device=training_device())
         if self.is_last_stage:
             for rows, values in parts:
                 if rows.numel():
@@ -369,7 +369,8 @@ class MegatronEngine:
         return sum(p.numel() for m in self.model for p in m.parameters())
 
 
-def _device() -> torch.device:
+def training_device() -> torch.device:
+    """The device this rank's models train on: the current CUDA device, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -262,6 +262,11 @@ class VLLMEngine(RolloutEngine):
             metrics["rollout/repartition_seconds"] = stats.seconds
             metrics["rollout/repartition_bytes_received"] = float(stats.bytes_received)
         if self.sleeping:
+            # vLLM allocates its weights and KV cache outside torch's caching allocator: memory
+            # torch holds cached (freed training state, the reference's offloaded weights) must
+            # go back to the driver first, as the native engine's wake does.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])  # the KV cache comes back after the push
         model = _vllm_model(self.llm)
         pushed = 0
