@@ -172,6 +172,7 @@ class Trainer:
         self.step_index = 0  # steps completed
         self.last_good_step = 0
         self.skipped_updates = 0
+        self.consecutive_skips: dict[str, int] = {}  # role -> skipped in a row (on_nonfinite=skip)
         self.memory_peak_bytes = 0  # CUDA: carried from step to step (StageTimer resets peaks)
         self._resume()
 
@@ -256,14 +257,12 @@ class Trainer:
         if self.critic is not None:
             with phase("critic"):
                 self.onload_training_state("critic")
-                critic_metrics, _ = self.critic.update(batch)
-            self.check_finite(step, "critic update", critic_metrics, role="critic")
+                critic_metrics = self.update(step, "critic", batch)
             metrics.update(critic_metrics)
         if step > cfg.critic.warmup_steps or self.critic is None:
             with phase("actor"):
                 self.onload_training_state("actor")
-                actor_metrics, _ = self.actor.update(batch)
-            self.check_finite(step, "actor update", actor_metrics)
+                actor_metrics = self.update(step, "actor", batch)
             metrics.update(actor_metrics)
             metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics.update(sync_metrics)
@@ -426,14 +425,38 @@ class Trainer:
             m["critic/vf_explained_var"] = float(1 - (returns - values).var(unbiased=False) / (var + 1e-8))
         return m
 
-    def check_finite(self, step: int, phase: str, metrics: dict, role: str = "actor") -> None:
+    def update(self, step: int, role: str, batch) -> dict[str, float]:
+        """`role`'s (actor or critic) PPO update of this step, checked (check_finite); a step
+        that diverged the weights stops the run naming the update and the last good step."""
+        from verl_mcore.engine.engine import DivergedStepError
+
+        try:
+            summary, per_step = getattr(self, role).update(batch)
+        except DivergedStepError as e:
+            raise NonFiniteError(f"the {role} update at step {step}: {e}. The last good step is "
+                                 f"{self.last_good_step} (its checkpoint, if saved, is intact).") from e
+        self.check_finite(step, f"{role} update", summary, per_step, role=role)
+        return summary
+
+    def check_finite(self, step: int, phase: str, metrics: dict, per_step: list[dict],
+                     role: str = "actor") -> None:
         """trainer.on_nonfinite=stop: a non-finite loss or grad norm stops the run, naming the
         phase and the last good step. =skip: the engine already refused those optimizer steps
-        (engine.optimizer_step); they are counted in `<role>/skipped` and, actor and critic
-        together, `train/skipped_updates`."""
+        (engine.optimizer_step); they are counted in `train/skipped_updates` (actor and critic
+        together), and trainer.max_consecutive_skips of one role in a row stop the run."""
         if self.cfg.trainer.on_nonfinite == "skip":
-            self.skipped_updates += int(round(metrics.get(f"{role}/skipped", 0.0) *
-                                              max(1, self._updates_per_step(role))))
+            for s in per_step:
+                self.skipped_updates += int(s.get("skipped", 0.0))
+                self.consecutive_skips[role] = (self.consecutive_skips.get(role, 0) + 1
+                                                if s.get("skipped_nonfinite") else 0)
+            limit = self.cfg.trainer.max_consecutive_skips
+            if self.consecutive_skips.get(role, 0) >= limit:
+                raise NonFiniteError(
+                    f"the last {self.consecutive_skips[role]} optimizer steps of the {role} were "
+                    f"skipped for a non-finite gradient norm (trainer.on_nonfinite=skip, "
+                    f"trainer.max_consecutive_skips={limit}), the last in the {phase} at step "
+                    f"{step}; the last good step is {self.last_good_step}. Lower the learning rate "
+                    f"or check the data and rewards ({role}/grad_norm in metrics.jsonl).")
             return
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)
                and (k.endswith("loss") or k.endswith("grad_norm"))]
@@ -442,13 +465,6 @@ class Trainer:
                                  f"step is {self.last_good_step} (its checkpoint, if saved, is "
                                  f"intact). Lower the learning rate or check the data/rewards, or "
                                  f"set trainer.on_nonfinite=skip to skip such updates.")
-
-    def _updates_per_step(self, role: str) -> int:
-        a, c = self.cfg.actor, self.cfg.critic
-        epochs, mini = a.ppo_epochs, a.ppo_mini_batch_size
-        if role == "critic":  # its own settings, defaulting to the actor's
-            epochs, mini = c.ppo_epochs or epochs, c.ppo_mini_batch_size or mini
-        return epochs * (self.cfg.data.train_batch_size // mini)
 
     # ------------------------------------------------------------------ validation
 

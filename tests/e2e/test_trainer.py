@@ -252,9 +252,10 @@ def test_stop_paths_keep_exactly_the_good_checkpoints(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_nonfinite_skip_counts_and_keeps_weights_finite(tiny_model, tmp_path):
     run_dir = tmp_path / "r"
-    [(code, message)] = run_on_ranks(
-        _train_catch, 1, args=(_nan_reward_overrides(tiny_model, run_dir, "skip", tmp_path),),
-        timeout=300, fresh=True)
+    # (Most updates here see a NaN: no limit on skips in a row, to see them counted.)
+    overrides = _nan_reward_overrides(tiny_model, run_dir, "skip", tmp_path) + [
+        "trainer.max_consecutive_skips=1000"]
+    [(code, message)] = run_on_ranks(_train_catch, 1, args=(overrides,), timeout=300, fresh=True)
     assert code == 0 and message is None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train/skipped_updates"] > 0
@@ -289,3 +290,43 @@ def test_a_config_error_from_the_trainer_exits_2_with_one_message(tiny_model, tm
                                  timeout=120, fresh=True)
     assert code == 2 and "config error: the memory planner finds" in err
     assert "Traceback" not in err
+
+def _diverging_bodies(rank, world_size, model_dir, tmp_path):
+    """Two runs of 2 steps: lr=1e30 (finite loss and grad norm, weights blown up by the step),
+    and on_nonfinite=skip where every gradient norm is NaN."""
+    from verl_mcore.engine import optim_step
+
+    base = _overrides(model_dir, f"{tmp_path}/a", "grpo", (1, 1, 1)) + [
+        "checkpoint.save_every=1", "trainer.val_every=0", "trainer.total_steps=2"]
+    from megatron.core import parallel_state
+
+    out = {"lr": _train_catch(rank, world_size, base + ["actor.optim.lr=1e30"])}
+    parallel_state.destroy_model_parallel()  # a second trainer in this process
+    real = optim_step.global_grad_norm
+    optim_step.global_grad_norm = lambda optimizer: real(optimizer) * float("nan")
+    try:
+        out["skip"] = _train_catch(rank, world_size, [o.replace(f"{tmp_path}/a", f"{tmp_path}/b") for o in base]
+                                   + ["trainer.on_nonfinite=skip", "trainer.max_consecutive_skips=3"])
+    finally:
+        optim_step.global_grad_norm = real
+    return out
+
+
+@pytest.mark.slow
+def test_a_diverged_step_or_endless_skips_stop_the_run_and_save_nothing(tiny_model, tmp_path):
+    """A step that blows up the weights stops in its own update (it was saved as the last good
+    step, and the next step blamed the weight sync); skipping every update stops after
+    trainer.max_consecutive_skips in a row (it exited 0 having trained nothing)."""
+    [r] = run_on_ranks(_diverging_bodies, 1, args=(tiny_model, str(tmp_path)), timeout=300, fresh=True)
+    code, message = r["lr"]
+    assert code is None and "actor update at step 1" in message, message
+    assert "made the weights non-finite" in message or "changed the norm of the weights" in message
+    assert "last good step is 0" in message and "Lower the learning rate" in message
+    assert not list((tmp_path / "a" / "checkpoints" / "actor").glob("step_*"))  # nothing saved
+    code, message = r["skip"]
+    # 4 samples / mini-batch 2 x 2 epochs = 4 optimizer steps a training step, all skipped: the
+    # limit of 3 in a row is checked after the update, which stops the run in its first step.
+    assert code is None and "last 4 optimizer steps of the actor were skipped" in message, message
+    assert "max_consecutive_skips=3" in message
+    assert "at step 1" in message
+    assert not list((tmp_path / "b" / "checkpoints" / "actor").glob("step_*"))

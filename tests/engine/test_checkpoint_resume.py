@@ -165,3 +165,37 @@ def test_checkpoint_before_the_first_optimizer_step_resumes_bitwise(tmp_path):
         assert r["uninterrupted"] == r["never_saved"]
         assert r["resumed"] == r["uninterrupted"]
         assert r["steps"] == [2.0]
+
+
+def _descendants(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.slow
+def test_sigkill_in_save_leaves_no_helper_processes(tmp_path):
+    """SIGKILL to the trainer alone (not its process group, as the OOM killer sends it): the
+    checkpoint writer's helpers (its forked writer, the spawned Manager of its write results)
+    must die with it. They outlived it before (2 processes, ~270 MB a kill)."""
+    import psutil
+
+    root, log = str(tmp_path / "ckpt"), str(tmp_path / "log.jsonl")
+    proc = _start(root, log, "--pause-in-save-at", "2")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(log + ".paused"):
+            assert proc.poll() is None, _output(proc)
+            assert time.monotonic() < deadline, "the run did not reach its save"
+            time.sleep(0.05)
+        helpers = _descendants(proc.pid)
+        assert helpers, "the paused save has no helper processes: the check is void"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone, alive = psutil.wait_procs(helpers, timeout=20)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        _kill_group(proc)

@@ -241,6 +241,9 @@ class TrainerConfig:
     val_before_train: bool = False
     seed: int = 42
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # on_nonfinite=skip: this many optimizer steps of one role skipped in a row for a non-finite
+    # gradient norm stop the run (a run whose every update is skipped trains nothing).
+    max_consecutive_skips: int = 3
     collective_timeout_s: float = 1800.0
     device: Literal["auto", "cuda", "cpu"] = "auto"
     # Move the actor's and critic's optimizer state and gradient buffers to (pinned) host memory

@@ -275,6 +275,7 @@ class Checkpointer:
         str / int / float / bool / None / tensors; rank 0's copy is written."""
         from megatron.core import dist_checkpointing
 
+        _writer_helpers_die_with_us()
         rank = dist.get_rank()
         final = os.path.join(self.root, checkpoint_name(step))
         tmp = os.path.join(self.root, TMP_PREFIX + checkpoint_name(step))
@@ -591,6 +592,32 @@ def _load_optimizer(optimizer: Any, state: dict) -> None:
         finally:
             for p, step in steps.items():
                 inner.state[p]["step"] = step
+
+
+_WRITE_RESULTS_MANAGERS: list = []  # kept alive as long as megatron's queue in them
+
+
+def _writer_helpers_die_with_us() -> None:
+    """The processes megatron's checkpoint writer starts die with this one (a SIGKILLed
+    trainer left two behind per kill: distributed/children.py). Its forked writers inherit the
+    fork hook. Its write-results queue lives in a Manager it spawns on first use
+    (filesystem_async._get_write_results_queue, a module global); we start that Manager
+    ourselves, with an initializer that ties it to us, and hand megatron its queue. Should
+    megatron rename that global, nothing is replaced and the orphan test
+    (tests/engine/test_checkpoint_resume.py) fails."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from verl_mcore.distributed.children import children_die_with_this_process, die_with_parent
+
+    children_die_with_this_process()
+    if getattr(filesystem_async, "_results_queue", "renamed") is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        _WRITE_RESULTS_MANAGERS.append(manager)
+        filesystem_async._results_queue = manager.Queue()
 
 
 def _save_strategy():

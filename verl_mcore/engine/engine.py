@@ -47,6 +47,16 @@ from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.packing import MicroBatch, build_micro_batch, pad_micro_batch, plan_micro_batches
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# An optimizer step that changes the norm of the weights it updates by more than this factor (up
+# or down) has diverged: Adam moves each weight by about lr per step, a tiny fraction of any
+# trained or initialised weight, so a real step changes the norm by far less than 1%.
+MAX_PARAM_NORM_CHANGE = 2.0
+
+
+class DivergedStepError(RuntimeError):
+    """An optimizer step left the weights non-finite or changed their norm beyond
+    MAX_PARAM_NORM_CHANGE; raised on every rank alike (the norm is globally reduced). The
+    weights are already written: the run must stop without saving them."""
 
 # A loss function: (last-stage model output, micro-batch) -> (contribution, {name: 0-dim tensor})
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[Optional[torch.Tensor], dict]]
@@ -130,6 +140,7 @@ class MegatronEngine:
         self.pg = pg_collection
         self.vocab_size = vocab_size
         self.skip_nonfinite = False  # trainer.on_nonfinite=skip sets it (see optimizer_step)
+        self.param_norm: Optional[float] = None  # of the weights the optimizer updates, last step
         self.dtype = dtype
         self.trainable = optim is not None
         # Only where DDP gives every parameter a main_grad: megatron's fused backward writes there.
@@ -290,20 +301,46 @@ class MegatronEngine:
         """Step the optimizer and (when the step was taken) the LR schedule.
 
         Returns {"grad_norm": global norm before clipping, "lr": the LR this step used,
-        "skipped": 1.0 when the step was not taken}. A step is skipped when fp16 loss scaling
-        finds inf/nan, and, with `skip_nonfinite` set (trainer.on_nonfinite=skip), whenever the
-        global gradient norm is not finite: megatron's clipping would otherwise scale every
-        gradient by nan and write nan into every weight. The norm is reduced over all model- and
-        data-parallel ranks, so every rank takes the same decision.
+        "skipped": 1.0 when the step was not taken, "skipped_nonfinite": 1.0 when it was skipped
+        for a non-finite gradient norm, "param_norm": norm of the updated weights after the
+        step}. A step is skipped when fp16 loss scaling finds inf/nan, and, with
+        `skip_nonfinite` set (trainer.on_nonfinite=skip), whenever the global gradient norm is
+        not finite: megatron's clipping would otherwise scale every gradient by nan and write nan
+        into every weight. The norms are reduced over all model- and data-parallel ranks, so
+        every rank takes the same decisions.
+
+        Raises DivergedStepError when a taken step leaves the weights non-finite or changes
+        their norm by more than MAX_PARAM_NORM_CHANGE (finite loss and gradient norm do not
+        exclude that: at lr=1e30 the weights went to 1e30 and were saved as a good step).
         """
         lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.param_norm is None:  # the first step of this process: the norm it starts from
+            self.param_norm = float(optim_step.global_param_norm(self.optimizer))
         ok, grad_norm = self._step()
         if ok:
             self.scheduler.step(increment=1)
-        out = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr, "skipped": 0.0 if ok else 1.0}
+            self._check_param_norm(lr, grad_norm)
+        nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
+        out = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr,
+               "skipped": 0.0 if ok else 1.0, "skipped_nonfinite": 1.0 if not ok and nonfinite else 0.0,
+               "param_norm": self.param_norm}
         if self.dtype == "fp16":
             out["loss_scale"] = float(self.optimizer.get_loss_scale())
         return out
+
+    def _check_param_norm(self, lr: float, grad_norm: Optional[float]) -> None:
+        before = self.param_norm
+        after = float(optim_step.global_param_norm(self.optimizer))
+        self.param_norm = after
+        if math.isfinite(after) and (
+                before == 0 or before / MAX_PARAM_NORM_CHANGE <= after <= before * MAX_PARAM_NORM_CHANGE):
+            return
+        what = ("made the weights non-finite" if not math.isfinite(after) else
+                f"changed the norm of the weights from {before:.4g} to {after:.4g}")
+        raise DivergedStepError(
+            f"the optimizer step {what} (lr {lr:.3g}, gradient norm before clipping "
+            f"{grad_norm:.4g}); the weights of this step are not saved. Lower the learning "
+            f"rate or raise the clipping (optim.clip_grad), or check the data and rewards")
 
     @torch.no_grad()
     def _step(self) -> tuple[bool, Optional[float]]:

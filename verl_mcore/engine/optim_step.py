@@ -32,11 +32,34 @@ def global_grad_norm(optimizer) -> torch.Tensor:
     (model- and data-parallel ranks for the distributed optimizer): a 0-dim fp32 tensor, the
     same on every rank. Duplicated parameters (shared embeddings, TP-replicated norms) are
     counted once, as megatron's `get_main_grads_for_grad_norm` selects them."""
-    per_group: list[list] = []  # [group, sum of squares]: one all-reduce per distinct group, as
-    for opt in sub_optimizers(optimizer):  # megatron's ChainedOptimizer does for a shared one
-        grads = opt.get_main_grads_for_grad_norm() if opt.get_parameters() else []
-        if grads:
-            squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+    return _reduced_norm(optimizer, lambda opt: opt.get_main_grads_for_grad_norm()
+                         if opt.get_parameters() else [])
+
+
+@torch.no_grad()
+def global_param_norm(optimizer) -> torch.Tensor:
+    """L2 norm of every parameter the optimizer updates (its fp32 main copies, or the shards the
+    distributed optimizer owns), reduced like `global_grad_norm`: a 0-dim fp32 tensor, the same
+    on every rank. Parameters replicated over TP count once per TP rank, so it is not the model's
+    norm, but the same quantity step after step, which is what a divergence check needs."""
+    def main_params(opt):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or getattr(opt, "is_stub_optimizer", False):
+            return []
+        return [p for g in inner.param_groups for p in g["params"]]
+
+    return _reduced_norm(optimizer, main_params)
+
+
+def _reduced_norm(optimizer, tensors_of) -> torch.Tensor:
+    """sqrt of the sum of squared norms of `tensors_of(sub-optimizer)`, all-reduced once per
+    distinct grad-stats group (sub-optimizers sharing a group are summed first, as megatron's
+    ChainedOptimizer does), with one foreach norm per sub-optimizer and no host read."""
+    per_group: list[list] = []  # [group, sum of squares]
+    for opt in sub_optimizers(optimizer):
+        tensors = tensors_of(opt)
+        if tensors:
+            squares = torch.stack(torch._foreach_norm(tensors)).float().square().sum()
         else:
             squares = torch.zeros((), dtype=torch.float32, device=_device_of(opt))
         group = opt.get_grad_stats_parallel_group()
