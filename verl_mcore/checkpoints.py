@@ -27,7 +27,6 @@ from typing import Optional
 import torch.distributed as dist
 
 from verl_mcore.engine.checkpoint import (
-    AsyncSaves,
     Checkpointer,
     _write_json_atomic,
     find_latest_checkpoint,
@@ -57,9 +56,8 @@ class _Choice:
 class RunCheckpoints:
     def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool):
         self.root = os.path.join(run_dir, "checkpoints")
-        saves = AsyncSaves()  # one async save in flight per process, whichever role's
-        self.actor = Checkpointer.from_config(ckpt_cfg, os.path.join(self.root, "actor"), saves)
-        self.critic = (Checkpointer.from_config(ckpt_cfg, os.path.join(self.root, "critic"), saves)
+        self.actor = Checkpointer.from_config(ckpt_cfg, os.path.join(self.root, "actor"))
+        self.critic = (Checkpointer.from_config(ckpt_cfg, os.path.join(self.root, "critic"))
                        if with_critic else None)
 
     def save(self, step: int, actor, critic, trainer_state: dict) -> None:

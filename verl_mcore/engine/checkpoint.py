@@ -185,38 +185,6 @@ class _PendingSave:
     final: str
 
 
-class AsyncSaves:
-    """The asynchronous saves of one process: megatron's queue of async calls, at most one save
-    in flight. megatron's async writer gathers every save's write results through one
-    process-wide queue (dist_checkpointing.strategies.filesystem_async._results_queue), so two
-    saves in flight at once can each take the other's results and write the other's file
-    offsets into their `.metadata`: PPO's actor and critic, saved asynchronously at the same
-    step by two queues, left an actor checkpoint that failed to load (UnpicklingError). Every
-    Checkpointer of a run shares one AsyncSaves (RunCheckpoints)."""
-
-    def __init__(self):
-        self._queue = None
-
-    def schedule(self, request) -> None:
-        self.finalize(blocking=True)  # the one in flight first
-        if self._queue is None:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            self._queue = AsyncCallsQueue()
-        self._queue.schedule_async_request(request)
-
-    def finalize(self, blocking: bool = False) -> None:
-        """Commit the saves whose writes finished on all ranks (all of them when blocking)."""
-        if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
-
-    def close(self) -> None:
-        if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=True)
-            self._queue.close()
-            self._queue = None
-
-
 class Checkpointer:
     """Saves and loads checkpoints under one root directory (see the module docstring).
 
@@ -231,8 +199,6 @@ class Checkpointer:
     model_chunks: the megatron model chunks (DDP-wrapped or not; one per virtual pipeline stage).
     optimizer: a MegatronOptimizer (distributed or not, possibly chained) or None.
     scheduler: an OptimizerParamScheduler or None.
-    async_saves: shared with the other Checkpointers of the process (see AsyncSaves); its own
-    when not given.
     """
 
     def __init__(
@@ -242,7 +208,6 @@ class Checkpointer:
         async_save: bool = False,
         save_optimizer: bool = True,
         optimizer_sharding: str = "fully_reshardable",
-        async_saves: Optional[AsyncSaves] = None,
     ):
         if optimizer_sharding not in OPTIMIZER_SHARDINGS:
             raise ValueError(
@@ -254,13 +219,14 @@ class Checkpointer:
         self.keep_last = keep_last
         self.async_save = async_save
         self.save_optimizer = save_optimizer
-        self.async_saves = async_saves or AsyncSaves()
+        self._async_queue = None
+        self._write_results = None  # this checkpointer's queue for megatron's write results
 
     @classmethod
-    def from_config(cls, cfg, root: str, async_saves: Optional[AsyncSaves] = None) -> "Checkpointer":
+    def from_config(cls, cfg, root: str) -> "Checkpointer":
         """From a config.schema.CheckpointConfig."""
         return cls(root, keep_last=cfg.keep_last, async_save=cfg.async_save,
-                   save_optimizer=cfg.save_optimizer, async_saves=async_saves)
+                   save_optimizer=cfg.save_optimizer)
 
     def save(
         self,
@@ -275,14 +241,13 @@ class Checkpointer:
         str / int / float / bool / None / tensors; rank 0's copy is written."""
         from megatron.core import dist_checkpointing
 
-        _writer_helpers_die_with_us()
+        self._own_write_results()
         rank = dist.get_rank()
         final = os.path.join(self.root, checkpoint_name(step))
         tmp = os.path.join(self.root, TMP_PREFIX + checkpoint_name(step))
         if self.async_save:
-            # One save in flight at a time (this role's or another's, AsyncSaves): the previous
-            # one must commit before this one starts (rotation and `latest` assume commits happen
-            # in step order).
+            # One save in flight at a time: the previous one must commit before this one starts
+            # (rotation and `latest` assume commits happen in step order).
             self.maybe_finalize(blocking=True)
         if rank == 0:
             if os.path.exists(tmp):
@@ -326,17 +291,48 @@ class Checkpointer:
             self._commit(pending, meta)
         else:
             request.add_finalize_fn(lambda: self._commit(pending, meta))
-            self.async_saves.schedule(request)
+            self._queue().schedule_async_request(request)
         return final
 
     def maybe_finalize(self, blocking: bool = False) -> None:
         """Async saves: commit every save whose writes have finished on all ranks (all of them
         when blocking). Collective; call it at the same point of every step on every rank."""
-        self.async_saves.finalize(blocking=blocking)
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
 
     def close(self) -> None:
-        """Wait for and commit pending async saves (of every Checkpointer sharing the queue)."""
-        self.async_saves.close()
+        """Wait for and commit pending async saves."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=True)
+            self._async_queue.close()
+            self._async_queue = None
+
+    def _queue(self):
+        if self._async_queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue()
+        return self._async_queue
+
+    def _own_write_results(self) -> None:
+        """Give megatron's writer this checkpointer's own write-results queue for the save.
+
+        megatron collects every save's write results through one process-wide queue (a module
+        global, filesystem_async._results_queue, read with get_nowait), so two async saves in
+        flight at once, PPO's critic and actor at the same step, took each other's results: the
+        actor's .metadata pointed at the critic's file offsets and no resume could load it. The
+        writer takes the queue when the save is prepared, so setting the global to ours first
+        gives each save its own, and both roles' writes still overlap training and each other.
+        The queues live in a Manager that dies with this process (`_write_results_queue`).
+        Should megatron rename the global, nothing is replaced and the two-role async test
+        (tests/engine/test_checkpoint_layouts.py) fails."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        if not hasattr(filesystem_async, "_results_queue"):
+            return
+        if self._write_results is None:
+            self._write_results = _write_results_queue()
+        filesystem_async._results_queue = self._write_results
 
     def _commit(self, pending: _PendingSave, meta: dict) -> None:
         """Make a fully written temporary directory the newest checkpoint (rank 0 does the file
@@ -594,30 +590,27 @@ def _load_optimizer(optimizer: Any, state: dict) -> None:
                 inner.state[p]["step"] = step
 
 
-_WRITE_RESULTS_MANAGERS: list = []  # kept alive as long as megatron's queue in them
+_WRITE_RESULTS_MANAGER: list = []  # the process's one Manager, once started
 
 
-def _writer_helpers_die_with_us() -> None:
-    """The processes megatron's checkpoint writer starts die with this one (a SIGKILLed
-    trainer left two behind per kill: distributed/children.py). Its forked writers inherit the
-    fork hook. Its write-results queue lives in a Manager it spawns on first use
-    (filesystem_async._get_write_results_queue, a module global); we start that Manager
-    ourselves, with an initializer that ties it to us, and hand megatron its queue. Should
-    megatron rename that global, nothing is replaced and the orphan test
-    (tests/engine/test_checkpoint_resume.py) fails."""
+def _write_results_queue():
+    """A new queue in a multiprocessing Manager whose server process dies with this one.
+
+    megatron's writer would start that Manager itself (spawn context) on first use, and a
+    SIGKILLed trainer left it and the forked writer behind, two processes a kill
+    (distributed/children.py). Ours is started with an initializer that ties it to us, and the
+    writer's forks inherit the fork hook."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from verl_mcore.distributed.children import children_die_with_this_process, die_with_parent
 
     children_die_with_this_process()
-    if getattr(filesystem_async, "_results_queue", "renamed") is None:
+    if not _WRITE_RESULTS_MANAGER:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-        _WRITE_RESULTS_MANAGERS.append(manager)
-        filesystem_async._results_queue = manager.Queue()
+        _WRITE_RESULTS_MANAGER.append(manager)
+    return _WRITE_RESULTS_MANAGER[0].Queue()
 
 
 def _save_strategy():
