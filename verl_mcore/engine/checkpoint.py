@@ -423,6 +423,10 @@ def load_checkpoint(
     if scheduler is not None:
         if trainer_state["scheduler"] is None:
             raise ValueError(f"checkpoint {path} has no LR scheduler state")
+        # megatron's load_state_dict advances num_steps *by* the saved count (it expects a
+        # fresh scheduler): one that already stepped (a second load in one process, e.g. a
+        # fallback after a failed attempt) would end up past the checkpoint.
+        scheduler.num_steps = 0
         scheduler.load_state_dict(trainer_state["scheduler"])
 
     rng_restored = meta["layout"] == _layout(len(model_chunks))
