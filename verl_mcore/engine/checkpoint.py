@@ -35,7 +35,9 @@ Model and optimizer use dist_checkpointing: each chunk's `sharded_state_dict()` 
 "ShardedTensor.flattened_range is not supported".) The format is recorded in meta.json and the
 loader follows it.
 
-Everything we write ourselves is read back with `torch.load(weights_only=True)` or json.
+Loading reads every file as data (safe_read.py: DCP's `.metadata` pickle through an allow-list,
+every torch.load with weights_only, megatron's stored objects included), so a checkpoint
+directory someone else wrote cannot run code.
 RNG states are restored only when the layout (world size, TP, PP, VPP, CP, EP) is unchanged: a rank
 of another layout has no counterpart, so it keeps the seeding the caller gave it.
 """
@@ -54,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore.engine import optim_step
+from verl_mcore.engine.safe_read import dist_load, read_json, torch_load
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -85,7 +88,7 @@ def is_complete(path: str) -> bool:
             meta = json.load(f)
     except (OSError, ValueError):
         return False
-    if meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return False
     # dist_checkpointing writes its metadata.json last (after all ranks' shards).
     required = [TRAINER_STATE, os.path.join(DIST_DIR, "metadata.json")]
@@ -395,24 +398,19 @@ def load_checkpoint(
     The optimizer state is loaded when the checkpoint has it and `optimizer` is given; otherwise
     the optimizer's main parameters are refreshed from the loaded model parameters.
     """
-    from megatron.core import dist_checkpointing
-
     if not is_complete(path):
         raise FileNotFoundError(
             f"checkpoint {path} is not complete (no readable {META}, or missing "
             f"{TRAINER_STATE} / {DIST_DIR}/metadata.json): pick another one or delete it"
         )
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
-    trainer_state = torch.load(
-        os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True
-    )
+    meta = read_json(os.path.join(path, META))
+    trainer_state = torch_load(os.path.join(path, TRAINER_STATE))
     with_optimizer = optimizer is not None and meta["optimizer_sharding"] is not None
     if with_optimizer:
         _allocate_optimizer_state(optimizer)
     sharded = _sharded_state_dict(model_chunks, optimizer if with_optimizer else None,
                                   meta["optimizer_sharding"], is_loading=True)
-    state = dist_checkpointing.load(sharded, os.path.join(path, DIST_DIR))
+    state = dist_load(sharded, os.path.join(path, DIST_DIR))
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     if with_optimizer:
@@ -432,7 +430,7 @@ def load_checkpoint(
     rng_restored = meta["layout"] == _layout(len(model_chunks))
     if rng_restored:
         rank_file = os.path.join(path, RNG_DIR, f"rank_{dist.get_rank():05d}.pt")
-        restore_rng_state(torch.load(rank_file, map_location="cpu", weights_only=True))
+        restore_rng_state(torch_load(rank_file))
     elif dist.get_rank() == 0:
         logger.warning(
             "checkpoint %s: saved at layout %s, running at %s; RNG states not restored",
