@@ -14,7 +14,9 @@ The structure is exactly what megatron writes for a TP=1, PP=1 GPTModel, so
   megatron's SwiGLU sharded factory does;
 - per layer and linear, an `_extra_state` object (`[None]` for the local spec's linears).
 
-Reading parses every file as data only (verl_mcore.engine.safe_read).
+Reading checks the directory first (verl_mcore.models.checkpoint.verify_dist_checkpoint: the
+manifest convert.py writes, DCP metadata allow-listed) and reads it as data only
+(verl_mcore.engine.safe_read).
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from verl_mcore.engine.safe_read import SafeFileSystemReader, check_dist_dir
+from verl_mcore.engine.safe_read import SafeFileSystemReader
+from verl_mcore.models.checkpoint import verify_dist_checkpoint
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
@@ -200,7 +203,7 @@ class DistCheckpointReader:
         if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
             raise FileNotFoundError(f"{ckpt_dir}: no metadata.json (not a megatron dist checkpoint)")
         self.ckpt_dir = ckpt_dir
-        self.metadata = check_dist_dir(ckpt_dir)  # BadCheckpointError: refused
+        self.metadata = verify_dist_checkpoint(ckpt_dir)  # BadCheckpointError: refused
 
     def tensor_meta(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
