@@ -6,7 +6,10 @@
 
 Each role is written by engine.checkpoint.Checkpointer (temporary directory, rename, `latest`
 pointer last). The critic is saved before the actor, so a kill between the two leaves the
-actor's previous step as its newest; resume takes the newest step complete for every role.
+actor's previous step as its newest; resume takes the newest step complete for every role, and
+good for every role (engine.checkpoint.load_newest: a step with a corrupt actor or critic
+checkpoint is set aside as a whole, and the run falls back to the step before). An explicit
+checkpoint.load_path that fails its checks is refused, never replaced by another.
 
 checkpoint.load_path is a one-time request. A Slurm requeue repeats the command line, load_path
 included; resuming from it again would throw away everything the run did since. So a resume from
@@ -18,7 +21,6 @@ ones in rotation and in the choice of the newest.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -27,12 +29,15 @@ from typing import Optional
 import torch.distributed as dist
 
 from verl_mcore.engine.checkpoint import (
+    BadCheckpointError,
     Checkpointer,
+    LoadedCheckpoint,
     _write_json_atomic,
     find_latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
+    load_newest,
     set_aside_checkpoints_after,
+    verify_checkpoint,
 )
 
 log = logging.getLogger("verl_mcore.checkpoints")
@@ -43,14 +48,6 @@ CONSUMED = "load_path_consumed.json"
 def _engine_parts(role):
     e = role.engine
     return e.model, e.optimizer, e.scheduler
-
-
-@dataclasses.dataclass
-class _Choice:
-    actor: str
-    critic: Optional[str]
-    step: Optional[int] = None  # of the run's own checkpoints (a load_path's: once loaded)
-    load_path: Optional[str] = None  # the load_path request this resume fulfils
 
 
 class RunCheckpoints:
@@ -65,28 +62,19 @@ class RunCheckpoints:
             self.critic.save(step, *_engine_parts(critic))
         self.actor.save(step, *_engine_parts(actor), extra_state=trainer_state)
 
-    def _choose(self, ckpt_cfg) -> Optional[_Choice]:
-        """What to resume from (None: a fresh start). Reads files only: every rank decides alike."""
-        load_path = ckpt_cfg.load_path
-        if load_path:
-            consumed = self._consumed_step(load_path)
-            if consumed is not None and ckpt_cfg.resume == "auto":
-                newest = self._newest()
-                if newest is not None and newest.step > consumed:
-                    log.info("checkpoint.load_path=%s was resumed from (step %d) by an earlier start "
-                             "of this run (%s); continuing from the run's newest checkpoint %s "
-                             "(step %d) instead. Pass another load_path to go back again.",
-                             load_path, consumed, os.path.join(self.root, CONSUMED), newest.actor,
-                             newest.step)
-                    return newest
-            return self._from_load_path(load_path)
-        if ckpt_cfg.resume == "never":
-            return None
-        return self._newest()
+    def _load_newest(self, actor, critic, after: Optional[int] = None
+                     ) -> Optional[LoadedCheckpoint]:
+        """The run's newest step good for every role, loaded (load_newest); the actor's result."""
+        roles = [(self.actor.root, actor)]
+        if self.critic is not None:
+            roles.append((self.critic.root, critic))
+        loaded = load_newest([root for root, _ in roles], lambda i, path: load_checkpoint(
+            path, *_engine_parts(roles[i][1]), verified=True), after=after)
+        return loaded[0] if loaded else None
 
-    def _from_load_path(self, load_path: str) -> _Choice:
+    def _load_from_load_path(self, load_path: str, actor, critic) -> LoadedCheckpoint:
         actor_path = os.path.abspath(load_path)
-        critic_path = None
+        paths = [(actor_path, actor)]
         if self.critic is not None:
             # The critic saved with this actor: the same step of the same run, which need not be
             # this run.
@@ -97,29 +85,18 @@ class RunCheckpoints:
                     f"checkpoint.load_path={load_path}: PPO resumes the critic saved with that "
                     f"actor, expected at {critic_path} (checkpoints/critic/ beside the actor's "
                     f"checkpoints/actor/), which does not exist")
-        return _Choice(actor_path, critic_path, load_path=load_path)
-
-    def _newest(self) -> Optional[_Choice]:
-        """The run's newest checkpoint complete for every role, or None."""
-        latest = find_latest_checkpoint(self.actor.root)
-        if latest is None:
-            return None
-        actor_steps = dict(list_checkpoints(self.actor.root))
-        latest_step = next(s for s, p in actor_steps.items() if os.path.samefile(p, latest))
-        if self.critic is None:
-            return _Choice(latest, None, latest_step)
-        critic_steps = dict(list_checkpoints(self.critic.root))
-        if latest_step in critic_steps:
-            return _Choice(latest, critic_steps[latest_step], latest_step)
-        common = sorted(set(critic_steps) & set(actor_steps))
-        if not common:
-            log.warning("checkpoints: actor has steps %s but the critic none of them; starting fresh",
-                        sorted(actor_steps))
-            return None
-        step = common[-1]
-        log.warning("checkpoints: critic has no step %d (killed between the two saves?); "
-                    "resuming both roles from step %d", latest_step, step)
-        return _Choice(actor_steps[step], critic_steps[step], step)
+            paths.append((critic_path, critic))
+        for path, _ in paths:  # every role checked before any is loaded
+            try:
+                verify_checkpoint(path)
+            except BadCheckpointError as e:
+                raise BadCheckpointError(
+                    f"checkpoint.load_path={load_path}: refused, nothing was loaded: {e}. "
+                    "Pick another checkpoint (an explicit load_path is never replaced by "
+                    "another one)") from None
+        loaded = [load_checkpoint(path, *_engine_parts(role), verified=True)
+                  for path, role in paths]
+        return loaded[0]
 
     def _consumed_step(self, load_path: str) -> Optional[int]:
         """The step resumed from when this run last consumed this very load_path, else None."""
@@ -152,19 +129,32 @@ class RunCheckpoints:
                            {"load_path": os.path.realpath(load_path), "step": step})
 
     def resume(self, ckpt_cfg, actor, critic) -> Optional[dict]:
-        """Load the chosen checkpoint into the roles; return the trainer state (None: fresh)."""
-        choice = self._choose(ckpt_cfg)
-        if choice is None:
-            return None
-        loaded = load_checkpoint(choice.actor, *_engine_parts(actor))
-        if choice.critic is not None:
-            load_checkpoint(choice.critic, *_engine_parts(critic))
-        log.info("loaded checkpoint %s (step %d)", choice.actor, loaded.step)
-        if choice.load_path is not None:
+        """Load the checkpoint to resume from into the roles; return the trainer state (None:
+        a fresh start)."""
+        load_path = ckpt_cfg.load_path
+        if load_path:
+            consumed = self._consumed_step(load_path)
+            if consumed is not None and ckpt_cfg.resume == "auto":
+                loaded = self._load_newest(actor, critic, after=consumed)
+                if loaded is not None:
+                    log.info("checkpoint.load_path=%s was resumed from (step %d) by an earlier "
+                             "start of this run (%s); continued from the run's newest checkpoint "
+                             "%s (step %d) instead. Pass another load_path to go back again.",
+                             load_path, consumed, os.path.join(self.root, CONSUMED), loaded.path,
+                             loaded.step)
+                    return loaded.extra_state
+            loaded = self._load_from_load_path(load_path, actor, critic)
             # Only now: every rank has chosen (the load is collective) and the load succeeded.
             if dist.get_rank() == 0:
-                self._consume(choice.load_path, loaded.step)
+                self._consume(load_path, loaded.step)
             dist.barrier()
+        elif ckpt_cfg.resume == "never":
+            return None
+        else:
+            loaded = self._load_newest(actor, critic)
+            if loaded is None:
+                return None
+        log.info("loaded checkpoint %s (step %d)", loaded.path, loaded.step)
         return loaded.extra_state
 
     def latest_path(self) -> Optional[str]:

@@ -154,13 +154,21 @@ def fake_loads(monkeypatch):
 
     loads = []
 
-    def load(path, *parts):
+    def load(path, *parts, verified=False):
+        assert verified  # RunCheckpoints checks every role of a step before loading any
         loads.append(path)
         extra = torch.load(os.path.join(path, ck.TRAINER_STATE), weights_only=True)["extra"]
         return ck.LoadedCheckpoint(path, extra["step"], extra, True, True)
 
+    def verify(path):  # a fake checkpoint is bad when it holds a file named BAD
+        if os.path.exists(os.path.join(path, "BAD")):
+            raise ck.BadCheckpointError(f"{path}/BAD: planted by the test")
+
     monkeypatch.setattr(checkpoints, "load_checkpoint", load)
+    monkeypatch.setattr(checkpoints, "verify_checkpoint", verify)
+    monkeypatch.setattr(ck, "verify_checkpoint", verify)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
     return loads
 
@@ -183,7 +191,7 @@ def _resume(run, load_path=None):
 
 def _commit(run, step):
     """What Checkpointer.save leaves behind: both roles' step, `latest`, rotation."""
-    for root in (run.critic.root, run.actor.root):
+    for root in [c.root for c in (run.critic, run.actor) if c is not None]:
         os.makedirs(root, exist_ok=True)
         _fake_checkpoint(root, step)
         _point_latest(root, ck.checkpoint_name(step))
@@ -250,3 +258,64 @@ def test_load_path_from_another_run_takes_that_runs_critic(tmp_path, fake_loads)
     shutil.rmtree(os.path.join(other.critic.root, ck.checkpoint_name(3)))
     with pytest.raises(FileNotFoundError, match=r"other/checkpoints/critic/step_00000003"):
         _resume(_run(tmp_path / "third"), load_path)
+
+
+def _plant_bad(root, step):
+    open(os.path.join(root, ck.checkpoint_name(step), "BAD"), "w").close()
+
+
+def test_a_step_with_one_bad_role_is_set_aside_whole(tmp_path, fake_loads):
+    run = _run(tmp_path / "run")
+    for step in (4, 6):
+        _commit(run, step)
+    _plant_bad(run.critic.root, 6)
+    assert _resume(run)["step"] == 4
+    assert fake_loads == [os.path.join(root, "step_00000004")
+                          for root in (run.actor.root, run.critic.root)]
+    # The bad critic checkpoint is corrupt; the actor's of the same step is set aside with it
+    # (it belongs to a continuation that cannot be resumed), and `latest` is repointed.
+    assert sorted(os.listdir(run.critic.root)) == ["corrupt.step_00000006", ck.LATEST,
+                                                   "step_00000004"]
+    assert sorted(os.listdir(run.actor.root)) == ["abandoned.step_00000006", ck.LATEST,
+                                                  "step_00000004"]
+    for root in (run.actor.root, run.critic.root):
+        assert open(os.path.join(root, ck.LATEST)).read().strip() == "step_00000004"
+
+
+def test_no_good_checkpoint_left_is_an_error_listing_what_was_found(tmp_path, fake_loads):
+    run = _run(tmp_path / "run", with_critic=False)
+    for step in (4, 6):
+        _commit(run, step)
+        _plant_bad(run.actor.root, step)
+    with pytest.raises(ck.BadCheckpointError, match=r"no usable checkpoint left .*"
+                       r"step_00000006: .*step_00000006/BAD: planted by the test; .*"
+                       r"step_00000004: .*checkpoint.resume=never"):
+        _resume(run)
+    assert fake_loads == []
+    assert sorted(os.listdir(run.actor.root)) == ["corrupt.step_00000004",
+                                                  "corrupt.step_00000006"]
+
+
+def test_a_bad_load_path_is_refused_not_replaced(tmp_path, fake_loads):
+    run = _run(tmp_path / "run")
+    for step in (4, 6):
+        _commit(run, step)
+    _plant_bad(run.actor.root, 4)
+    with pytest.raises(ck.BadCheckpointError, match=r"checkpoint.load_path=.*step_00000004: "
+                       r"refused, nothing was loaded: .*step_00000004/BAD"):
+        _resume(run, os.path.join(run.actor.root, ck.checkpoint_name(4)))
+    assert fake_loads == []
+    assert _steps(run.actor.root) == [4, 6]  # an explicit choice is never moved
+
+
+def test_a_bad_step_after_a_consumed_load_path_goes_back_to_load_path(tmp_path, fake_loads):
+    run = _run(tmp_path / "run")
+    for step in (2, 4):
+        _commit(run, step)
+    step2 = os.path.join(run.actor.root, ck.checkpoint_name(2))
+    assert _resume(run, step2)["step"] == 2  # step 4 set aside as abandoned
+    _commit(run, 3)
+    _plant_bad(run.actor.root, 3)
+    # The requeue would continue from step 3, which is bad: set aside, back to load_path.
+    assert _resume(run, step2)["step"] == 2
+    assert os.path.isdir(os.path.join(run.actor.root, "corrupt.step_00000003"))

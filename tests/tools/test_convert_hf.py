@@ -108,6 +108,26 @@ def test_refuses_to_overwrite_and_never_leaves_a_partial_output(root):
     assert not any(p.startswith("m_broken.mcore") for p in os.listdir(root))
 
 
+def test_converted_checkpoint_has_a_manifest_checked_before_any_read(root):
+    from verl_mcore.engine.manifest import list_files, read_manifest
+    from verl_mcore.engine.safe_read import BadCheckpointError
+
+    src = hf_factory.save_tiny_model("qwen2", str(root / "q2_manifest"), seed=6)
+    ckpt = convert_hf_to_mcore(src, str(root / "q2_manifest.mcore"), progress=False)
+    files = read_manifest(ckpt)
+    assert sorted(files) == list_files(ckpt) and "hf_config/config.json" in files
+    [distcp] = glob.glob(os.path.join(ckpt, "*.distcp"))
+    with open(distcp, "r+b") as f:  # one byte changed: the export is refused, nothing written
+        f.seek(os.path.getsize(distcp) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    out = str(root / "q2_manifest.back")
+    with pytest.raises(BadCheckpointError, match=r"\.distcp: SHA-256 .*contents changed"):
+        convert_mcore_to_hf(ckpt, out, progress=False)
+    assert not os.path.exists(out)
+
+
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tools.convert_hf", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=400)

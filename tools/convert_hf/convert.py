@@ -7,7 +7,8 @@ sibling directory that is renamed into place at the end, so an interrupted run n
 directory that looks complete.
 
 The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
-needs no template for a checkpoint made by hf-to-mcore.
+needs no template for a checkpoint made by hf-to-mcore, and a manifest.json (size and SHA-256 of
+every file, verl_mcore/engine/manifest.py) that every load checks first.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tools.convert_hf.dist_ckpt import (
     write_dist_checkpoint,
 )
 from tools.convert_hf.safetensors_stream import write_safetensors
+from verl_mcore.engine.manifest import MANIFEST, build_manifest
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint
@@ -156,6 +158,8 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
         write_dist_checkpoint(out.tmp, chunks, arch.num_layers, on_written)
         bar.close()
         copy_metadata_files(hf_dir, os.path.join(out.tmp, HF_CONFIG_SUBDIR))
+        with open(os.path.join(out.tmp, MANIFEST), "w") as f:  # last: it covers every file
+            json.dump(build_manifest(out.tmp), f, indent=1)
     except BaseException:
         out.abort()
         raise

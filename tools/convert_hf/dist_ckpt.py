@@ -13,6 +13,10 @@ The structure is exactly what megatron writes for a TP=1, PP=1 GPTModel, so
   and one chunk per layer; `linear_fc1` in two chunks per layer (gate rows, up rows), as
   megatron's SwiGLU sharded factory does;
 - per layer and linear, an `_extra_state` object (`[None]` for the local spec's linears).
+
+Reading checks the directory first (verl_mcore.models.checkpoint.verify_dist_checkpoint: the
+manifest convert.py writes, DCP metadata allow-listed) and reads it as data only
+(verl_mcore.engine.safe_read).
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from verl_mcore.engine.safe_read import SafeFileSystemReader
+from verl_mcore.models.checkpoint import verify_dist_checkpoint
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
@@ -193,15 +200,10 @@ class DistCheckpointReader:
     """Reads pieces of a torch_dist checkpoint without loading the rest."""
 
     def __init__(self, ckpt_dir: str):
-        meta_json = os.path.join(ckpt_dir, "metadata.json")
-        if not os.path.isfile(meta_json):
+        if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
             raise FileNotFoundError(f"{ckpt_dir}: no metadata.json (not a megatron dist checkpoint)")
-        with open(meta_json) as f:
-            backend = json.load(f).get("sharded_backend")
-        if backend != "torch_dist":
-            raise ValueError(f"{ckpt_dir}: sharded_backend {backend!r}; only torch_dist is read")
         self.ckpt_dir = ckpt_dir
-        self.metadata = dcp.FileSystemReader(ckpt_dir).read_metadata()
+        self.metadata = verify_dist_checkpoint(ckpt_dir)  # BadCheckpointError: refused
 
     def tensor_meta(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
@@ -223,6 +225,6 @@ class DistCheckpointReader:
             offsets, sizes = (0,) * len(shape), shape
         dest = torch.empty(sizes, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-        dcp.load({}, storage_reader=dcp.FileSystemReader(self.ckpt_dir),
+        dcp.load({}, storage_reader=SafeFileSystemReader(self.ckpt_dir, self.metadata),
                  planner=_ChunkLoadPlanner([(key, chunk, dest)]), no_dist=True)
         return dest[0] if layer is not None else dest

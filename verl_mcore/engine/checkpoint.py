@@ -11,17 +11,31 @@ On disk, under one root directory shared by all ranks:
         trainer_state.pt        LR scheduler + the caller's trainer state (step, data position,
                                 KL controller, ...), written by rank 0
         rng/rank_00000.pt       each rank's RNG states (utils/rng.py)
-        meta.json               step, layout, format; written last, before the rename
+        meta.json               step, layout, format
+        manifest.json           size and SHA-256 of every other file (manifest.py); written last,
+                                before the rename
       step_00000012/
       .tmp.step_00000014/       a save in progress, or one killed part-way: never loaded
-      abandoned.step_00000015/  a checkpoint later than a step resumed from with load_path,
-                                set aside (set_aside_checkpoints_after): never loaded or rotated
+      abandoned.step_00000015/  a checkpoint later than a step resumed from with load_path, or
+                                the other role's half of a corrupt step: never loaded or rotated
+      corrupt.step_00000016/    a checkpoint that failed its checks at resume: never loaded or
+                                rotated; kept for inspection (load_newest)
 
 Commit protocol (why a killed save never hides the previous checkpoint): every rank writes into
-`.tmp.step_N/`; after a barrier rank 0 writes meta.json, renames the directory to `step_N/` (one
-atomic rename), then rewrites `latest` (write to a temporary name + rename), then deletes the
-checkpoints beyond keep_last. A kill at any point leaves either no `step_N/` (the previous one is
-still complete and `latest` still names it) or a complete `step_N/`.
+`.tmp.step_N/`; after a barrier rank 0 writes meta.json, the ranks hash the files they wrote and
+rank 0 writes manifest.json, renames the directory to `step_N/` (one atomic rename), then
+rewrites `latest` (write to a temporary name + rename), then deletes the checkpoints beyond
+keep_last. A kill at any point leaves either no `step_N/` (the previous one is still complete
+and `latest` still names it) or a complete `step_N/`.
+
+Loading trusts nothing in the directory (it may be someone else's, or damaged): every file is
+read as data (safe_read.py: allow-listed unpickling of DCP's `.metadata`, weights_only for every
+torch.load), and verify_checkpoint checks the manifest, in parallel across ranks, before any
+tensor is read. A resume (load_newest) sets a checkpoint that fails aside and falls back to the
+newest good one; an explicit path that fails is refused. Checkpoints saved before manifests
+existed load with a warning: the checks that need no manifest (meta and DCP metadata readable
+and safe, no file shorter than its entries, trainer state plain data) still apply, but altered
+bytes inside a file go unnoticed.
 
 Model and optimizer use dist_checkpointing: each chunk's `sharded_state_dict()` and the optimizer's
 `sharded_state_dict(model_sd)`. The distributed optimizer's format (`optimizer_sharding`):
@@ -35,7 +49,6 @@ Model and optimizer use dist_checkpointing: each chunk's `sharded_state_dict()` 
 "ShardedTensor.flattened_range is not supported".) The format is recorded in meta.json and the
 loader follows it.
 
-Everything we write ourselves is read back with `torch.load(weights_only=True)` or json.
 RNG states are restored only when the layout (world size, TP, PP, VPP, CP, EP) is unchanged: a rank
 of another layout has no counterpart, so it keeps the seeding the caller gave it.
 """
@@ -48,12 +61,19 @@ import os
 import re
 import shutil
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from verl_mcore.engine import optim_step
+from verl_mcore.engine import manifest, optim_step
+from verl_mcore.engine.safe_read import (
+    BadCheckpointError,
+    check_dist_dir,
+    dist_load,
+    read_json,
+    torch_load,
+)
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -66,6 +86,7 @@ DIST_DIR = "dist"
 RNG_DIR = "rng"
 TMP_PREFIX = ".tmp."
 ABANDONED_PREFIX = "abandoned."  # see set_aside_checkpoints_after
+CORRUPT_PREFIX = "corrupt."  # see load_newest
 _NAME = re.compile(r"^step_(\d+)$")
 OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")  # see the module docstring
 
@@ -85,7 +106,7 @@ def is_complete(path: str) -> bool:
             meta = json.load(f)
     except (OSError, ValueError):
         return False
-    if meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return False
     # dist_checkpointing writes its metadata.json last (after all ranks' shards).
     required = [TRAINER_STATE, os.path.join(DIST_DIR, "metadata.json")]
@@ -144,35 +165,185 @@ def set_aside_checkpoints_after(root: str, step: int) -> list[tuple[str, str]]:
     from) and in find_latest_checkpoint's fallback. They are renamed, not deleted: they are the
     user's data. `latest`, if it named one of them, then names the newest checkpoint left.
     """
-    moved = []
     try:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
-        return moved
-    for name in names:
-        match = _NAME.match(name)
-        if not (match and int(match.group(1)) > step):
-            continue
-        target = os.path.join(root, ABANDONED_PREFIX + name)
-        suffix = 1
-        while os.path.exists(target):  # a branch of the same step abandoned before
-            target = os.path.join(root, f"{ABANDONED_PREFIX}{name}.{suffix}")
-            suffix += 1
-        os.rename(os.path.join(root, name), target)
-        moved.append((os.path.join(root, name), target))
+        return []
+    later = [n for n in names if (m := _NAME.match(n)) and int(m.group(1)) > step]
+    return [_set_aside(os.path.join(root, name), ABANDONED_PREFIX) for name in later]
+
+
+def _set_aside(path: str, prefix: str) -> tuple[str, str]:
+    """Rename the checkpoint `path` to `prefix + its name` beside it (`.1`, `.2`, ... when a
+    checkpoint of that step was set aside before), and repoint `latest` to the newest complete
+    checkpoint left if it named this one. Returns (old, new). Rank 0 only."""
+    root, name = os.path.split(path)
+    target = os.path.join(root, prefix + name)
+    suffix = 1
+    while os.path.exists(target):
+        target = os.path.join(root, f"{prefix}{name}.{suffix}")
+        suffix += 1
+    os.rename(path, target)
     pointer = os.path.join(root, LATEST)
     try:
         with open(pointer) as f:
-            pointed = os.path.join(root, f.read().strip())
+            pointed = f.read().strip()
     except FileNotFoundError:
         pointed = None
-    if pointed in {old for old, _ in moved}:
+    if pointed == name:
         remaining = list_checkpoints(root)
         if remaining:
             _write_text_atomic(pointer, os.path.basename(remaining[-1][1]))
         else:
             os.remove(pointer)
-    return moved
+    return path, target
+
+
+# ---------------------------------------------------------------- checking and choosing
+
+
+def verify_checkpoint(path: str) -> None:
+    """Check the complete checkpoint at `path` before any of its tensors is read; raise
+    BadCheckpointError, the same on every rank, naming the file and the check that failed.
+    Collective.
+
+    First the manifest, if there is one (every checkpoint saved since they exist): every file's
+    size and SHA-256, the files shared out across the ranks by size; without one a warning (see
+    the module docstring). Then rank 0 reads meta.json, dist/ (safe_read.check_dist_dir: DCP
+    metadata allow-listed, no .distcp shorter than its entries, common.pt plain data) and
+    trainer_state.pt, as data.
+    """
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"checkpoint {path} is not complete (no readable {META}, or missing "
+            f"{TRAINER_STATE} / {DIST_DIR}/metadata.json): pick another one or delete it"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def check_manifest() -> None:  # first: nothing is parsed from a file the save did not write
+        files = manifest.read_manifest(path)
+        if files is not None:
+            manifest.verify_share(path, files, rank, world)
+        elif rank == 0:
+            logger.warning(
+                "checkpoint %s has no %s (saved before checkpoints had one): the sizes and hashes "
+                "of its files cannot be checked, so altered bytes inside a file would go "
+                "unnoticed; loading it after the checks that need no manifest",
+                path, manifest.MANIFEST)
+
+    def check_contents() -> None:
+        if rank != 0:
+            return
+        meta = read_json(os.path.join(path, META))
+        if meta.get("format") != FORMAT or not isinstance(meta.get("step"), int) \
+                or not isinstance(meta.get("layout"), dict) or "optimizer_sharding" not in meta:
+            raise BadCheckpointError(f"{os.path.join(path, META)}: not a format-{FORMAT} "
+                                     "checkpoint description")
+        check_dist_dir(os.path.join(path, DIST_DIR))
+        state = torch_load(os.path.join(path, TRAINER_STATE))
+        if not (isinstance(state, dict) and {"scheduler", "extra"} <= state.keys()):
+            raise BadCheckpointError(f"{os.path.join(path, TRAINER_STATE)}: not a trainer state "
+                                     "(expected keys 'scheduler' and 'extra')")
+
+    manifest.on_every_rank(check_manifest)
+    manifest.on_every_rank(check_contents)
+
+
+T = TypeVar("T")
+
+
+def load_newest(roots: Sequence[str], load: Callable[[int, str], T],
+                after: Optional[int] = None) -> Optional[list[T]]:
+    """Resume: [load(i, path) for each root i] at the newest step complete under every root whose
+    checkpoints all pass verify_checkpoint. roots: one checkpoint root per role, paired by step
+    (RunCheckpoints: actor, critic). Collective: rank 0 chooses the step, every rank checks and
+    loads the same one.
+
+    A step whose check fails, or whose load raises BadCheckpointError, is never used: the failing
+    checkpoint is renamed corrupt.step_N, the other roles' of that step abandoned.step_N (never
+    deleted), `latest` is repointed, a warning says what and why, and the next newest step is
+    tried. Only steps > `after` count when given. Returns None when there is no step; raises
+    BadCheckpointError listing what was set aside when there were steps but none was good
+    (unless `after` is given: the caller then has a fallback of its own).
+    """
+    set_aside: list[str] = []
+    while True:
+        step = _on_rank0(lambda: _newest_common_step(roots))
+        if step is None or (after is not None and step <= after):
+            if set_aside and after is None:
+                raise BadCheckpointError(
+                    f"checkpoint: no usable checkpoint left under {', '.join(roots)}; set aside: "
+                    + "; ".join(set_aside) + ". Inspect or delete them; to start from scratch "
+                    "use another run directory or checkpoint.resume=never")
+            return None
+        paths = [os.path.join(root, checkpoint_name(step)) for root in roots]
+        try:
+            for path in paths:  # all roles first: a bad critic must not cost an actor load
+                failing = path
+                verify_checkpoint(path)
+            results = []
+            for i, path in enumerate(paths):
+                failing = path
+                results.append(load(i, path))
+            if set_aside and dist.get_rank() == 0:
+                logger.warning("checkpoint: resumed from step %d, the newest good checkpoint",
+                               step)
+            return results
+        except BadCheckpointError as e:
+            reason = str(e)
+        set_aside.append(f"{failing}: {reason}")
+        if dist.get_rank() == 0:
+            for path in paths:
+                prefix = CORRUPT_PREFIX if path == failing else ABANDONED_PREFIX
+                if os.path.isdir(path):
+                    old, new = _set_aside(path, prefix)
+                    why = (f"failed its check: {reason}" if path == failing
+                           else f"its step's {failing} is corrupt, so this step is not used")
+                    logger.warning("checkpoint: %s %s; moved it to %s (never loaded from there; "
+                                   "delete it when no longer needed) and falling back to the "
+                                   "previous checkpoint", old, why, new)
+        dist.barrier()
+
+
+def _newest_common_step(roots: Sequence[str]) -> Optional[int]:
+    """The step to resume from: the one `latest` of the first root names (see
+    find_latest_checkpoint) when every root has it complete, else the newest step complete
+    under every root; None when there is none."""
+    latest = find_latest_checkpoint(roots[0])
+    if latest is None:
+        return None
+    steps = [dict(list_checkpoints(root)) for root in roots]
+    latest_step = next(s for s, p in steps[0].items() if os.path.samefile(p, latest))
+    if all(latest_step in s for s in steps[1:]):
+        return latest_step
+    common = sorted(set(steps[0]).intersection(*steps[1:]))
+    if not common:
+        logger.warning("checkpoints: %s has steps %s but %s none of them; starting fresh",
+                       roots[0], sorted(steps[0]), ", ".join(roots[1:]))
+        return None
+    logger.warning("checkpoints: %s has no step %d (killed between the saves of the roles?); "
+                   "resuming every role from step %d", ", ".join(roots[1:]), latest_step,
+                   common[-1])
+    return common[-1]
+
+
+def _on_rank0(fn: Callable[[], T]) -> T:
+    """fn() computed on rank 0 (file reads that ranks could see differently on a network file
+    system, e.g. just after rank 0 renamed a directory), the same value on every rank; an error
+    on rank 0 is raised on every rank. Collective."""
+    if dist.get_world_size() == 1:
+        return fn()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(fn(), None)]
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            box = [(None, f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise RuntimeError(f"checkpoint: rank 0 could not choose a checkpoint: {error}")
+    return value
 
 
 # ---------------------------------------------------------------- save
@@ -340,6 +511,9 @@ class Checkpointer:
         dist.barrier()  # every rank's files are in pending.tmp
         if dist.get_rank() == 0:
             _write_json_atomic(os.path.join(pending.tmp, META), meta)
+        files = manifest.gather_manifest(pending.tmp)  # each rank hashes the files it wrote
+        if dist.get_rank() == 0:
+            _write_json_atomic(os.path.join(pending.tmp, manifest.MANIFEST), files)
             displaced = None
             if os.path.exists(pending.final):
                 # Same step written again (e.g. PPO resumed from an older step because the
@@ -363,12 +537,14 @@ class Checkpointer:
         scheduler: Any = None,
         path: Optional[str] = None,
     ) -> Optional["LoadedCheckpoint"]:
-        """Load `path`, or the newest complete checkpoint under root when path is None; return
+        """Load `path` (refused with BadCheckpointError if it fails its checks), or when path is
+        None the newest good checkpoint under root (load_newest: bad ones are set aside); return
         None (and change nothing) when there is none. See load_checkpoint."""
-        path = path or find_latest_checkpoint(self.root)
-        if path is None:
-            return None
-        return load_checkpoint(path, model_chunks, optimizer, scheduler)
+        if path is not None:
+            return load_checkpoint(path, model_chunks, optimizer, scheduler)
+        loaded = load_newest([self.root], lambda _, p: load_checkpoint(
+            p, model_chunks, optimizer, scheduler, verified=True))
+        return loaded[0] if loaded else None
 
 
 @dataclasses.dataclass
@@ -385,31 +561,27 @@ def load_checkpoint(
     model_chunks: Sequence[torch.nn.Module],
     optimizer: Any = None,
     scheduler: Any = None,
+    verified: bool = False,
 ) -> LoadedCheckpoint:
     """Load a complete checkpoint into models built at the current layout (which may differ from
     the saved one: dist_checkpointing reads each rank's slices). Collective.
 
+    It is first checked with verify_checkpoint (skipped when `verified`: the caller has just done
+    it, as load_newest does for all roles of a step before loading any); a failure raises
+    BadCheckpointError naming the file and the check, before anything is loaded.
     The optimizer state is loaded when the checkpoint has it and `optimizer` is given; otherwise
     the optimizer's main parameters are refreshed from the loaded model parameters.
     """
-    from megatron.core import dist_checkpointing
-
-    if not is_complete(path):
-        raise FileNotFoundError(
-            f"checkpoint {path} is not complete (no readable {META}, or missing "
-            f"{TRAINER_STATE} / {DIST_DIR}/metadata.json): pick another one or delete it"
-        )
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
-    trainer_state = torch.load(
-        os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True
-    )
+    if not verified:
+        verify_checkpoint(path)
+    meta = read_json(os.path.join(path, META))
+    trainer_state = torch_load(os.path.join(path, TRAINER_STATE))
     with_optimizer = optimizer is not None and meta["optimizer_sharding"] is not None
     if with_optimizer:
         _allocate_optimizer_state(optimizer)
     sharded = _sharded_state_dict(model_chunks, optimizer if with_optimizer else None,
                                   meta["optimizer_sharding"], is_loading=True)
-    state = dist_checkpointing.load(sharded, os.path.join(path, DIST_DIR))
+    state = dist_load(sharded, os.path.join(path, DIST_DIR))
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     if with_optimizer:
@@ -420,12 +592,17 @@ def load_checkpoint(
     if scheduler is not None:
         if trainer_state["scheduler"] is None:
             raise ValueError(f"checkpoint {path} has no LR scheduler state")
+        # megatron's load_state_dict advances num_steps *by* the saved count (it expects a
+        # fresh scheduler): one that already stepped (a load_newest fallback after a role was
+        # loaded, a second load in one process) would end up past the checkpoint.
+        scheduler.num_steps = 0
         scheduler.load_state_dict(trainer_state["scheduler"])
 
     rng_restored = meta["layout"] == _layout(len(model_chunks))
     if rng_restored:
         rank_file = os.path.join(path, RNG_DIR, f"rank_{dist.get_rank():05d}.pt")
-        restore_rng_state(torch.load(rank_file, map_location="cpu", weights_only=True))
+        # Each rank reads its own file: a failure on one rank is raised on all (no hang).
+        restore_rng_state(manifest.on_every_rank(lambda: torch_load(rank_file)))
     elif dist.get_rank() == 0:
         logger.warning(
             "checkpoint %s: saved at layout %s, running at %s; RNG states not restored",
