@@ -27,6 +27,7 @@ import torch.distributed as dist
 from verl_mcore import build
 from verl_mcore.config import Config
 from verl_mcore.generation import build_generation_phase
+from verl_mcore.reward.manager import RewardFailureError
 
 log = logging.getLogger("verl_mcore.trainer")
 
@@ -205,9 +206,9 @@ class Trainer:
                         self.save_checkpoint(step)
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
-        except NonFiniteError:
-            # Raised on every rank alike (from reduced metrics): commit the pending async saves,
-            # which hold good steps, before stopping.
+        except (NonFiniteError, RewardFailureError):
+            # Raised on every rank alike (from reduced or gathered values): commit the pending
+            # async saves, which hold good steps, before stopping.
             self.checkpoints.close()
             raise
         finally:
@@ -357,18 +358,22 @@ class Trainer:
 
         n = len(rollout.responses)
         mine = list(range(self.rank, n, self.world))
-        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine])
-        part = (mine, out.scores, out.source_scores, out.failed)
+        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
+                                 indices=mine)
+        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
-        failed = 0
-        for idx, s, sources, f in gathered:
+        failed, firsts = 0, []
+        for idx, s, sources, f, first in gathered:
             scores[idx] = torch.tensor(s, dtype=torch.float32)
             for name, values in sources.items():
                 per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
             failed += sum(f)
+            firsts += [first] if first else []
+        # The whole batch's count on every rank: all stop together (reward.max_failed_fraction).
+        self.rewards.check_failures(failed, n, min(firsts, default=None))
         acc = MetricAccumulator()
         for name, values in out.metrics.items():
             acc.add_mean(name, values, weight=max(1, len(mine)))
