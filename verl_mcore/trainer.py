@@ -146,25 +146,31 @@ class Trainer:
         # After the guard's handlers: a rank blocked in a collective still reports a signal.
         self.watchdog.start(watch_signals=True)
 
+        # Everything the user supplied (config, model directory, data, reward code) is read and
+        # checked before minutes of model building; a problem on any rank stops every rank.
+        with self.watchdog.phase("check inputs"):
+            try:
+                inputs = build.build_inputs(cfg, self.world)
+            except BaseException:  # a Trainer that never was leaves no thread or handler behind
+                self.watchdog.stop()
+                self.guard.uninstall()
+                raise
+        self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
+        self.rewards = inputs.rewards
         with self.watchdog.phase("build models"):
-            self.info = build.load_model_info(cfg)
             # Before any model is built: "auto" refuses a run whose phases would not fit.
             offload, why = build.resolve_offload(cfg, self.info, self.world, self.launch.local_world_size)
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
             self.critic = build.build_critic(cfg, self.groups, self.info)
             self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
-        with self.watchdog.phase("load data"):
-            self.train_data, self.val_data = build.build_datasets(cfg, self.info)
-            self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
+        self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
         if self.rank == 0:
             log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
         self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)
-        self.rewards = build.build_reward_manager(cfg)
-        self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
         self.checkpoints = build.build_checkpointers(cfg, self.run_dir)
         self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,

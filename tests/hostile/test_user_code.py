@@ -1,17 +1,22 @@
 """User code that blocks, exits, crashes or eats memory: at import it fails within the time limit
 naming the file (and the line it was stuck on); while scoring it costs only its own sample,
-reported with the sample's number and the exit code."""
+reported with the sample's number and the exit code; every rank stops together."""
 import logging
+import subprocess
+import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
+from tests.multiproc import run_on_ranks
 from verl_mcore.config.schema import (CustomClassConfig, DataConfig, RewardConfig,
                                       RewardSourceConfig)
 from verl_mcore.user_code import UserCodeError
 from verl_mcore.reward import RewardManager
 
+ROOT = Path(__file__).resolve().parents[2]
 ROW = {"data_source": "my/data", "reward_model": {"ground_truth": "1"}}
 
 
@@ -87,6 +92,22 @@ def test_a_dataset_class_that_blocks_at_import(tmp_path):
            "data.import_timeout_s=1.0 s" in str(e.value)
 
 
+def test_the_cli_stops_with_the_file_named_instead_of_hanging(tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    path = _file(tmp_path, "import time\ntime.sleep(3600)")
+    run = subprocess.run(
+        [sys.executable, "-m", "verl_mcore.train", "--config", "configs/quickstart.yaml",
+         f"model.path={model}", f"trainer.run_dir={tmp_path}/run", f"reward.custom_fn.path={path}",
+         "reward.custom_fn.name=score", "reward.import_timeout_s=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert f"error before training: reward.custom_fn.path={path}: importing the file did not " \
+           "finish within reward.import_timeout_s=1.0 s" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 # ------------------------------------------------------------------ while scoring
 
 CRASHY = '''
@@ -144,3 +165,35 @@ def test_max_memory_mb_caps_the_workers(crashy, caplog):
         out = m.score(["big", "small", "ok"], [ROW] * 3)
     assert out.scores == [-1.0, 16.0, 1.0] and out.failed == [True, False, False]
     assert "the scorer ran out of memory over reward.max_memory_mb=256 MiB (MemoryError)" in caplog.text
+
+
+# ------------------------------------------------------------------ every rank together
+
+def _agree_body(rank, world_size, model_dir, reward_files):
+    from verl_mcore import build
+    from verl_mcore.config import Config
+
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={model_dir}", f"reward.custom_fn.path={reward_files[rank]}",
+        "reward.custom_fn.name=score", "reward.num_workers=0", "data.train_batch_size=16",
+        f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
+        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]"])
+    try:
+        build.build_inputs(cfg, world_size).rewards.close()
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_file_missing_on_one_rank_stops_every_rank(tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    good = _file(tmp_path, "")
+    missing = str(tmp_path / "only_on_the_other_node.py")
+    results = run_on_ranks(_agree_body, 2, args=(model, [good, missing]), timeout=300)
+    assert results[1][0] == "ConfigError" and "no such file" in results[1][1]
+    kind, msg = results[0]
+    assert kind == "AgreedFailure"
+    assert msg.startswith("rank 1 failed while checking the inputs: ConfigError: "
+                          f"reward.custom_fn.path='{missing}': no such file")

@@ -241,7 +241,7 @@ class CriticConfig:
 @dataclass
 class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end and on preemption
-    keep_last: int = 2
+    keep_last: int = 2  # newest complete checkpoints kept; 0: keep every checkpoint
     resume: Literal["auto", "never"] = "auto"
     # Resume from this checkpoint instead of the newest, once: later starts of the run (requeues)
     # continue from its own newer checkpoints (RUN_DIR/checkpoints/load_path_consumed.json).
