@@ -2,7 +2,8 @@
 
     cfg = Config.load("configs/quickstart.yaml")
     groups = build_groups(cfg)                       # after torch.distributed is initialised
-    model = load_model_info(cfg)                     # HF architecture + tokenizer
+    inputs = build_inputs(cfg, world_size)           # everything the user gave, checked
+    model = inputs.info                              # HF architecture + tokenizer
     actor = build_actor(cfg, groups, model)
     reference = build_reference(cfg, groups, model)  # None when no KL term needs it
     critic = build_critic(cfg, groups, model)        # None unless algorithm.adv_estimator=gae
@@ -43,17 +44,86 @@ class ModelInfo:
 
 
 def load_model_info(cfg: Config) -> ModelInfo:
-    from transformers import AutoTokenizer
-
     from verl_mcore.models.hf_config import read_hf_arch
 
     if cfg.model.path is None:
         raise ConfigError("model.path must name a Hugging Face directory (its config.json and "
                           "tokenizer are needed even when model.checkpoint gives the weights)")
     arch = read_hf_arch(cfg.model.path)
-    tok_dir = cfg.model.tokenizer or cfg.model.path
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=cfg.model.trust_remote_code)
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    tokenizer = _load_tokenizer(cfg.model.tokenizer or cfg.model.path, key,
+                                cfg.model.trust_remote_code)
     return ModelInfo(arch, tokenizer, cfg.model.path, cfg.model.checkpoint)
+
+
+def _load_tokenizer(where: str, key: str, trust_remote_code: bool):
+    """AutoTokenizer from a directory (or a hub id), failing with the config key and the reason
+    (transformers says `Repo id must be ...` for a directory that does not exist)."""
+    from transformers import AutoTokenizer
+
+    looks_like_path = (os.path.isabs(where) or where.startswith((".", "~"))
+                       or where.count("/") != 1)
+    if not os.path.isdir(where) and looks_like_path:
+        raise ConfigError(f"{key}={where}: no such directory (the tokenizer is read from there; "
+                          "set model.tokenizer to the directory that has tokenizer.json / "
+                          "tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot"
+        what = "directory" if os.path.isdir(where) else "Hugging Face hub id (not a local directory)"
+        raise ConfigError(f"{key}={where}: the tokenizer of this {what} does not load "
+                          f"({type(e).__name__}: {e}); it needs tokenizer.json or "
+                          "tokenizer_config.json with its vocabulary files, or set "
+                          "model.tokenizer") from e
+
+
+@dataclass
+class Inputs:
+    """Everything the user supplied, read and checked (build_inputs)."""
+
+    info: ModelInfo
+    train_data: Any
+    val_data: Any
+    rewards: Any  # RewardManager, its scoring workers started
+
+
+def build_inputs(cfg: Config, world: int) -> Inputs:
+    """Read and check everything the user supplies before any model is built (minutes at 70B):
+
+      the config      every numeric range and cross-field rule (config/validate.py), the
+                      lengths against the model's max_position_embeddings
+      the model       config.json parses; every safetensors header is whole and fits its file
+                      (models/hf_weights.check_weight_files); the tokenizer loads
+      the data        the datasets are built here: schemas, rows, prompt lengths
+      reward code     imported under reward.import_timeout_s, its workers started
+
+    Every rank checks; a problem on any rank stops every rank together (distributed/agree.py),
+    as ConfigError (or, on the ranks that passed, AgreedFailure) naming what to fix."""
+    from verl_mcore.config import ModelShape, validate
+    from verl_mcore.distributed.agree import all_ranks_agree
+    from verl_mcore.models.hf_weights import check_weight_files
+
+    def check() -> Inputs:
+        try:
+            shape = ModelShape.from_hf_dir(cfg.model.path) if cfg.model.path else None
+            validate(cfg, world, shape)
+            if cfg.model.checkpoint is None and cfg.model.path and os.path.isdir(cfg.model.path):
+                check_weight_files(cfg.model.path)
+            info = load_model_info(cfg)
+            train, val = build_datasets(cfg, info)
+            rewards = build_reward_manager(cfg)
+        except ConfigError:
+            raise
+        except (ValueError, OSError) as e:  # what a user's input raises; the rest are our bugs
+            raise ConfigError(str(e)) from e
+        try:
+            rewards.check_dataset(train)
+        except ValueError as e:
+            rewards.close()
+            raise ConfigError(str(e)) from e
+        return Inputs(info, train, val, rewards)
+
+    return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
 
 
 def _weight_loader(info: ModelInfo, role: str):

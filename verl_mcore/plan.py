@@ -96,6 +96,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from verl_mcore.config import Config, ConfigError, ModelShape, data_parallel_size, validate
+from verl_mcore.config.validate import load_config_json
 
 GiB = 1024 ** 3
 RUNTIME_OVERHEAD_GIB = 2.0
@@ -169,8 +170,7 @@ def resolve_dims(model_path: Optional[str]) -> ModelDims:
         raise ConfigError("the planner needs model.path (an HF directory or a known hub id)")
     cfg_file = os.path.join(model_path, "config.json")
     if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            return ModelDims.from_hf_config(json.load(f), cfg_file)
+        return ModelDims.from_hf_config(load_config_json(cfg_file), cfg_file)
     key = os.path.basename(model_path.rstrip("/")).lower().removesuffix("-instruct")
     if key in KNOWN_SHAPES:
         return KNOWN_SHAPES[key]

@@ -5,6 +5,7 @@ config -> launch environment -> torch.distributed -> process groups -> Trainer -
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 
@@ -40,6 +41,9 @@ def main(argv=None) -> int:
     from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
     from verl_mcore.distributed.watchdog import process_group_timeout
 
+    # A crash in native code (a user's scorer with reward.num_workers=0, an extension) then
+    # prints the Python stack of every thread instead of only "Segmentation fault".
+    faulthandler.enable()
     info = detect_launch()
     setup_logging(info.rank)
     try:
@@ -58,15 +62,17 @@ def main(argv=None) -> int:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
             f.write(cfg.to_yaml())
+    from verl_mcore.distributed.agree import AgreedFailure
     from verl_mcore.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, launch=info)
-    except ConfigError as e:
-        # Checks that need the devices (build.resolve_offload: the memory plan) run in the
-        # trainer, before any model is built; every rank reaches the same verdict.
+    except (ConfigError, AgreedFailure) as e:
+        # The checks the trainer runs before any model is built (build.build_inputs: config,
+        # model directory, data, reward code; build.resolve_offload: the memory plan) stop
+        # every rank together; rank 0 says why.
         if info.rank == 0:
-            print(f"config error: {e}", file=sys.stderr)
+            print(f"error before training: {e}", file=sys.stderr)
         return 2
     code = trainer.fit()
     if code == 0:

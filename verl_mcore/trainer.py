@@ -28,6 +28,7 @@ from verl_mcore import build
 from verl_mcore.config import Config
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import build_generation_phase
+from verl_mcore.reward.manager import RewardFailureError
 
 log = logging.getLogger("verl_mcore.trainer")
 
@@ -146,25 +147,32 @@ class Trainer:
         # After the guard's handlers: a rank blocked in a collective still reports a signal.
         self.watchdog.start(watch_signals=True)
 
+        # Everything the user supplied (config, model directory, data, reward code) is read and
+        # checked before minutes of model building, and "auto" offload refuses a run whose
+        # phases would not fit; a problem on any rank stops every rank.
+        with self.watchdog.phase("check inputs"):
+            try:
+                inputs = build.build_inputs(cfg, self.world)
+                offload, why = build.resolve_offload(cfg, inputs.info, self.world,
+                                                     self.launch.local_world_size)
+            except BaseException:  # a Trainer that never was leaves no thread or handler behind
+                self.watchdog.stop()
+                self.guard.uninstall()
+                raise
+        self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
+        self.rewards = inputs.rewards
         with self.watchdog.phase("build models"):
-            self.info = build.load_model_info(cfg)
-            # Before any model is built: "auto" refuses a run whose phases would not fit.
-            offload, why = build.resolve_offload(cfg, self.info, self.world, self.launch.local_world_size)
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
             self.critic = build.build_critic(cfg, self.groups, self.info)
             self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
-        with self.watchdog.phase("load data"):
-            self.train_data, self.val_data = build.build_datasets(cfg, self.info)
-            self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
+        self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
         if self.rank == 0:
             log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
         self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)
-        self.rewards = build.build_reward_manager(cfg)
-        self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
         self.checkpoints = build.build_checkpointers(cfg, self.run_dir)
         self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,
@@ -207,9 +215,9 @@ class Trainer:
                         self.save_checkpoint(step)
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
-        except NonFiniteError:
-            # Raised on every rank alike (from reduced metrics): commit the pending async saves,
-            # which hold good steps, before stopping.
+        except (NonFiniteError, RewardFailureError):
+            # Raised on every rank alike (from reduced or gathered values): commit the pending
+            # async saves, which hold good steps, before stopping.
             self.checkpoints.close()
             raise
         finally:
@@ -357,18 +365,22 @@ class Trainer:
 
         n = len(rollout.responses)
         mine = list(range(self.rank, n, self.world))
-        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine])
-        part = (mine, out.scores, out.source_scores, out.failed)
+        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
+                                 indices=mine)
+        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
-        failed = 0
-        for idx, s, sources, f in gathered:
+        failed, firsts = 0, []
+        for idx, s, sources, f, first in gathered:
             scores[idx] = torch.tensor(s, dtype=torch.float32)
             for name, values in sources.items():
                 per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
             failed += sum(f)
+            firsts += [first] if first else []
+        # The whole batch's count on every rank: all stop together (reward.max_failed_fraction).
+        self.rewards.check_failures(failed, n, min(firsts, default=None))
         acc = MetricAccumulator()
         for name, values in out.metrics.items():
             acc.add_mean(name, values, weight=max(1, len(mine)))

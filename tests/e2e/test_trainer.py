@@ -153,22 +153,39 @@ def test_trainer_generation_tp_below_training_tp(tiny_model, tiny_model_4_kv_hea
 # Non-finite losses: stop with the phase and last good step, or skip the update and count it.
 
 def _nan_reward_overrides(model_dir, run_dir, mode, tmp_path, algo="grpo"):
-    # A scorer that fails for half the digits, with a NaN fallback: NaN scores reach the loss.
+    # A scorer that fails for half the digits; _nan_for_failed_scores turns those into NaN.
     fn = tmp_path / "nan_reward.py"
     fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   "    if ground_truth in '01234':\n"
                   "        raise ValueError('no score')\n"
                   "    return 0.5\n")
     return _overrides(model_dir, run_dir, algo, (1, 1, 1)) + [
-        f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score", "reward.fallback_score=.nan",
-        f"trainer.on_nonfinite={mode}",
+        f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score",
+        "reward.max_failed_fraction=1.0", f"trainer.on_nonfinite={mode}",
         "trainer.val_every=0", "checkpoint.save_every=0", "trainer.total_steps=2"]
+
+
+def _nan_for_failed_scores():
+    """NaN as the score of every sample whose scorer failed. The reward checks no longer let a
+    NaN through (a NaN reward.fallback_score is refused, a NaN return value is a failed score),
+    so the non-finite guards of the update are tested with NaN put in by hand (fresh ranks)."""
+    from verl_mcore.reward.manager import RewardManager
+
+    score = RewardManager.score
+
+    def nan_score(self, *args, **kwargs):
+        out = score(self, *args, **kwargs)
+        out.scores = [float("nan") if f else s for s, f in zip(out.scores, out.failed)]
+        return out
+
+    RewardManager.score = nan_score
 
 
 def _train_catch(rank, world_size, overrides):
     from verl_mcore.config import Config
     from verl_mcore.trainer import NonFiniteError, Trainer
 
+    _nan_for_failed_scores()
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)
     trainer = Trainer(cfg)
     try:
@@ -214,14 +231,15 @@ def _late_nan_body(rank, world_size, model_dir, tmp_path):
     from verl_mcore.trainer import NonFiniteError, Trainer
 
     out = {}
+    _nan_for_failed_scores()
     fn = os.path.join(tmp_path, "late_nan.py")
     with open(fn, "w") as f:  # 8 scores per step (4 prompts x 2): failing (-> NaN) from step 2 on
         f.write("CALLS = [0]\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
                 "    CALLS[0] += 1\n    if CALLS[0] > 8:\n        raise ValueError('no score')\n"
                 "    return 0.5 + 0.1 * (CALLS[0] % 2)\n")
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), _overrides(model_dir, f"{tmp_path}/b", "grpo", (1, 1, 1)) + [
-        f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score", "reward.fallback_score=.nan",
-        "checkpoint.async_save=true",
+        f"reward.custom_fn.path={fn}", "reward.custom_fn.name=score",
+        "reward.max_failed_fraction=1.0", "checkpoint.async_save=true",
         "checkpoint.save_every=1", "trainer.val_every=0", "trainer.total_steps=3"])
     trainer = Trainer(cfg)
     try:
@@ -288,7 +306,7 @@ def _refused_by_trainer_check(rank, world_size, model_dir, tmp_path):
 def test_a_config_error_from_the_trainer_exits_2_with_one_message(tiny_model, tmp_path):
     [(code, err)] = run_on_ranks(_refused_by_trainer_check, 1, args=(tiny_model, str(tmp_path)),
                                  timeout=120, fresh=True)
-    assert code == 2 and "config error: the memory planner finds" in err
+    assert code == 2 and "error before training: the memory planner finds" in err
     assert "Traceback" not in err
 
 def _diverging_bodies(rank, world_size, model_dir, tmp_path):

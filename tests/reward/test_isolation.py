@@ -8,6 +8,7 @@ import pytest
 from tests.reward import user_fns
 from tests.reward.test_manager import row
 from verl_mcore.config.schema import CustomClassConfig, RewardConfig
+from verl_mcore.user_code import UserCodeError
 from verl_mcore.reward import RewardManager
 
 
@@ -37,7 +38,10 @@ def test_failures_cost_only_their_own_sample(flaky_manager, caplog):
     # the first exception, with its traceback
     assert "the first scorer error" in caplog.text and "sample 13" in caplog.text
     assert "Traceback" in caplog.text and "ZeroDivisionError: the scorer failed on raise 13" in caplog.text
-    assert "2 errors and 1 timeouts in this batch of 40" in caplog.text
+    assert "3 of 40 samples failed in this batch (2 errors, 1 timeouts" in caplog.text
+    # the worker that exited: its sample and its exit code
+    assert "sample 17 (data_source='openai/gsm8k')" in caplog.text
+    assert "the process exited with code 7" in caplog.text
 
 
 def test_the_pool_keeps_working_after_hangs(flaky_manager, caplog):
@@ -59,10 +63,12 @@ def test_a_scorer_file_that_fails_to_load(tmp_path):
     cfg = RewardConfig(custom_fn=CustomClassConfig(path=str(path), name="f"), num_workers=0)
     with pytest.raises(ValueError, match="reward.custom_fn.path=.*importing the file failed"):
         RewardManager.from_config(cfg)
-    # loads in this process but not in a worker: the pool refuses to start, with the traceback
+    # loads in this process and in the import probe but not in a worker (whose argument is its
+    # socket's fd): the pool refuses to start, with the traceback
     path = tmp_path / "only_here.py"
-    path.write_text("import sys\nif sys.argv[0] == '-c':\n    raise ImportError('not in workers')\n"
+    path.write_text("import sys\nif sys.argv[0] == '-c' and sys.argv[1].isdigit():\n"
+                    "    raise ImportError('not in workers')\n"
                     "def f(*a):\n    return 1.0\n")
     cfg = RewardConfig(custom_fn=CustomClassConfig(path=str(path), name="f"), num_workers=1)
-    with pytest.raises(RuntimeError, match="(?s)could not load the scorers.*not in workers"):
+    with pytest.raises(UserCodeError, match="(?s)could not load the scorers.*not in workers"):
         RewardManager.from_config(cfg)

@@ -91,7 +91,7 @@ def test_dispatch_unknown_source():
         default_compute_score("my/data", "x", "y")
 
 
-@pytest.mark.parametrize("value,expected", [(1, (1.0, {})), (True, (1.0, {})),
+@pytest.mark.parametrize("value,expected", [(1, (1.0, {})),
                                             ({"score": 0.5, "acc": True, "note": "x"},
                                              (0.5, {"acc": 1.0}))])
 def test_check_result_accepts(value, expected):
@@ -99,7 +99,8 @@ def test_check_result_accepts(value, expected):
 
 
 @pytest.mark.parametrize("value,problem", [({"acc": 1}, "without 'score'"), ("high", "got str"),
-                                           (float("nan"), "non-finite"), (None, "got NoneType")])
+                                           (float("nan"), "must be a finite number"), (None, "got NoneType"),
+                                           (True, "got bool")])
 def test_check_result_refuses(value, problem):
     with pytest.raises((TypeError, ValueError), match=problem):
         check_result(value)

@@ -101,6 +101,12 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 1
     custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
+    # Seconds data.custom_cls's file may take to import. It is imported first in a fresh
+    # interpreter (user_code.py: check_import), so a file that blocks at import (a sleep, a
+    # network call, input()) or exits fails naming the file and the line it was on, instead of
+    # hanging every rank. Its own key, not reward.import_timeout_s: the two files are different
+    # code with different imports, each tuned where it is configured.
+    import_timeout_s: float = 60.0
 
 
 @dataclass
@@ -124,9 +130,23 @@ class RewardConfig:
     default_route: Optional[str] = None
     # Weighted sum of several sources; empty: one rule-based source.
     sources: list[RewardSourceConfig] = field(default_factory=list)
+    # Scoring processes per rank (reward/pool.py). 0: score in the trainer process, without
+    # timeouts, memory cap or crash isolation: only for trusted, well-behaved code.
     num_workers: int = 2
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # per sample, in the workers; > 0
     fallback_score: float = 0.0
+    # Seconds each reward file (reward.custom_fn, custom reward.sources) may take to import; it is
+    # imported first in a fresh interpreter, so a blocking or exiting import fails naming the file.
+    import_timeout_s: float = 60.0
+    # Address-space cap of each scoring worker (RLIMIT_AS), in MiB; null: no cap. A scorer going
+    # over it gets a MemoryError: a failed score, logged with its sample. It counts virtual
+    # memory, so libraries that reserve large ranges (CUDA, many-threaded BLAS) need a high cap.
+    # Needs num_workers >= 1: a cap on the trainer process would cap the trainer.
+    max_memory_mb: Optional[int] = None
+    # Stop the run when more than this fraction of a batch's samples failed to score (raised,
+    # timed out, crashed their worker, returned a non-number or a non-finite number), naming the
+    # first failure. 1.0: never stop; 0.0: stop at the first failure.
+    max_failed_fraction: float = 0.5
 
 
 @dataclass
@@ -221,7 +241,7 @@ class CriticConfig:
 @dataclass
 class CheckpointConfig:
     save_every: int = 0  # steps; 0: only at the end and on preemption
-    keep_last: int = 2
+    keep_last: int = 2  # newest complete checkpoints kept; 0: keep every checkpoint
     resume: Literal["auto", "never"] = "auto"
     # Resume from this checkpoint instead of the newest, once: later starts of the run (requeues)
     # continue from its own newer checkpoints (RUN_DIR/checkpoints/load_path_consumed.json).

@@ -1,14 +1,184 @@
-"""Cross-field checks, run before any model is built. Each message names the fields to change."""
+"""Checks run before any model is built. Each message names the key to change.
+
+Two kinds: the range of every numeric field on its own (`RANGES`, one table: a new numeric field
+without an entry fails tests/hostile/test_validation.py), then the cross-field rules (divisibility,
+batch sizes, lengths against the model). The cross-field rules run only once every value is in
+range, so they never divide by a zero batch size or compare against a NaN.
+"""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
 import os
+import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 from verl_mcore.config.loading import ConfigError
 from verl_mcore.config.schema import Config
+
+# Every numeric config field: its valid interval (inf is never included: every value must be a
+# finite number) and what its edge values mean. `name[]` stands for each item of a list.
+_OPTIM = {
+    "lr": ("[0, inf)", ""),
+    "min_lr": ("[0, inf)", "at most lr"),
+    "weight_decay": ("[0, inf)", ""),
+    "adam_beta1": ("[0, 1)", ""),
+    "adam_beta2": ("[0, 1)", ""),
+    "adam_eps": ("(0, inf)", ""),
+    "clip_grad": ("[0, inf)", "0: no clipping"),
+    "lr_warmup_steps": ("[0, inf)", ""),
+}
+RANGES: dict[str, tuple[str, str]] = {
+    "model.make_vocab_size_divisible_by": ("[1, inf)", ""),
+    "parallel.tensor_model_parallel_size": ("[1, inf)", ""),
+    "parallel.pipeline_model_parallel_size": ("[1, inf)", ""),
+    "parallel.virtual_pipeline_model_parallel_size": ("[1, inf)", "null: no virtual stages"),
+    "parallel.context_parallel_size": ("[1, inf)", ""),
+    "parallel.expert_model_parallel_size": ("[1, inf)", ""),
+    "rollout.tensor_parallel_size": ("[1, inf)", ""),
+    "rollout.n": ("[1, inf)", ""),
+    "rollout.temperature": ("[0, inf)", "0: greedy"),
+    "rollout.top_p": ("(0, 1]", "1: off"),
+    "rollout.top_k": ("[-1, inf)", "-1 or 0: off"),
+    "rollout.seed": ("[0, inf)", ""),
+    "rollout.gpu_memory_utilization": ("(0, 1]", ""),
+    "rollout.max_num_seqs": ("[1, inf)", ""),
+    "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
+    "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
+    "rollout.logprob_check.max_abs_diff": ("[0, inf)", ""),
+    "rollout.val_n": ("[1, inf)", ""),
+    "rollout.val_temperature": ("[0, inf)", "0: greedy"),
+    "data.max_prompt_length": ("[1, inf)", ""),
+    "data.max_response_length": ("[1, inf)", ""),
+    "data.train_batch_size": ("[1, inf)", ""),
+    "data.val_batch_size": ("[1, inf)", "null: all validation prompts in one batch"),
+    "data.seed": ("[0, inf)", ""),
+    "data.import_timeout_s": ("(0, inf)", "seconds"),
+    "reward.sources[].weight": ("(-inf, inf)", "negative: a penalty"),
+    "reward.num_workers": ("[0, inf)", "0: score in the trainer process"),
+    "reward.timeout_s": ("(0, inf)", "seconds per sample; there is no 'off'"),
+    "reward.fallback_score": ("(-inf, inf)", ""),
+    "reward.import_timeout_s": ("(0, inf)", "seconds"),
+    "reward.max_memory_mb": ("[64, inf)", "MiB; null: no cap"),
+    "reward.max_failed_fraction": ("[0, 1]", "1: never stop"),
+    "algorithm.gamma": ("[0, 1]", ""),
+    "algorithm.lam": ("[0, 1]", ""),
+    "algorithm.kl_ctrl.kl_coef": ("[0, inf)", ""),
+    "algorithm.kl_ctrl.target_kl": ("(0, inf)", ""),
+    "algorithm.kl_ctrl.horizon": ("[1, inf)", ""),
+    "actor.ppo_mini_batch_size": ("[1, inf)", ""),
+    "actor.micro_batch_size_per_gpu": ("[1, inf)", ""),
+    "actor.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu"),
+    "actor.ppo_epochs": ("[1, inf)", ""),
+    "actor.clip_ratio_low": ("[0, 1)", ""),
+    "actor.clip_ratio_high": ("[0, inf)", ""),
+    "actor.clip_ratio_c": ("(1, inf)", "the dual-clip bound"),
+    "actor.entropy_coeff": ("(-inf, inf)", "0: off"),
+    "actor.kl_loss_coef": ("[0, inf)", ""),
+    **{f"actor.optim.{k}": v for k, v in _OPTIM.items()},
+    "critic.ppo_mini_batch_size": ("[1, inf)", "null: the actor's"),
+    "critic.micro_batch_size_per_gpu": ("[1, inf)", ""),
+    "critic.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu"),
+    "critic.ppo_epochs": ("[1, inf)", "null: the actor's"),
+    "critic.cliprange_value": ("[0, inf)", ""),
+    "critic.warmup_steps": ("[0, inf)", ""),
+    **{f"critic.optim.{k}": v for k, v in _OPTIM.items()},
+    "checkpoint.save_every": ("[0, inf)", "0: only at the end and on preemption"),
+    "checkpoint.keep_last": ("[0, inf)", "0: keep every checkpoint"),
+    "trainer.total_steps": ("[1, inf)", ""),
+    "trainer.val_every": ("[0, inf)", "0: no validation"),
+    "trainer.seed": ("[0, inf)", ""),
+    "trainer.collective_timeout_s": ("(0, inf)", "seconds"),
+}
+
+
+@dataclass(frozen=True)
+class _Interval:
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "_Interval":
+        low, high = (float(v) for v in text[1:-1].split(","))
+        return cls(low, high, text[0] == "[", text[-1] == "]")
+
+    def __contains__(self, v: float) -> bool:
+        return (math.isfinite(v) and (self.low <= v if self.low_closed else self.low < v)
+                and (v <= self.high if self.high_closed else v < self.high))
+
+    def __str__(self) -> str:
+        if math.isinf(self.low) and math.isinf(self.high):
+            return "a finite number"
+        if math.isinf(self.high):
+            return f"{'>=' if self.low_closed else '>'} {self.low:g}"
+        return (f"in {'[' if self.low_closed else '('}{self.low:g}, {self.high:g}"
+                f"{']' if self.high_closed else ')'}")
+
+
+_INTERVALS = {key: _Interval.parse(text) for key, (text, _) in RANGES.items()}
+
+
+def numeric_fields(cls: type = Config, prefix: str = "") -> Iterator[str]:
+    """The RANGES key of every int / float field of the schema (Optional ones included)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], prefix + f.name
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(args[0]):
+            yield from numeric_fields(args[0], key + "[].")
+            continue
+        if typing.get_origin(tp) is typing.Union and len(args) == 1:
+            tp = args[0]  # Optional[X]
+        if dataclasses.is_dataclass(tp):
+            yield from numeric_fields(tp, key + ".")
+        elif tp in (int, float):
+            yield key
+
+
+def _values(obj: Any, prefix: str = "", table: str = "") -> Iterator[tuple[str, str, Any]]:
+    """(key as the user writes it, RANGES key, value) of every field under `obj`."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _values(value, f"{prefix}{f.name}.", f"{table}{f.name}.")
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                yield from _values(item, f"{prefix}{f.name}[{i}].", f"{table}{f.name}[].")
+        else:
+            yield prefix + f.name, table + f.name, value
+
+
+def range_errors(cfg: Config) -> list[str]:
+    """One message per numeric field outside its RANGES interval (NaN and inf included)."""
+    errs = []
+    for key, table_key, value in _values(cfg):
+        interval = _INTERVALS.get(table_key)
+        if interval is None or value is None or value in interval:
+            continue
+        note = RANGES[table_key][1]
+        finite = "" if math.isfinite(value) else " is not a finite number: it"
+        errs.append(f"{key}={value}{finite} must be {interval}" + (f" ({note})" if note else ""))
+    return errs
+
+
+def load_config_json(cfg_file: str) -> dict:
+    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks."""
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ConfigError(f"{cfg_file} is not valid JSON{where}: repair or replace the model "
+                          "directory's config.json (model.path)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got "
+                          f"{type(data).__name__} (model.path)")
+    return data
 
 
 @dataclass(frozen=True)
@@ -20,25 +190,29 @@ class ModelShape:
     num_layers: int
     vocab_size: int
     hidden_size: int
+    max_position_embeddings: Optional[int] = None  # None: not in config.json, not checked
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Optional["ModelShape"]:
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             return None  # a hub id, or a checkpoint-only run: checked when the model is built
-        with open(cfg_file) as f:
-            hf = json.load(f)
-        try:
-            heads = hf["num_attention_heads"]
-            return cls(
-                num_attention_heads=heads,
-                num_key_value_heads=hf.get("num_key_value_heads") or heads,
-                num_layers=hf["num_hidden_layers"],
-                vocab_size=hf["vocab_size"],
-                hidden_size=hf["hidden_size"],
-            )
-        except KeyError as e:
-            raise ConfigError(f"{cfg_file}: missing field {e.args[0]} (model.path)") from None
+        hf = load_config_json(cfg_file)
+
+        def positive(name: str, required: bool = True) -> Optional[int]:
+            v = hf.get(name)
+            if v is None and required:
+                raise ConfigError(f"{cfg_file}: missing field {name} (model.path)")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{cfg_file}: {name}={v!r} must be a positive integer (model.path)")
+            return v
+
+        heads = positive("num_attention_heads")
+        return cls(num_attention_heads=heads,
+                   num_key_value_heads=positive("num_key_value_heads", required=False) or heads,
+                   num_layers=positive("num_hidden_layers"), vocab_size=positive("vocab_size"),
+                   hidden_size=positive("hidden_size"),
+                   max_position_embeddings=positive("max_position_embeddings", required=False))
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -48,10 +222,15 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 
 
 def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None) -> None:
-    """Raise ConfigError listing every cross-field problem for this world size and model."""
-    errors = _layout_errors(cfg, world_size, shape) + _batch_errors(cfg, world_size)
-    errors += _length_errors(cfg) + _algorithm_errors(cfg) + _validation_errors(cfg)
-    errors += _dependency_errors(cfg)
+    """Raise ConfigError listing every problem of this config for this world size and model.
+    The config alone: the files it names (model, data, reward code) are read and checked by
+    build.build_inputs, which calls this first."""
+    # The cross-field rules assume values in range (no zero divisors, no NaN).
+    errors = range_errors(cfg)
+    if not errors:
+        errors = _layout_errors(cfg, world_size, shape) + _batch_errors(cfg, world_size)
+        errors += _length_errors(cfg, shape) + _optim_errors(cfg) + _validation_errors(cfg)
+        errors += _reward_errors(cfg) + _dependency_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -61,16 +240,6 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
     tp_g = cfg.rollout.tensor_parallel_size
-    for name, v in [("parallel.tensor_model_parallel_size", tp),
-                    ("parallel.pipeline_model_parallel_size", pp),
-                    ("parallel.context_parallel_size", cp),
-                    ("parallel.expert_model_parallel_size", ep),
-                    ("rollout.tensor_parallel_size", tp_g),
-                    ("model.make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by)]:
-        if v < 1:
-            errs.append(f"{name}={v} must be >= 1")
-    if errs:
-        return errs
     if world % (tp * pp * cp) != 0:
         errs.append(
             f"world size {world} is not divisible by TP×PP×CP = {tp}×{pp}×{cp} = {tp * pp * cp}: "
@@ -114,13 +283,7 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list
 def _batch_errors(cfg: Config, world: int) -> list[str]:
     errs = []
     d, a, r = cfg.data, cfg.actor, cfg.rollout
-    for name, v in [("data.train_batch_size", d.train_batch_size), ("rollout.n", r.n),
-                    ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-                    ("actor.micro_batch_size_per_gpu", a.micro_batch_size_per_gpu),
-                    ("actor.ppo_epochs", a.ppo_epochs), ("trainer.total_steps", cfg.trainer.total_steps)]:
-        if v < 1:
-            errs.append(f"{name}={v} must be >= 1")
-    if errs or world % max(1, cfg.parallel.tensor_model_parallel_size
+    if world % max(1, cfg.parallel.tensor_model_parallel_size
                            * cfg.parallel.pipeline_model_parallel_size
                            * cfg.parallel.context_parallel_size):
         return errs
@@ -143,13 +306,7 @@ def _batch_errors(cfg: Config, world: int) -> list[str]:
     if cfg.uses_critic:
         c = cfg.critic
         c_mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size)
-        critic_errs = [f"{name}={v} must be >= 1" for name, v in [
-            ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size),
-            ("critic.micro_batch_size_per_gpu", c.micro_batch_size_per_gpu),
-            ("critic.ppo_epochs", c.ppo_epochs)] if v is not None and v < 1]
-        if critic_errs:
-            errs += critic_errs
-        elif d.train_batch_size % c_mini:
+        if d.train_batch_size % c_mini:
             errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
                         f"critic.ppo_mini_batch_size={c_mini}")
         elif (c_mini * r.n) % dp == 0 and c.max_tokens_per_microbatch is None \
@@ -162,27 +319,21 @@ def _batch_errors(cfg: Config, world: int) -> list[str]:
     return errs
 
 
-def _length_errors(cfg: Config) -> list[str]:
+def _length_errors(cfg: Config, shape: Optional[ModelShape]) -> list[str]:
     errs = []
     d = cfg.data
-    for name, v in [("data.max_prompt_length", d.max_prompt_length),
-                    ("data.max_response_length", d.max_response_length)]:
-        if v < 1:
-            errs.append(f"{name}={v} must be positive")
+    longest = d.max_prompt_length + d.max_response_length
+    if shape is not None and shape.max_position_embeddings and longest > shape.max_position_embeddings:
+        errs.append(f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + "
+                    f"{d.max_response_length} = {longest} tokens is more than the model's "
+                    f"max_position_embeddings={shape.max_position_embeddings} (its config.json): "
+                    "lower one of them")
     for role in ("actor", "critic"):
         budget = getattr(cfg, role).max_tokens_per_microbatch
         if budget is not None and budget < d.max_prompt_length + d.max_response_length:
             errs.append(f"{role}.max_tokens_per_microbatch={budget} is smaller than one full "
                         f"sequence (data.max_prompt_length + data.max_response_length = "
                         f"{d.max_prompt_length + d.max_response_length})")
-    if not 0 < cfg.rollout.top_p <= 1:
-        errs.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
-    if cfg.rollout.temperature < 0:
-        errs.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0")
-    check = cfg.rollout.logprob_check
-    if check.max_new_tokens < 0 or check.num_sequences < 1:
-        errs.append(f"rollout.logprob_check: max_new_tokens={check.max_new_tokens} must be >= 0 "
-                    f"(0: the rollout's length) and num_sequences={check.num_sequences} >= 1")
     if cfg.model.path is None and cfg.model.checkpoint is None:
         errs.append("set model.path (a Hugging Face directory) or model.checkpoint")
     if not cfg.data.train_files:
@@ -190,28 +341,32 @@ def _length_errors(cfg: Config) -> list[str]:
     return errs
 
 
-def _algorithm_errors(cfg: Config) -> list[str]:
-    kl, errs = cfg.algorithm.kl_ctrl, []
-    if kl.kl_coef < 0:
-        errs.append(f"algorithm.kl_ctrl.kl_coef={kl.kl_coef} must be >= 0")
-    if kl.type == "adaptive" and (kl.target_kl <= 0 or kl.horizon < 1):
-        errs.append(f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon >= 1 "
-                    f"(got target_kl={kl.target_kl}, horizon={kl.horizon})")
+def _optim_errors(cfg: Config) -> list[str]:
+    errs = []
+    for role in ("actor", "critic"):
+        o = getattr(cfg, role).optim
+        if o.min_lr > o.lr:
+            errs.append(f"{role}.optim.min_lr={o.min_lr} is above {role}.optim.lr={o.lr}: the "
+                        "schedule decays from lr down to min_lr")
     return errs
 
 
 def _validation_errors(cfg: Config) -> list[str]:
     """Validation asked for without data (it would silently never run), or a batch of none."""
     t, d, errs = cfg.trainer, cfg.data, []
-    if t.val_every < 0:
-        errs.append(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation)")
     if (t.val_every > 0 or t.val_before_train) and not d.val_files:
         asked = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
         errs.append(f"{asked} but data.val_files is empty: give validation files or turn "
                     "validation off (trainer.val_every=0, trainer.val_before_train=false)")
-    if d.val_batch_size is not None and d.val_batch_size < 1:
-        errs.append(f"data.val_batch_size={d.val_batch_size} must be >= 1 (or null: all "
-                    "validation prompts in one batch)")
+    return errs
+
+
+def _reward_errors(cfg: Config) -> list[str]:
+    r, errs = cfg.reward, []
+    if r.max_memory_mb is not None and r.num_workers == 0:
+        errs.append(f"reward.max_memory_mb={r.max_memory_mb} needs reward.num_workers >= 1: the "
+                    "cap is set on the scoring worker processes (in the trainer process it would "
+                    "cap the trainer); set num_workers or max_memory_mb=null")
     return errs
 
 

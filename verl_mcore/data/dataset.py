@@ -31,7 +31,7 @@ from verl_mcore.data.checks import check_columns, check_same_schema, prompt_prob
 from verl_mcore.data.errors import BadRow, DataError
 from verl_mcore.data.loader import PromptBatch
 from verl_mcore.data.readers import DEFAULT_EXTENSIONS, FileRows, read_file_rows, resolve_files
-from verl_mcore.data.user_code import load_user_object
+from verl_mcore.user_code import check_import, load_user_object
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,8 @@ def load_dataset_class(config: DataConfig) -> type:
     custom = config.custom_cls
     if not custom.path and not custom.name:
         return RLHFDataset
+    check_import(custom.path, custom.name, "data.custom_cls", config.import_timeout_s,
+                 "data.import_timeout_s")  # blocking or exiting at import fails here, named
     cls = load_user_object(custom.path, custom.name, "data.custom_cls")
     if not (isinstance(cls, type) and issubclass(cls, RLHFDataset)):
         raise ValueError(f"data.custom_cls: {custom.name} in {custom.path} must be a subclass of "

@@ -15,12 +15,13 @@ inside), older checkpoints carry `rope_theta` + `rope_scaling`; both are read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
 
 import torch
+
+from verl_mcore.config.validate import load_config_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -87,8 +88,7 @@ def load_hf_config_dict(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    with open(path) as f:
-        return json.load(f)
+    return load_config_json(path)
 
 
 def _unsupported(source: str, field: str, value: Any, why: str) -> UnsupportedConfigError:
@@ -170,6 +170,11 @@ def read_hf_arch(config: Mapping[str, Any] | str | os.PathLike,
         cfg, source = dict(config), "config.json"
     else:
         cfg, source = load_hf_config_dict(config), os.path.join(os.fspath(config), "config.json")
+    missing = [f for f in ("num_attention_heads", "hidden_size", "num_hidden_layers",
+                           "intermediate_size", "vocab_size") if f not in cfg]
+    if missing:
+        raise UnsupportedConfigError(f"{source}: missing field(s) {missing}: not a complete "
+                                     "Hugging Face causal-LM config (model.path)")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported(source, "model_type", model_type,

@@ -8,12 +8,15 @@ one layer's slice.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
 
+from verl_mcore.config.loading import ConfigError
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch
 
@@ -72,6 +75,80 @@ class HFCheckpoint:
             sl = f.get_slice(name)
             index = (slice(None),) * dim + (slice(start, None if stop == -1 else stop),)
             return sl[index]
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_weight_files(hf_dir: str | os.PathLike) -> None:
+    """Every safetensors file of an HF directory complete and consistent, from its header alone
+    (reads no tensor data): a truncated download or a cut copy fails here naming the file and
+    what is missing, before any model is built, instead of safetensors' `incomplete metadata`
+    without a file name minutes later. Raises ConfigError."""
+    hf_dir = os.fspath(hf_dir)
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            listed: dict[str, set] = {}
+            for name, file in weight_map.items():
+                listed.setdefault(file, set()).add(name)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); "
+                              "repair or re-download it (model.path)") from None
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        listed = {"model.safetensors": set()}
+    else:
+        raise ConfigError(f"model.path={hf_dir}: no model.safetensors or "
+                          "model.safetensors.index.json (only safetensors are supported; or give "
+                          "the weights as a dist checkpoint in model.checkpoint)")
+    for file, names in sorted(listed.items()):
+        path = os.path.join(hf_dir, file)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: listed in {index} but missing: the download or copy is "
+                              "incomplete (model.path)")
+        missing = names - _check_safetensors_header(path)
+        if missing:
+            raise ConfigError(f"{path}: {len(missing)} tensors listed in {index} are not in the "
+                              f"file, e.g. {sorted(missing)[0]!r} (model.path)")
+
+
+def _check_safetensors_header(path: str) -> set:
+    """The tensor names of one safetensors file whose header is whole, parses, and describes
+    tensors that fit the file exactly; raises ConfigError naming the file otherwise."""
+    def damaged(detail: str) -> ConfigError:
+        return ConfigError(f"{path}: the safetensors file is incomplete or damaged: {detail}; "
+                           "re-download or re-convert it (model.path)")
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise damaged(f"{size} bytes, too short for a header")
+        n = struct.unpack("<Q", head)[0]
+        if 8 + n > size:
+            raise damaged(f"its header is {n} bytes but only {size - 8} follow")
+        try:
+            header = json.loads(f.read(n))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            spans = [(k, *(int(o) for o in v["data_offsets"]), v["dtype"], v["shape"])
+                     for k, v in tensors.items()]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise damaged(f"its header does not parse ({type(e).__name__}: {e})") from None
+    data = size - 8 - n
+    for name, begin, end, dtype, shape in spans:
+        expected = math.prod(shape) * _DTYPE_BYTES.get(dtype, 0)
+        if not 0 <= begin <= end or (dtype in _DTYPE_BYTES and end - begin != expected):
+            raise damaged(f"tensor {name!r} has offsets [{begin}, {end}) for {dtype} {shape}")
+        if end > data:
+            raise damaged(f"tensor {name!r} ends at byte {end} of the data, which has {data} "
+                          "bytes (the file is cut short)")
+    end = max((s[2] for s in spans), default=0)
+    if end != data:
+        raise damaged(f"the tensors cover {end} bytes of its {data} data bytes")
+    return set(tensors)
 
 
 def resolve_hf_dir(path_or_id: str) -> str:

@@ -23,24 +23,51 @@ Every scorer sees `(data_source, response, ground_truth, extra_info)`: ground_tr
 the row (category, ability, prompt, ...) added under its own name unless extra_info has that key.
 
 Rule and custom scorers run isolated in `reward.num_workers` spawned processes with a per-item
-`reward.timeout_s` (see pool.py); num_workers=0 scores in this process, without timeouts. A call
-that raises or times out gives `reward.fallback_score` for that source and sample, counted in
-reward/errors and reward/timeouts; the first exception is logged with its traceback.
+`reward.timeout_s` and an optional address-space cap `reward.max_memory_mb` (see pool.py);
+num_workers=0 scores in this process, without timeouts or a cap, and a crash of the scorer
+(a segfault) is a crash of the trainer there. Every user file is imported first in a fresh
+interpreter within `reward.import_timeout_s` (user_code.py), so a file that blocks or exits
+at import fails at start-up naming itself.
+
+A call that raises, times out, kills its worker, or returns anything but a finite number (a
+string, a bool, None, NaN, inf, or one too large for float32 statistics: scorers.check_result)
+gives `reward.fallback_score` for that source and sample: counted in reward/errors,
+reward/timeouts and reward/invalid, and per sample in `RewardOutput.failed`. Each batch with failures logs one line naming the first one (sample,
+data_source, source, scorer, reason); the first exception of the run is logged with its
+traceback. `check_failures` stops the run when more than `reward.max_failed_fraction` of a
+batch failed.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
 from verl_mcore.reward.builtin import SCORERS
 from verl_mcore.reward.pool import ScoringPool
+from verl_mcore.reward.scorers import InvalidScore, ScorerSpec, check_result
 from verl_mcore.reward.worker import Outcome, score_one
-from verl_mcore.reward.scorers import ScorerSpec
+from verl_mcore.user_code import check_import
 
 logger = logging.getLogger(__name__)
+
+# Seconds a scoring worker may take to start beyond reward.import_timeout_s (interpreter start-up
+# on a loaded node); the probe import has already kept the file itself within the limit.
+_WORKER_START_MARGIN_S = 30.0
+_CRASHES_LOGGED = 5  # dead workers named one by one per batch; the rest are counted
+
+
+class RewardFailureError(RuntimeError):
+    """More than reward.max_failed_fraction of a batch failed to score: the run stops."""
+
+
+class ExitCalled(Exception):
+    """A scorer running in the trainer process (reward.num_workers=0) called os._exit."""
 
 _ROW_FIELDS = ("data_source", "reward_model", "extra_info")
 
@@ -60,6 +87,8 @@ class RewardOutput:
     extras: dict[str, list[Optional[float]]]  # "source/key" -> [batch] from dict-returning scorers
     failed: list[bool]  # [batch] some source of this sample fell back to reward.fallback_score
     metrics: dict[str, float] = field(default_factory=dict)
+    # (sample number, description) of the batch's first failure in sample order, or None
+    first_failure: Optional[tuple[int, str]] = None
 
 
 @dataclass(frozen=True)
@@ -125,9 +154,19 @@ class RewardManager:
         if cfg.route_by and not any(s.type == "rule" for s in self.sources):
             raise ValueError("reward.route_by is set but reward.sources has no source of type "
                              "'rule' to route")
-        # Load everything here, so a bad path or name fails before training starts.
-        self._fns = {key: spec.load() for key, spec in specs.items()}
-        self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s)
+        # Every user file is imported in a probe process first, so one that blocks, exits or
+        # crashes at import fails here naming itself instead of hanging or killing the trainer.
+        for spec in specs.values():
+            if spec.kind == "custom":
+                check_import(spec.path, spec.function, spec.key, cfg.import_timeout_s,
+                             "reward.import_timeout_s", spec.name_field)
+        # Then only the processes that score import them: this one with num_workers=0, else
+        # the workers (a bad path or name fails there too, before training starts).
+        self._fns = ({key: spec.load() for key, spec in specs.items()}
+                     if cfg.num_workers == 0 else {})
+        self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s,
+                                  startup_timeout_s=cfg.import_timeout_s + _WORKER_START_MARGIN_S,
+                                  max_memory_mb=cfg.max_memory_mb)
                       if cfg.num_workers > 0 else None)
         self._logged_first_error = False
 
@@ -187,13 +226,16 @@ class RewardManager:
 
     def score(self, responses: Sequence[str], rows: Sequence[Mapping[str, Any]],
               prompt_ids: Optional[Sequence[Sequence[int]]] = None,
-              response_ids: Optional[Sequence[Sequence[int]]] = None) -> RewardOutput:
+              response_ids: Optional[Sequence[Sequence[int]]] = None,
+              indices: Optional[Sequence[int]] = None) -> RewardOutput:
         """Score a batch: responses [batch] decoded texts, rows [batch] the samples' dataset rows
-        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources."""
+        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources.
+        indices [batch]: the samples' numbers in the step's batch, for messages (default 0..)."""
         n = len(responses)
         if len(rows) != n:
             raise ValueError(f"{n} responses but {len(rows)} rows")
         outcomes: dict[str, list[Optional[Outcome]]] = {s.name: [None] * n for s in self.sources}
+        scorer_of: dict[tuple[str, int], str] = {}  # (source, sample) -> scorer key, for messages
         pool_items, pool_slots = [], []
         model_slots: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
         for i, (response, row) in enumerate(zip(responses, rows)):
@@ -206,8 +248,12 @@ class RewardManager:
                 args = args or self.scorer_args(response, row)
                 pool_items.append((target, args))
                 pool_slots.append((source.name, i))
-        results = (self._pool.map(pool_items) if self._pool is not None else
-                   [score_one(self._fns[key], args) for key, args in pool_items])
+                scorer_of[(source.name, i)] = target
+        if self._pool is not None:
+            results = self._pool.map(pool_items)
+        else:
+            with _exit_raises_in_this_thread():
+                results = [score_one(self._fns[key], args) for key, args in pool_items]
         for (name, i), outcome in zip(pool_slots, results):
             outcomes[name][i] = outcome
         for model_name, slots in model_slots.items():
@@ -221,41 +267,78 @@ class RewardManager:
                 raise ValueError(f"reward model {model_name!r} returned {len(got)} scores for "
                                  f"{len(idx)} sequences")
             for (name, i), value in zip(slots, got):
-                outcomes[name][i] = Outcome("ok", float(value))
-        return self._combine(outcomes, rows, pool_slots, pool_items, results)
+                outcomes[name][i] = _checked(value)
+                scorer_of[(name, i)] = "model:" + model_name
+        return self._combine(outcomes, rows, scorer_of, list(indices or range(n)))
 
-    def _combine(self, outcomes, rows, pool_slots, pool_items, results) -> RewardOutput:
+    def _combine(self, outcomes, rows, scorer_of, indices) -> RewardOutput:
         n, fallback = len(rows), float(self.cfg.fallback_score)
-        counts = collections.Counter(o.status for o in results)
-        if counts["error"] or counts["timeout"]:
-            logger.warning("reward: %d errors and %d timeouts in this batch of %d, scored %s "
-                           "(reward.fallback_score)", counts["error"], counts["timeout"], n,
-                           fallback)
-        if counts["error"] and not self._logged_first_error:
-            self._logged_first_error = True
-            k = next(k for k, o in enumerate(results) if o.status == "error")
-            (name, i), (key, args) = pool_slots[k], pool_items[k]
-            logger.error("reward: the first scorer error (later ones are only counted): source "
-                         "%r, scorer %s, sample %d (data_source=%r):\n%s", name, key, i, args[0],
-                         results[k].error)
+        counts: collections.Counter = collections.Counter()
+        first = first_error = None  # (sample, source name) in sample order
         source_scores, extras, failed = {}, {}, [False] * n
         for source in self.sources:
             scores = []
             for i, o in enumerate(outcomes[source.name]):
+                counts[o.status] += 1
                 if o.status != "ok":
                     failed[i] = True
+                    first = min(first or (i, source.name), (i, source.name))
+                    if o.status == "error":
+                        first_error = min(first_error or (i, source.name), (i, source.name))
                 scores.append(o.score if o.status == "ok" else fallback)
                 for k, v in o.extras.items():
                     extras.setdefault(f"{source.name}/{k}", [None] * n)[i] = v
             source_scores[source.name] = scores
+
+        def describe(i: int, name: str) -> str:
+            o = outcomes[name][i]
+            return (f"sample {indices[i]} (data_source={rows[i].get('data_source')!r}), source "
+                    f"{name!r}, scorer {scorer_of[(name, i)]}: {o.status}: {_last_line(o.error)}")
+
+        # A dead worker is worth a line of its own (its sample, its exit code), a few per batch.
+        crashed = [(i, s.name) for i in range(n) for s in self.sources
+                   if outcomes[s.name][i].exit_code is not None]
+        for i, name in crashed[:_CRASHES_LOGGED]:
+            logger.warning("reward: %s", describe(i, name))
+        if len(crashed) > _CRASHES_LOGGED:
+            logger.warning("reward: %d more reward workers died in this batch",
+                           len(crashed) - _CRASHES_LOGGED)
+        first_failure = None
+        if first is not None:
+            first_failure = (indices[first[0]], describe(*first))
+            logger.warning("reward: %d of %d samples failed in this batch (%d errors, %d timeouts, "
+                           "%d invalid values), scored %s (reward.fallback_score); the first: %s",
+                           sum(failed), n, counts["error"], counts["timeout"], counts["invalid"],
+                           fallback, first_failure[1])
+        if first_error is not None and not self._logged_first_error:
+            self._logged_first_error = True
+            i, name = first_error
+            logger.error("reward: the first scorer error of the run (later ones are only counted "
+                         "and named): %s\n%s", describe(i, name), outcomes[name][i].error)
         total = [sum(s.weight * source_scores[s.name][i] for s in self.sources) for i in range(n)]
         metrics = {"reward/score/mean": _mean(total), "reward/errors": float(counts["error"]),
-                   "reward/timeouts": float(counts["timeout"])}
+                   "reward/timeouts": float(counts["timeout"]),
+                   "reward/invalid": float(counts["invalid"])}
         for name, scores in source_scores.items():
             metrics[f"reward/{name}/mean"] = _mean(scores)
         for name, values in extras.items():
             metrics[f"reward/{name}/mean"] = _mean([v for v in values if v is not None])
-        return RewardOutput(total, source_scores, extras, failed, metrics)
+        return RewardOutput(total, source_scores, extras, failed, metrics, first_failure)
+
+    def check_failures(self, failed: int, total: int,
+                       first_failure: Optional[tuple[int, str]]) -> None:
+        """Stop the run (RewardFailureError) when more than reward.max_failed_fraction of a
+        batch's `total` samples failed; the counts are the whole batch's, so every rank that
+        calls this with the gathered counts stops together."""
+        limit = self.cfg.max_failed_fraction
+        if total and failed / total > limit:
+            raise RewardFailureError(
+                f"{failed} of {total} samples of this batch failed to score, more than "
+                f"reward.max_failed_fraction={limit}; the first: "
+                f"{first_failure[1] if first_failure else '?'}. Fix the reward function (the log "
+                "above has its first traceback), or raise reward.timeout_s / "
+                "reward.max_memory_mb if those are the cause, or reward.max_failed_fraction "
+                "(1.0: never stop) if such failures are expected")
 
     def close(self) -> None:
         if self._pool is not None:
@@ -271,3 +354,39 @@ class RewardManager:
 
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _checked(value: Any) -> Outcome:
+    """A reward model's score, held to the same rule as a scorer's return value."""
+    try:
+        return Outcome("ok", check_result(value)[0])
+    except InvalidScore as e:
+        return Outcome("invalid", error=str(e))
+
+
+@contextlib.contextmanager
+def _exit_raises_in_this_thread():
+    """With reward.num_workers=0 the scorers run in the trainer, where an `os._exit` would end the
+    trainer with no word (no exception, no atexit, no log). While they run, `os._exit` called
+    from this thread of this process raises ExitCalled instead, which fails that sample with its
+    traceback. Other threads (the watchdog's deliberate exit) and forked children (a sandbox's)
+    still get the real one. A segfault cannot be caught here: use num_workers >= 1."""
+    real, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def guarded(code: int) -> None:
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise ExitCalled(f"the scorer called os._exit({code}); with reward.num_workers=0 it "
+                             "runs in the trainer, which this would have ended: return a score, "
+                             "or use reward.num_workers >= 1 for code that may exit")
+        real(code)
+
+    os._exit = guarded
+    try:
+        yield
+    finally:
+        os._exit = real

@@ -7,7 +7,9 @@ parent always knows which item a worker is on and since when. An item that raise
 worker dies, is an "error"; one still running after `timeout_s` is a "timeout": its worker is
 killed and replaced (the replacement gets nothing until it has loaded the scorers), the rest of
 its chunk goes back to the queue, and the other items go on. Results come back in input order,
-so nothing is lost or shifted.
+so nothing is lost or shifted. A dead worker's outcome carries its exit code (the manager names
+the sample). With `max_memory_mb` each worker's address space is capped (worker.limit_memory):
+a scorer that goes over it gets a MemoryError, an "error" like any other.
 
 Workers are fresh interpreters (worker.py says why not multiprocessing's fork or spawn).
 """
@@ -15,16 +17,16 @@ from __future__ import annotations
 
 import collections
 import multiprocessing.connection as mp_connection
-import os
 import socket
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Optional
 
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome
+from verl_mcore.user_code import UserCodeError, child_env, exit_description
 
 
 # Not `-m verl_mcore.reward.worker`: that would load worker.py twice (as __main__ and through the
@@ -37,16 +39,13 @@ _MAX_CHUNK = 16
 
 
 class _Worker:
-    def __init__(self, specs: dict[str, ScorerSpec]):
+    def __init__(self, specs: dict[str, ScorerSpec], max_memory_mb: Optional[int]):
         ours, theirs = socket.socketpair()
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=env)
+                                     pass_fds=[theirs.fileno()], env=child_env())
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send((list(sys.path), specs))
+        self.conn.send((list(sys.path), specs, max_memory_mb))
         self.state = "starting"  # -> "idle" <-> "busy"
         self.items: collections.deque = collections.deque()  # sent, not yet answered, in order
         self.since = time.monotonic()
@@ -65,11 +64,12 @@ class ScoringPool:
     """`map(items)` scores [(scorer_key, args)] -> [Outcome], in order. See the module docstring."""
 
     def __init__(self, specs: dict[str, ScorerSpec], num_workers: int, timeout_s: float,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, max_memory_mb: Optional[int] = None):
         if num_workers < 1:
             raise ValueError(f"reward.num_workers={num_workers}: a pool needs at least one worker")
         self.specs, self.timeout_s, self.startup_timeout_s = specs, timeout_s, startup_timeout_s
-        self._workers = [_Worker(specs) for _ in range(num_workers)]
+        self.max_memory_mb = max_memory_mb
+        self._workers = [_Worker(specs, max_memory_mb) for _ in range(num_workers)]
         self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
         try:
             self._serve({}, [])  # wait until every worker has loaded the scorers
@@ -111,8 +111,10 @@ class ScoringPool:
                     todo.extendleft(reversed(w.items))  # the rest of its chunk: to another worker
                     self._replace(i)
                 elif w.state == "starting" and now - w.since >= self.startup_timeout_s:
-                    raise RuntimeError(f"a reward worker did not load the scorers within "
-                                       f"{self.startup_timeout_s} s")
+                    raise UserCodeError(f"a reward worker did not load the scorers "
+                                        f"({self._files()}) within {self.startup_timeout_s:g} s "
+                                        "(reward.import_timeout_s plus start-up): does importing "
+                                        "them block?")
 
     def _receive(self, w: _Worker, results: dict[int, Outcome], todo: collections.deque) -> None:
         # The worker sends one result at a time, so the timeout clock restarts per item.
@@ -120,18 +122,22 @@ class ScoringPool:
             message = w.conn.recv()
         except (EOFError, OSError):
             code = w.proc.wait()
+            cap = (f", under reward.max_memory_mb={self.max_memory_mb}" if self.max_memory_mb
+                   else "")
             if w.state == "starting":
-                raise RuntimeError(f"a reward worker exited while loading the scorers "
-                                   f"(exit code {code})") from None
+                raise UserCodeError(f"a reward worker ended while loading the scorers "
+                                    f"({self._files()}): {exit_description(code)}{cap}") from None
             results[w.items.popleft()] = Outcome(
-                "error", error=f"the reward worker process died (exit code {code}) while scoring "
-                               f"this item")
+                "error", error=f"the reward worker died while scoring this sample: "
+                               f"{exit_description(code)}{cap} (os._exit, or a crash in native "
+                               f"code)", exit_code=code)
             todo.extendleft(reversed(w.items))
             self._replace(self._workers.index(w))
             return
         tag, payload = message
         if tag == "init_error":
-            raise RuntimeError(f"a reward worker could not load the scorers:\n{payload}")
+            raise UserCodeError(f"a reward worker could not load the scorers ({self._files()}):"
+                                f"\n{payload}")
         if tag == "ready":
             w.state = "idle"
             return
@@ -144,8 +150,12 @@ class ScoringPool:
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()
-        self._workers[index] = _Worker(self.specs)
+        self._workers[index] = _Worker(self.specs, self.max_memory_mb)
         self.restarts += 1
+
+    def _files(self) -> str:
+        files = sorted({f"{s.key}.path={s.path}" for s in self.specs.values() if s.path})
+        return ", ".join(files) or "the built-in scorers"
 
     def close(self) -> None:
         for w in self._workers:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from verl_mcore.reward.builtin import SCORERS, default_compute_score
+from verl_mcore.user_code import load_user_object
 
 ScoreFn = Callable[[str, str, Any, Optional[dict]], Any]
 
@@ -32,6 +34,11 @@ class ScorerSpec:
     function: Optional[str] = None
     kwargs: dict = field(default_factory=dict)
 
+    @property
+    def name_field(self) -> str:
+        """The config key under `key` that names the function (custom kind)."""
+        return "name" if self.key == "reward.custom_fn" else "function"
+
     def load(self) -> ScoreFn:
         if self.kind == "dispatch":
             return default_compute_score
@@ -41,10 +48,7 @@ class ScorerSpec:
                                  f"({sorted(SCORERS)}) nor a reward.sources name")
             return functools.partial(_score_as, self.name)
         if self.kind == "custom":
-            from verl_mcore.data.user_code import load_user_object
-
-            name_field = "name" if self.key == "reward.custom_fn" else "function"
-            fn = load_user_object(self.path, self.function, self.key, name_field)
+            fn = load_user_object(self.path, self.function, self.key, self.name_field)
             if not callable(fn):
                 raise ValueError(f"{self.key}: {self.function} in {self.path} is not callable")
             return functools.partial(fn, **self.kwargs) if self.kwargs else fn
@@ -56,22 +60,44 @@ def _score_as(builtin: str, data_source: str, response: str, ground_truth: Any,
     return default_compute_score(builtin, response, ground_truth, extra_info)
 
 
+# Rewards become float32 tensors whose squares are summed over the batch (GRPO's group std, GAE's
+# whitening): beyond sqrt(float32 max = 3.4e38) / sqrt(1e6 samples) ~ 1.8e16 that sum overflows to
+# inf, and a reward of 1e38, finite in float64 and in float32, gave inf statistics and a zero loss.
+MAX_ABS_SCORE = 1e16
+
+
+class InvalidScore(ValueError):
+    """A scorer returned something that is not a usable reward (the sample's score fails)."""
+
+
 def check_result(value: Any) -> tuple[float, dict[str, float]]:
-    """(score, numeric extras) from a scorer's return value; raises on anything unusable,
-    including NaN and infinities (one NaN reward would poison the whole update)."""
+    """(score, numeric extras) from a scorer's return value; raises InvalidScore on anything but
+    a real number with |score| <= MAX_ABS_SCORE (one NaN or inf would poison the whole update).
+    Strings ("0.75"), bools and None are refused rather than converted: they are a scorer's bug
+    (a parsed-but-not-converted answer, a comparison returned instead of a score)."""
     extras: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"a scorer returned a dict without 'score': keys {sorted(value)}")
+            raise InvalidScore(f"a scorer returned a dict without 'score': keys {sorted(value)}")
         for k, v in value.items():
             if k != "score" and isinstance(v, (bool, int, float)) and math.isfinite(float(v)):
                 extras[str(k)] = float(v)
         value = value["score"]
+    # numbers.Real covers int, float and numpy's scalars; a 0-d tensor has __float__ too.
+    # bool and numpy's / torch's bools (a comparison returned instead of a score)
+    is_bool = (isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
+               or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"))
+    if is_bool or isinstance(value, (str, bytes)) or not (
+            isinstance(value, numbers.Real) or hasattr(type(value), "__float__")):
+        raise InvalidScore(f"a scorer must return a number or {{'score': number, ...}}, got "
+                           f"{type(value).__name__} {str(value)[:80]!r}")
     try:
         score = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"a scorer must return a float or {{'score': float, ...}}, got "
-                        f"{type(value).__name__} {str(value)[:80]!r}") from None
-    if not math.isfinite(score):
-        raise ValueError(f"a scorer returned a non-finite score {score}")
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidScore(f"a scorer returned {type(value).__name__} {str(value)[:80]!r}, which "
+                           f"is not one number ({e})") from None
+    if not abs(score) <= MAX_ABS_SCORE:  # NaN fails this too
+        raise InvalidScore(f"a scorer returned {score!r}: a reward must be a finite number with "
+                           f"|score| <= {MAX_ABS_SCORE:g} (larger ones overflow the float32 batch "
+                           "statistics); scale it down")
     return score, extras

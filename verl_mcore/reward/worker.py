@@ -5,37 +5,58 @@ re-import the trainer's main module (torch, megatron-core: seconds per worker, a
 script without a main guard), and fork would copy CUDA and communication threads.
 
 Protocol over the socket `fd` (multiprocessing Connection framing, pickled messages):
-  parent -> (sys.path, {key: ScorerSpec})      once
+  parent -> (sys.path, {key: ScorerSpec}, max_memory_mb or None)   once
   worker -> ("ready", None) | ("init_error", traceback)
   parent -> [(item, key, args), ...] a chunk ; None to stop
   worker -> (item, Outcome)                  one message per item, in chunk order
 """
 from __future__ import annotations
 
+import resource
 import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import Optional
 
-from verl_mcore.reward.scorers import check_result
+from verl_mcore.reward.scorers import InvalidScore, check_result
 
 
 @dataclass
 class Outcome:
-    status: str  # "ok" | "error" | "timeout"
+    status: str  # "ok" | "error" (raised, or its worker died) | "timeout" | "invalid" (bad value)
     score: float = 0.0
     extras: dict = field(default_factory=dict)
-    error: str = ""  # traceback (error) or explanation (timeout)
+    error: str = ""  # traceback (error) or explanation (timeout, invalid)
+    exit_code: Optional[int] = None  # error: the worker process died with this code (pool.py)
 
 
-def score_one(fn, args: tuple) -> Outcome:
-    """Run one scorer call, turning any exception into an error outcome."""
+def score_one(fn, args: tuple, max_memory_mb: Optional[int] = None) -> Outcome:
+    """Run one scorer call, turning any exception, and any return value that is not a finite
+    number, into a failed outcome. SystemExit too: with reward.num_workers=0 a `sys.exit` in the
+    scorer would otherwise end the trainer."""
     try:
-        score, extras = check_result(fn(*args))
-        return Outcome("ok", score, extras)
-    except Exception:
+        value = fn(*args)
+    except MemoryError:
+        cap = f" over reward.max_memory_mb={max_memory_mb} MiB" if max_memory_mb else ""
+        return Outcome("error", error=f"the scorer ran out of memory{cap} (MemoryError):\n"
+                                      + traceback.format_exc())
+    except (Exception, SystemExit):
         return Outcome("error", error=traceback.format_exc())
+    try:
+        score, extras = check_result(value)
+    except InvalidScore as e:
+        return Outcome("invalid", error=str(e))
+    return Outcome("ok", score, extras)
+
+
+def limit_memory(max_memory_mb: Optional[int]) -> None:
+    """Cap this process's address space (reward.max_memory_mb): an allocation beyond it raises
+    MemoryError in the scorer instead of taking the node's memory from the trainer."""
+    if max_memory_mb:
+        limit = int(max_memory_mb) << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def serve(conn: Connection) -> None:
@@ -45,8 +66,9 @@ def serve(conn: Connection) -> None:
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        path, specs = conn.recv()
+        path, specs, max_memory_mb = conn.recv()
         sys.path[:] = path  # the parent's, so a scorer file can import what the parent could
+        limit_memory(max_memory_mb)  # before the imports: they count too
         scorers = {key: spec.load() for key, spec in specs.items()}
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
@@ -60,4 +82,4 @@ def serve(conn: Connection) -> None:
         if message is None:
             return
         for item, key, args in message:
-            conn.send((item, score_one(scorers[key], args)))
+            conn.send((item, score_one(scorers[key], args, max_memory_mb)))

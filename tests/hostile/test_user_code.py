@@ -1,0 +1,199 @@
+"""User code that blocks, exits, crashes or eats memory: at import it fails within the time limit
+naming the file (and the line it was stuck on); while scoring it costs only its own sample,
+reported with the sample's number and the exit code; every rank stops together."""
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import run_on_ranks
+from verl_mcore.config.schema import (CustomClassConfig, DataConfig, RewardConfig,
+                                      RewardSourceConfig)
+from verl_mcore.user_code import UserCodeError
+from verl_mcore.reward import RewardManager
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW = {"data_source": "my/data", "reward_model": {"ground_truth": "1"}}
+
+
+def _file(tmp_path, body: str, name: str = "user.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body) + "\n\ndef score(*args):\n    return 1.0\n")
+    return str(path)
+
+
+def _manager(path, workers=0, **kw):
+    return RewardManager.from_config(RewardConfig(
+        custom_fn=CustomClassConfig(path=path, name="score"), num_workers=workers, **kw))
+
+
+# ------------------------------------------------------------------ at import
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_blocking_import_fails_in_time_naming_file_and_line(tmp_path, workers):
+    path = _file(tmp_path, "import time\ntime.sleep(3600)")
+    start = time.monotonic()
+    with pytest.raises(UserCodeError) as e:
+        _manager(path, workers, import_timeout_s=1.0)
+    assert time.monotonic() - start < 10
+    msg = str(e.value)
+    assert f"reward.custom_fn.path={path}: importing the file did not finish within " \
+           "reward.import_timeout_s=1.0 s" in msg
+    assert f'File "{path}", line 2 in <module>' in msg and "move it into the function" in msg
+
+
+def test_an_import_stuck_holding_the_gil_still_times_out(tmp_path):
+    # One C call that never returns: a thread-based timeout could not even run here.
+    path = _file(tmp_path, 'import re\nre.match(r"(a+)+$", "a" * 64 + "b")')
+    with pytest.raises(UserCodeError, match="did not finish within reward.import_timeout_s=1.0 s"):
+        _manager(path, import_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("import os\nos._exit(3)", "the process exited with code 3 while importing the file"),
+    ("import ctypes\nctypes.string_at(0)", "killed by signal 11 (SIGSEGV) while importing"),
+    ("answer = input()", "EOFError"),  # stdin is empty: no wait for a keyboard
+    ("import sys\nsys.exit(5)", "importing the file failed: SystemExit: 5"),
+    ("import no_such_module_here", "ModuleNotFoundError: No module named 'no_such_module_here'"),
+])
+def test_an_import_that_exits_or_crashes_is_named(tmp_path, body, problem):
+    path = _file(tmp_path, body)
+    with pytest.raises(UserCodeError) as e:
+        _manager(path)
+    assert path in str(e.value) and problem in str(e.value)
+
+
+def test_a_custom_source_and_a_missing_name(tmp_path):
+    path = _file(tmp_path, "import time\ntime.sleep(3600)")
+    cfg = RewardConfig(sources=[RewardSourceConfig(name="judge", type="custom", path=path,
+                                                   function="score")],
+                       num_workers=0, import_timeout_s=1.0)
+    with pytest.raises(UserCodeError, match=r"reward.sources\[0\].path=.*did not finish"):
+        RewardManager.from_config(cfg)
+    ok = _file(tmp_path, "", name="ok.py")
+    cfg = RewardConfig(custom_fn=CustomClassConfig(path=ok, name="scor"), num_workers=0)
+    with pytest.raises(UserCodeError, match=r"reward.custom_fn.name='scor': .* defines no such name"):
+        RewardManager.from_config(cfg)
+
+
+def test_a_dataset_class_that_blocks_at_import(tmp_path):
+    from verl_mcore.data import load_dataset_class
+
+    path = _file(tmp_path, "import time\ntime.sleep(3600)\nfrom verl_mcore.data import RLHFDataset\n"
+                           "class Mine(RLHFDataset):\n    pass")
+    cfg = DataConfig(custom_cls=CustomClassConfig(path=path, name="Mine"), import_timeout_s=1.0)
+    with pytest.raises(UserCodeError) as e:
+        load_dataset_class(cfg)
+    assert f"data.custom_cls.path={path}: importing the file did not finish within " \
+           "data.import_timeout_s=1.0 s" in str(e.value)
+
+
+def test_the_cli_stops_with_the_file_named_instead_of_hanging(tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    path = _file(tmp_path, "import time\ntime.sleep(3600)")
+    run = subprocess.run(
+        [sys.executable, "-m", "verl_mcore.train", "--config", "configs/quickstart.yaml",
+         f"model.path={model}", f"trainer.run_dir={tmp_path}/run", f"reward.custom_fn.path={path}",
+         "reward.custom_fn.name=score", "reward.import_timeout_s=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert f"error before training: reward.custom_fn.path={path}: importing the file did not " \
+           "finish within reward.import_timeout_s=1.0 s" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# ------------------------------------------------------------------ while scoring
+
+CRASHY = '''
+import os, sys
+
+
+def score(data_source, response, ground_truth, extra_info):
+    if response == "exit":
+        os._exit(3)
+    if response == "sys.exit":
+        sys.exit(4)
+    if response == "segfault":
+        import ctypes
+        ctypes.string_at(0)
+    if response == "big":
+        return len(bytearray(2 << 30))
+    if response == "small":
+        return len(bytearray(16 << 20)) / 2**20
+    return 1.0
+'''
+
+
+@pytest.fixture
+def crashy(tmp_path):
+    path = tmp_path / "crashy.py"
+    path.write_text(CRASHY)
+    return str(path)
+
+
+def test_a_worker_that_dies_is_reported_with_sample_and_exit_code(crashy, caplog):
+    with _manager(crashy, workers=1, fallback_score=-1.0) as m, \
+            caplog.at_level(logging.WARNING, logger="verl_mcore.reward.manager"):
+        out = m.score(["ok", "segfault", "ok", "exit"], [ROW] * 4, indices=[40, 41, 42, 43])
+    assert out.scores == [1.0, -1.0, 1.0, -1.0] and out.failed == [False, True, False, True]
+    assert "sample 41 (data_source='my/data')" in caplog.text
+    assert "the process was killed by signal 11 (SIGSEGV)" in caplog.text
+    assert "sample 43 (data_source='my/data')" in caplog.text
+    assert "the process exited with code 3" in caplog.text
+    assert out.first_failure[0] == 41
+
+
+def test_in_process_exit_costs_only_its_sample(crashy, caplog):
+    # reward.num_workers=0: the scorer runs in this process; os._exit / sys.exit must not end it.
+    with _manager(crashy, workers=0, fallback_score=-1.0) as m, \
+            caplog.at_level(logging.WARNING, logger="verl_mcore.reward.manager"):
+        out = m.score(["exit", "sys.exit", "ok"], [ROW] * 3)
+    assert out.scores == [-1.0, -1.0, 1.0] and out.metrics["reward/errors"] == 2
+    assert "the scorer called os._exit(3)" in caplog.text and "reward.num_workers >= 1" in caplog.text
+    assert 'crashy.py", line 7, in score' in caplog.text  # the traceback of the first error
+
+
+def test_max_memory_mb_caps_the_workers(crashy, caplog):
+    with _manager(crashy, workers=1, max_memory_mb=256, fallback_score=-1.0) as m, \
+            caplog.at_level(logging.WARNING, logger="verl_mcore.reward.manager"):
+        out = m.score(["big", "small", "ok"], [ROW] * 3)
+    assert out.scores == [-1.0, 16.0, 1.0] and out.failed == [True, False, False]
+    assert "the scorer ran out of memory over reward.max_memory_mb=256 MiB (MemoryError)" in caplog.text
+
+
+# ------------------------------------------------------------------ every rank together
+
+def _agree_body(rank, world_size, model_dir, reward_files):
+    from verl_mcore import build
+    from verl_mcore.config import Config
+
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={model_dir}", f"reward.custom_fn.path={reward_files[rank]}",
+        "reward.custom_fn.name=score", "reward.num_workers=0", "data.train_batch_size=16",
+        f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
+        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]"])
+    try:
+        build.build_inputs(cfg, world_size).rewards.close()
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_file_missing_on_one_rank_stops_every_rank(tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    good = _file(tmp_path, "")
+    missing = str(tmp_path / "only_on_the_other_node.py")
+    results = run_on_ranks(_agree_body, 2, args=(model, [good, missing]), timeout=300)
+    assert results[1][0] == "ConfigError" and "no such file" in results[1][1]
+    kind, msg = results[0]
+    assert kind == "AgreedFailure"
+    assert msg.startswith("rank 1 failed while checking the inputs: ConfigError: "
+                          f"reward.custom_fn.path='{missing}': no such file")

@@ -1,0 +1,241 @@
+"""Careless input is refused before any model is built, naming the key or the file and what to do:
+every numeric config field has a checked range, and the model directory (config.json, the
+safetensors headers, the tokenizer), the data files and the reward code are all read first."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import run_on_ranks
+from verl_mcore import build
+from verl_mcore.config import Config, ConfigError, ModelShape, validate
+from verl_mcore.config.validate import RANGES, _Interval, numeric_fields, range_errors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------ the range of every field
+
+def test_every_numeric_field_has_a_range_entry():
+    # A new int / float field in the schema fails here until RANGES says what is valid.
+    assert sorted(numeric_fields()) == sorted(RANGES)
+
+
+def test_the_defaults_are_in_range():
+    assert range_errors(Config()) == []
+
+
+def _outside(key: str) -> str:
+    """A value just outside the range of `key`, as YAML."""
+    interval = _Interval.parse(RANGES[key][0])
+    if math.isinf(interval.low):
+        return ".nan"
+    low = int(interval.low) if interval.low == int(interval.low) else interval.low
+    return str(low - 1 if interval.low_closed else low)
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_every_range_is_enforced_by_name(key):
+    value = _outside(key)
+    if key.startswith("reward.sources[]."):
+        field = key.rsplit(".", 1)[1]
+        override, written = f"reward.sources=[{{name: a, {field}: {value}}}]", f"reward.sources[0].{field}="
+    else:
+        override, written = f"{key}={value}", f"{key}="
+    with pytest.raises(ConfigError) as e:
+        validate(Config.load(None, [override]), 1)
+    assert written in str(e.value) and "must be" in str(e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.max_num_seqs=0", "rollout.max_num_seqs=0 must be >= 1"),
+    ("actor.optim.lr=.nan", "actor.optim.lr=nan is not a finite number: it must be >= 0"),
+    ("critic.optim.lr=.inf", "critic.optim.lr=inf is not a finite number: it must be >= 0"),
+    ("actor.optim.lr=-0.1", "actor.optim.lr=-0.1 must be >= 0"),
+    ("trainer.collective_timeout_s=-1", "trainer.collective_timeout_s=-1.0 must be > 0 (seconds)"),
+    ("checkpoint.save_every=-1",
+     "checkpoint.save_every=-1 must be >= 0 (0: only at the end and on preemption)"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0 (0: keep every checkpoint)"),
+    ("reward.timeout_s=0", "reward.timeout_s=0.0 must be > 0 (seconds per sample"),
+    ("reward.import_timeout_s=0", "reward.import_timeout_s=0.0 must be > 0"),
+    ("reward.max_failed_fraction=1.5", "reward.max_failed_fraction=1.5 must be in [0, 1]"),
+    ("reward.fallback_score=.nan", "reward.fallback_score=nan is not a finite number"),
+    ("rollout.top_p=0", "rollout.top_p=0.0 must be in (0, 1]"),
+])
+def test_the_reported_cases_fail_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        validate(Config.load(None, [override]), 1)
+    assert message in str(e.value)
+
+
+def test_all_range_problems_are_listed_at_once():
+    cfg = Config.load(None, ["rollout.max_num_seqs=0", "actor.optim.lr=.nan", "reward.timeout_s=0"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1)
+    assert str(e.value).count("\n  - ") == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.optim.lr=1e-6", "actor.optim.min_lr=1e-5"],
+     "actor.optim.min_lr=1e-05 is above actor.optim.lr=1e-06"),
+    (["reward.num_workers=0", "reward.max_memory_mb=512"],
+     "reward.max_memory_mb=512 needs reward.num_workers >= 1"),
+])
+def test_cross_field_rules(overrides, message):
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        validate(cfg, 1)
+
+
+def test_responses_beyond_the_models_positions():
+    shape = ModelShape(4, 2, 2, 40, 64, max_position_embeddings=128)
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"),
+                      ["data.max_prompt_length=100", "data.max_response_length=100"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1, shape)
+    assert ("data.max_prompt_length + data.max_response_length = 100 + 100 = 200 tokens is more "
+            "than the model's max_position_embeddings=128") in str(e.value)
+    validate(Config.load(str(ROOT / "configs/quickstart.yaml"), []), 1, shape)  # 16 + 8 fits
+
+
+def test_cli_refuses_nan_lr_before_starting():
+    run = subprocess.run([sys.executable, "-m", "verl_mcore.train", "--config",
+                          "configs/quickstart.yaml", "actor.optim.lr=.nan"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "config error" in run.stderr
+    assert "actor.optim.lr=nan is not a finite number" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# ------------------------------------------------------------------ model directory, data, reward
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return Path(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model")))
+
+
+@pytest.fixture
+def model_dir(tiny_model, tmp_path):
+    """A copy of the tiny model to break."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "model"))
+
+
+def _cfg(model, *extra):
+    return Config.load(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={model}", f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
+        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]",
+        f"reward.custom_fn.path={ROOT}/examples/quickstart_reward.py", "reward.num_workers=0",
+        *extra])
+
+
+def _input_error(cfg) -> str:
+    with pytest.raises(ConfigError) as e:
+        build.build_inputs(cfg, 1)
+    return str(e.value)
+
+
+def test_good_inputs_pass(model_dir):
+    inputs = build.build_inputs(_cfg(model_dir), 1)
+    assert len(inputs.train_data) > 0 and inputs.val_data is not None
+    inputs.rewards.close()
+
+
+def test_invalid_config_json(model_dir):
+    (model_dir / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64,')
+    msg = _input_error(_cfg(model_dir))
+    assert f"{model_dir}/config.json is not valid JSON (line 1, column" in msg and "model.path" in msg
+
+
+def test_config_json_missing_a_field(model_dir):
+    hf = json.loads((model_dir / "config.json").read_text())
+    del hf["intermediate_size"]
+    (model_dir / "config.json").write_text(json.dumps(hf))
+    assert "missing field(s) ['intermediate_size']" in _input_error(_cfg(model_dir))
+
+
+def _weights(model_dir) -> Path:
+    return model_dir / "model.safetensors"
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda data: data[:len(data) // 2], "ends at byte"),  # a cut download
+    (lambda data: data[:5], "too short for a header"),
+    (lambda data: (10**9).to_bytes(8, "little") + data[8:], "its header is 1000000000 bytes"),
+    (lambda data: data[:8] + b"#" * 12 + data[20:], "its header does not parse"),
+    (lambda data: data + b"\0" * 64, "the tensors cover"),
+])
+def test_damaged_safetensors_named_before_any_model(model_dir, damage, problem):
+    path = _weights(model_dir)
+    path.write_bytes(damage(path.read_bytes()))
+    msg = _input_error(_cfg(model_dir))
+    assert f"{path}: the safetensors file is incomplete or damaged" in msg and problem in msg
+
+
+def test_sharded_weights_with_a_missing_shard(model_dir):
+    names = list(json.loads(_weights(model_dir).read_bytes()[8:8 + int.from_bytes(
+        _weights(model_dir).read_bytes()[:8], "little")]))
+    _weights(model_dir).rename(model_dir / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {n: "model-00001-of-00002.safetensors" for n in names if n != "__metadata__"}}
+    index["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    msg = _input_error(_cfg(model_dir))
+    assert f"{model_dir}/model-00002-of-00002.safetensors: listed in" in msg and "missing" in msg
+
+
+def test_no_weights_checked_when_a_dist_checkpoint_gives_them(model_dir, tmp_path):
+    _weights(model_dir).write_bytes(b"")  # unused: model.checkpoint supplies the weights
+    build.build_inputs(_cfg(model_dir, f"model.checkpoint={tmp_path}"), 1).rewards.close()
+
+
+def test_missing_tokenizer_directory(model_dir, tmp_path):
+    msg = _input_error(_cfg(model_dir, f"model.tokenizer={tmp_path}/no_such_dir"))
+    assert f"model.tokenizer={tmp_path}/no_such_dir: no such directory" in msg
+    (tmp_path / "empty").mkdir()
+    msg = _input_error(_cfg(model_dir, f"model.tokenizer={tmp_path}/empty"))
+    assert f"model.tokenizer={tmp_path}/empty: the tokenizer of this directory does not load" in msg
+
+
+def test_data_errors_named(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "repeat the digit 3 : ", "data_source": "x"}\n{"nope": 1}\n')
+    msg = _input_error(_cfg(model_dir, f"data.train_files=[{bad}]"))
+    assert str(bad) in msg and "row 1" in msg
+
+
+def test_prompt_too_long_named(model_dir):
+    msg = _input_error(_cfg(model_dir, "data.max_prompt_length=2"))
+    assert "more than data.max_prompt_length=2" in msg and "quickstart_train.parquet" in msg
+
+
+def _trainer_with_bad_data_body(rank, world_size, model_dir, bad_file, run_dir):
+    """Trainer(cfg) with a bad data file: the error comes before any model is built."""
+    from verl_mcore import build
+    from verl_mcore.trainer import Trainer
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("a model was built before the inputs were checked")
+
+    saved = build.build_actor, build.build_critic, build.build_reference
+    build.build_actor = build.build_critic = build.build_reference = no_models
+    cfg = _cfg(model_dir, f"data.train_files=[{bad_file}]", f"trainer.run_dir={run_dir}")
+    try:
+        Trainer(cfg)
+    except ConfigError as e:
+        return str(e)
+    finally:  # the rank is pooled: later tests build models
+        build.build_actor, build.build_critic, build.build_reference = saved
+    return None
+
+
+def test_trainer_checks_the_data_before_building_models(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 7}\n')
+    [msg] = run_on_ranks(_trainer_with_bad_data_body, 1,
+                         args=(str(model_dir), str(bad), str(tmp_path / "run")), timeout=300)
+    assert msg is not None and str(bad) in msg and "row 0" in msg

@@ -1,0 +1,176 @@
+"""Load a class or function from a user's Python file (data.custom_cls, reward.custom_fn,
+custom reward.sources).
+
+A user's file runs arbitrary code when it is imported, and the trainer imports it on every rank.
+A module-level statement that blocks (a sleep, a network call, a lock, `input()`) would hang
+every rank forever, and one that calls `os._exit` or crashes the interpreter would end them with
+no word. So every such file is first imported in a fresh interpreter under a time limit
+(`check_import`, data.import_timeout_s / reward.import_timeout_s), and only then where it runs:
+in the trainer (`load_user_object`: a dataset class, reward.num_workers=0) or in the scoring
+workers (reward/pool.py).
+
+Why a probe process and not an import in a thread with a timeout: a thread cannot be stopped, so
+a timed-out import would keep running inside the trainer, and while it holds the GIL (a regex
+that backtracks forever is one C call) the timeout could not even fire. A probe process can be
+killed, leaves nothing behind in the trainer, turns an `os._exit` or a segfault into an exit
+code, and prints where it was stuck (faulthandler). It costs a second import of the file, once
+at start-up.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Optional
+
+# Seconds the probe may take beyond the limit (interpreter start-up, the faulthandler report)
+# before it is killed from outside.
+_KILL_MARGIN_S = 10.0
+_REPORT = "verl_mcore_import_error"  # the key of the probe's report of an exception, on stdout
+
+# faulthandler: a crash prints the Python stack, and at the time limit the stack is printed
+# (from a C thread, so even an import stuck holding the GIL reports) and the probe exits. The
+# probe ends with os._exit: a thread the file started must not keep it alive.
+_PROBE = """
+import faulthandler, json, os, sys, traceback
+args = json.loads(sys.argv[1])
+sys.path[:] = args["sys_path"]
+faulthandler.enable()
+faulthandler.dump_traceback_later(args["timeout_s"], exit=True)
+from verl_mcore.user_code import load_user_object
+try:
+    load_user_object(args["path"], args["name"], args["key"], args["name_field"])
+except BaseException as e:
+    # The user's frames only: from the first one in their file down to where it failed.
+    frames = traceback.extract_tb((e.__cause__ or e).__traceback__)
+    mine = [i for i, f in enumerate(frames) if f.filename == args["path"]]
+    where = "".join(traceback.format_list(frames[mine[0]:])) if mine else ""
+    print(json.dumps({"%s": str(e), "where": where}), flush=True)
+    os._exit(1)
+os._exit(0)
+""" % _REPORT
+
+
+def load_user_object(path: Optional[str], name: Optional[str], key: str,
+                     name_field: str = "name") -> Any:
+    """`name` from the Python file at `path`; `key` (and `name_field`) name the config keys in
+    errors.
+
+    The module is registered in sys.modules under a name derived from the absolute path, so
+    loading the same file twice gives the same objects (and the same class identity).
+    """
+    path = _check_path(path, name, key, name_field)
+    module_name = _module_name(path)
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as e:
+            del sys.modules[module_name]
+            raise ValueError(f"{key}.path={path!r}: importing the file failed: "
+                             f"{type(e).__name__}: {e}") from e
+    if not hasattr(module, name):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ValueError(f"{key}.{name_field}={name!r}: {path} defines no such name (it defines {public})")
+    return getattr(module, name)
+
+
+def _module_name(path: str) -> str:
+    return "verl_mcore_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+
+
+def _check_path(path: Optional[str], name: Optional[str], key: str, name_field: str) -> str:
+    if not path or not name:
+        raise ValueError(f"{key}: give both {key}.path (a Python file) and {key}.{name_field} "
+                         f"(got path={path!r}, name={name!r})")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        raise ValueError(f"{key}.path={path!r}: no such file")
+    return path
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child interpreter that must import verl_mcore as this one does."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+
+class UserCodeError(ValueError):
+    """A user's file cannot be imported: it fails, blocks, exits or crashes while importing."""
+
+
+_BLOCKING_HINT = ("A module-level statement blocks (a sleep, a network call, a lock, input()): "
+                  "move it into the function, or raise {} if the import is only slow.")
+
+
+def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: float,
+                 timeout_key: str, name_field: str = "name") -> None:
+    """Import `path` and look up `name` in a fresh interpreter within `timeout_s` seconds (the
+    config key `timeout_key`); raise UserCodeError naming the file, the key and what to do when
+    that import fails, blocks, exits or crashes. The probe's stdin is empty, so an `input()` at
+    module level fails instead of waiting."""
+    path = _check_path(path, name, key, name_field)
+    if _module_name(path) in sys.modules:
+        return  # this process has imported it already
+    args = json.dumps({"sys_path": sys.path, "timeout_s": timeout_s, "path": path, "name": name,
+                       "key": key, "name_field": name_field})
+    where, late = f"{key}.path={path}", f"importing the file did not finish within {timeout_key}={timeout_s} s"
+    try:
+        run = subprocess.run([sys.executable, "-c", _PROBE, args], env=child_env(),
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=timeout_s + _KILL_MARGIN_S)
+    except subprocess.TimeoutExpired:  # not even faulthandler could report: killed from outside
+        raise UserCodeError(f"{where}: {late} (the probe process was killed). "
+                            + _BLOCKING_HINT.format(timeout_key)) from None
+    if run.returncode == 0:
+        return
+    report = _report(run.stdout)
+    if report is not None:
+        raise UserCodeError(report[_REPORT] + (f"\n{report['where']}" if report["where"] else ""))
+    if "Timeout (" in run.stderr:  # faulthandler's report of where the import was stuck
+        raise UserCodeError(f"{where}: {late}; it was here (most recent call first):\n"
+                            f"{_user_frames(run.stderr, path)}\n" + _BLOCKING_HINT.format(timeout_key))
+    raise UserCodeError(f"{where}: {exit_description(run.returncode)} while importing the file "
+                        f"(a module-level os._exit, or a crash in native code); its output ends "
+                        f"with:\n{_tail(run.stdout + run.stderr)}")
+
+
+def _report(stdout: str) -> Optional[dict]:
+    lines = stdout.strip().splitlines()
+    try:
+        report = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) and _REPORT in report else None
+
+
+def _user_frames(faulthandler_report: str, path: str) -> str:
+    """The frames of a faulthandler stack from the innermost down to the last one in `path`
+    (the probe's own frames below it say nothing to the user)."""
+    frames = [line for line in faulthandler_report.splitlines() if line.strip().startswith("File ")]
+    mine = [i for i, line in enumerate(frames) if f'"{path}"' in line]
+    return "\n".join(frames[:mine[-1] + 1] if mine else frames)
+
+
+def exit_description(returncode: int) -> str:
+    """'the process exited with code 3' / 'the process was killed by signal 11 (SIGSEGV)'."""
+    if returncode < 0:
+        try:
+            sig = signal.Signals(-returncode).name
+        except ValueError:
+            sig = "unknown"
+        return f"the process was killed by signal {-returncode} ({sig})"
+    return f"the process exited with code {returncode}"
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    text = text.strip()
+    return "\n".join(text.splitlines()[-lines:]) if text else "(nothing)"
