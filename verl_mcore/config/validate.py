@@ -89,6 +89,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "checkpoint.save_every": ("[0, inf)", "0: only at the end and on preemption"),
     "checkpoint.keep_last": ("[0, inf)", "0: keep every checkpoint"),
     "trainer.total_steps": ("[1, inf)", ""),
+    "trainer.max_consecutive_skips": ("[1, inf)", ""),
     "trainer.val_every": ("[0, inf)", "0: no validation"),
     "trainer.seed": ("[0, inf)", ""),
     "trainer.collective_timeout_s": ("(0, inf)", "seconds"),

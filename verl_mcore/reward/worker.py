@@ -62,9 +62,13 @@ def limit_memory(max_memory_mb: Optional[int]) -> None:
 def serve(conn: Connection) -> None:
     # Ctrl-C, Slurm's warning signal (USR1) and a preemption SIGTERM reach the whole process
     # group; the trainer decides what happens (finish the step, checkpoint), not the worker. A
-    # worker whose trainer is gone sees its pipe close and exits.
+    # worker whose trainer is gone sees its pipe close and exits; one stuck in a scorer is
+    # killed by the kernel when the trainer dies (distributed/children.py).
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    from verl_mcore.distributed.children import die_with_parent
+
+    die_with_parent()
     try:
         path, specs, max_memory_mb = conn.recv()
         sys.path[:] = path  # the parent's, so a scorer file can import what the parent could
