@@ -43,7 +43,10 @@ def main(argv=None) -> int:
 
     # A crash in native code (a user's scorer with reward.num_workers=0, an extension) then
     # prints the Python stack of every thread instead of only "Segmentation fault".
-    faulthandler.enable()
+    try:
+        faulthandler.enable()
+    except (AttributeError, OSError, ValueError):  # sys.stderr replaced by a stream with no fd
+        faulthandler.enable(file=sys.__stderr__)
     info = detect_launch()
     setup_logging(info.rank)
     try:

@@ -154,9 +154,10 @@ def test_packed_forward_backward_has_no_host_sync():
 
 
 def test_optimizer_step_reads_the_grad_norm_once():
-    """The engine's optimizer step reads one value back per step (the global grad norm, for the
-    finiteness check and the metrics); megatron's fallback norm without TE/apex read one per
-    parameter, and the checked step computed it twice. The norm is megatron's.
+    """The engine's optimizer step reads two values back per step (the global grad norm, for the
+    finiteness check and the metrics, and the weights' norm after the step, for the divergence
+    check); megatron's fallback norm without TE/apex read one per parameter, and the checked
+    step computed it twice. The norm is megatron's.
 
     torch's own Adam step is not counted: on the CPU it keeps `step` in a host tensor it reads
     per parameter (no device involved); on a GPU the engine switches it to the fused Adam,
@@ -165,6 +166,9 @@ def test_optimizer_step_reads_the_grad_norm_once():
     steps = len(res["norms"]) // 2
     engine_syncs = {where: n for (_, where), n in res["step_syncs"].items()
                     if not where.endswith("optimizer.py:step_with_ready_grads")}
-    assert engine_syncs == {"verl_mcore/engine/engine.py:_step": steps}, res["step_syncs"]
+    # One read of the grad norm in the step, one of the weights' norm after it (the divergence
+    # check, engine._check_param_norm).
+    assert engine_syncs == {"verl_mcore/engine/engine.py:_step": steps,
+                            "verl_mcore/engine/engine.py:_check_param_norm": steps}, res["step_syncs"]
     for ours, megatron in zip(res["norms"][::2], res["norms"][1::2]):
         assert math.isclose(ours, megatron, rel_tol=1e-6) and ours > 0, res["norms"]
