@@ -8,6 +8,12 @@ Each role is written by engine.checkpoint.Checkpointer (temporary directory, ren
 pointer last). The critic is saved before the actor, so a kill between the two leaves the
 actor's previous step as its newest; resume takes the newest step complete for every role.
 
+Disk space: before each save rank 0 compares the space free under RUN_DIR/checkpoints with the
+planner's estimate of the checkpoint (plan.checkpoint_bytes) and refuses to start one that
+clearly cannot fit; a full disk during a save (ENOSPC or EDQUOT on any rank, or in megatron's
+writer) removes that save's temporary directory and raises DiskFullError on every rank, naming
+the path, the bytes free and the expected size. Earlier checkpoints are never touched by either.
+
 checkpoint.load_path is a one-time request. A Slurm requeue repeats the command line, load_path
 included; resuming from it again would throw away everything the run did since. So a resume from
 load_path is recorded, and a later start with the same load_path continues from the run's newest
@@ -25,20 +31,29 @@ import os
 from typing import Optional
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from verl_mcore.distributed.agree import raised_on_every_rank
 from verl_mcore.engine.checkpoint import (
     AsyncSaves,
     Checkpointer,
-    _write_json_atomic,
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    remove_unfinished_saves,
     set_aside_checkpoints_after,
 )
+from verl_mcore.utils.files import disk_full_error, free_bytes, is_disk_full, write_json_atomic
 
 log = logging.getLogger("verl_mcore.checkpoints")
 
+CHECKPOINTS = "checkpoints"
 CONSUMED = "load_path_consumed.json"
+
+
+def role_roots(run_dir: str) -> dict[str, str]:
+    """{role: the directory of its checkpoints} (see the module docstring)."""
+    return {role: os.path.join(run_dir, CHECKPOINTS, role) for role in ("actor", "critic")}
 
 
 def _engine_parts(role):
@@ -55,17 +70,58 @@ class _Choice:
 
 
 class RunCheckpoints:
-    def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool):
-        self.root = os.path.join(run_dir, "checkpoints")
-        saves = AsyncSaves()  # one async save in flight per process, whichever role's
-        self.actor = Checkpointer.from_config(ckpt_cfg, os.path.join(self.root, "actor"), saves)
-        self.critic = (Checkpointer.from_config(ckpt_cfg, os.path.join(self.root, "critic"), saves)
+    """expected_bytes: {role: bytes} of one checkpoint (plan.checkpoint_bytes), None when the
+    model shape is unknown (no space check before a save)."""
+
+    def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool,
+                 expected_bytes: Optional[dict[str, int]] = None):
+        self.root = os.path.join(run_dir, CHECKPOINTS)
+        roots = role_roots(run_dir)
+        self.saves = AsyncSaves()  # one async save in flight per process, whichever role's
+        self.actor = Checkpointer.from_config(ckpt_cfg, roots["actor"], self.saves)
+        self.critic = (Checkpointer.from_config(ckpt_cfg, roots["critic"], self.saves)
                        if with_critic else None)
+        self.expected = sum(expected_bytes.values()) if expected_bytes else None
 
     def save(self, step: int, actor, critic, trainer_state: dict) -> None:
-        if self.critic is not None:
-            self.critic.save(step, *_engine_parts(critic))
-        self.actor.save(step, *_engine_parts(actor), extra_state=trainer_state)
+        what = f"the checkpoint of step {step}"
+        try:
+            self.saves.finalize(blocking=True)  # a save in flight holds space and may fail first
+            self._check_space(what)
+            if self.critic is not None:
+                self.critic.save(step, *_engine_parts(critic))
+            self.actor.save(step, *_engine_parts(actor), extra_state=trainer_state)
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            self._failed(e, what)
+
+    def _check_space(self, what: str) -> None:
+        """Refuse, on every rank, a save that clearly cannot fit (rank 0 looks, all agree)."""
+        if self.expected is None:
+            return
+        with raised_on_every_rank("checking the free disk space"):
+            if dist.get_rank() == 0 and free_bytes(self.root) < self.expected:
+                raise disk_full_error(self.root, what, self.expected)
+
+    def _failed(self, error: BaseException, what: str) -> None:
+        """A save raised on every rank (dist_checkpointing and Checkpointer raise everywhere).
+        Only the failing ranks see a full disk in their error, so they agree: then rank 0
+        removes the unfinished save (it holds the space the next attempt needs) and every rank
+        raises DiskFullError. Other errors are raised as they are.
+
+        A full disk does not always say ENOSPC: torch's zip writer in megatron's workers has
+        reported one as "unexpected pos 704 vs 598". So a save that failed with less space left
+        than a checkpoint needs counts as a full disk too (the original error is chained)."""
+        full: list = [None] * dist.get_world_size()
+        short = self.expected is not None and free_bytes(self.root) < self.expected
+        dist.all_gather_object(full, is_disk_full(error) or short)
+        if not any(full):
+            raise error
+        if dist.get_rank() == 0:
+            for ckpt in (self.actor, self.critic):
+                if ckpt is not None:
+                    for path in remove_unfinished_saves(ckpt.root):
+                        log.warning("checkpoints: removed the unfinished save %s (disk full)", path)
+        raise disk_full_error(self.root, what, self.expected) from error
 
     def _choose(self, ckpt_cfg) -> Optional[_Choice]:
         """What to resume from (None: a fresh start). Reads files only: every rank decides alike."""
@@ -150,8 +206,8 @@ class RunCheckpoints:
                             "(never loaded from there; delete it when no longer needed)",
                             load_path, step, old, new)
         os.makedirs(self.root, exist_ok=True)
-        _write_json_atomic(os.path.join(self.root, CONSUMED),
-                           {"load_path": os.path.realpath(load_path), "step": step})
+        write_json_atomic(os.path.join(self.root, CONSUMED),
+                          {"load_path": os.path.realpath(load_path), "step": step})
 
     def resume(self, ckpt_cfg, actor, critic) -> Optional[dict]:
         """Load the chosen checkpoint into the roles; return the trainer state (None: fresh)."""
@@ -173,6 +229,8 @@ class RunCheckpoints:
         return find_latest_checkpoint(self.actor.root)
 
     def close(self) -> None:
-        self.actor.close()
-        if self.critic is not None:
-            self.critic.close()
+        """Wait for and commit the async save in flight (one queue serves both roles)."""
+        try:
+            self.saves.close()
+        except (Exception, CheckpointException) as e:
+            self._failed(e, "the last asynchronous checkpoint")

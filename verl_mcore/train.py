@@ -5,7 +5,6 @@ config -> launch environment -> torch.distributed -> process groups -> Trainer -
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from verl_mcore.config import Config, ConfigError, ModelShape, validate
@@ -54,13 +53,17 @@ def main(argv=None) -> int:
     # per-rank report comes first (distributed/watchdog.py).
     init_distributed(info, cfg.trainer.device,
                      process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
-    if info.rank == 0:
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
-            f.write(cfg.to_yaml())
+    from verl_mcore.run_dir import RunDirError
     from verl_mcore.trainer import Trainer
 
-    code = Trainer(cfg, launch=info).fit()
+    try:
+        trainer = Trainer(cfg, launch=info)  # writes RUN_DIR/config.yaml once it holds the lock
+    except (RunDirError, ConfigError) as e:  # raised on every rank alike
+        if info.rank == 0:
+            kind = "run directory" if isinstance(e, RunDirError) else "config"
+            print(f"{kind} error: {e}", file=sys.stderr)
+        return 2
+    code = trainer.fit()
     if code == 0:
         # Every rank finished the same last step; without this NCCL warns that resources leak.
         import torch.distributed as dist

@@ -118,11 +118,9 @@ class Trainer:
     """`Trainer(cfg).fit()` under torchrun / srun / mpirun (or one plain process)."""
 
     def __init__(self, cfg: Config, launch=None):
-        from verl_mcore.distributed.groups import build_groups
         from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
-        from verl_mcore.distributed.preemption import PreemptionGuard
-        from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
-        from verl_mcore.tracking import Tracking
+        from verl_mcore.distributed.watchdog import process_group_timeout
+        from verl_mcore.run_dir import RunDir
 
         self.cfg = cfg
         self.launch = launch or detect_launch()
@@ -137,6 +135,20 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = _training_device()
         self.run_dir = build.resolve_run_dir(cfg)
+        # Before anything is written into the run directory: a second run there is refused.
+        self.run = RunDir.open(cfg, self.run_dir, self.launch.local_rank, self.launch.local_world_size)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.run.close()  # this process may start another Trainer on the directory
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        from verl_mcore.distributed.groups import build_groups
+        from verl_mcore.distributed.preemption import PreemptionGuard
+        from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
+        from verl_mcore.tracking import Tracking
+
         self.groups = build_groups(
             cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
         _seed_everything(cfg.trainer.seed, self.rank)
@@ -165,7 +177,7 @@ class Trainer:
         self.rewards = build.build_reward_manager(cfg)
         self.rewards.check_dataset(self.train_data)  # every data_source has a scorer, before step 1
         self.kl_ctrl = build.build_kl_controller(cfg)
-        self.checkpoints = build.build_checkpointers(cfg, self.run_dir)
+        self.checkpoints = build.build_checkpointers(cfg, self.run_dir, self.info)
         self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,
                                  cfg.trainer.experiment_name, config=None)
         self.step_index = 0  # steps completed
@@ -205,10 +217,12 @@ class Trainer:
                         self.save_checkpoint(step)
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
-        except NonFiniteError:
-            # Raised on every rank alike (from reduced metrics): commit the pending async saves,
-            # which hold good steps, before stopping.
-            self.checkpoints.close()
+        except BaseException as e:
+            if isinstance(e, NonFiniteError):
+                # Raised on every rank alike (from reduced metrics): commit the pending async
+                # saves, which hold good steps, before stopping.
+                self.checkpoints.close()
+            self.run.close()  # this process may start another Trainer on the directory
             raise
         finally:
             progress.close()
@@ -496,6 +510,8 @@ class Trainer:
     def _resume(self) -> None:
         state = self.checkpoints.resume(self.cfg.checkpoint, self.actor, self.critic)
         if state is None:
+            # Rows an earlier start logged before dying without a checkpoint are stale too.
+            self.tracking.resumed_at(0)
             return
         self.step_index = int(state["step"])
         self.last_good_step = self.step_index
@@ -514,6 +530,7 @@ class Trainer:
         self.rewards.close()
         self.watchdog.stop()
         self.guard.uninstall()
+        self.run.close()
         if self.rank == 0:
             ckpt = self.checkpoints.latest_path()
             print(f"\nrun {how}: {self.step_index} steps\n"
