@@ -8,6 +8,9 @@ Each role is written by engine.checkpoint.Checkpointer (temporary directory, ren
 pointer last). The critic is saved before the actor, so a kill between the two leaves the
 actor's previous step as its newest; resume takes the newest step complete for every role.
 
+The actor's checkpoint also holds the run's resolved config (config.yaml) and the model's
+architecture (model_arch.json), which a resume compares with its own (config/resume.py).
+
 Disk space: before each save rank 0 compares the space free under RUN_DIR/checkpoints with the
 planner's estimate of the checkpoint (plan.checkpoint_bytes) and refuses to start one that
 clearly cannot fit; a full disk during a save (ENOSPC or EDQUOT on any rank, or in megatron's
@@ -71,10 +74,12 @@ class _Choice:
 
 class RunCheckpoints:
     """expected_bytes: {role: bytes} of one checkpoint (plan.checkpoint_bytes), None when the
-    model shape is unknown (no space check before a save)."""
+    model shape is unknown (no space check before a save). run_files: {name: text} saved in
+    each actor checkpoint (the run's config.yaml and model_arch.json)."""
 
     def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool,
-                 expected_bytes: Optional[dict[str, int]] = None):
+                 expected_bytes: Optional[dict[str, int]] = None,
+                 run_files: Optional[dict[str, str]] = None):
         self.root = os.path.join(run_dir, CHECKPOINTS)
         roots = role_roots(run_dir)
         self.saves = AsyncSaves()  # one async save in flight per process, whichever role's
@@ -82,6 +87,7 @@ class RunCheckpoints:
         self.critic = (Checkpointer.from_config(ckpt_cfg, roots["critic"], self.saves)
                        if with_critic else None)
         self.expected = sum(expected_bytes.values()) if expected_bytes else None
+        self.run_files = run_files
 
     def save(self, step: int, actor, critic, trainer_state: dict) -> None:
         what = f"the checkpoint of step {step}"
@@ -90,7 +96,8 @@ class RunCheckpoints:
             self._check_space(what)
             if self.critic is not None:
                 self.critic.save(step, *_engine_parts(critic))
-            self.actor.save(step, *_engine_parts(actor), extra_state=trainer_state)
+            self.actor.save(step, *_engine_parts(actor), extra_state=trainer_state,
+                            extra_files=self.run_files)
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             self._failed(e, what)
 
@@ -209,11 +216,15 @@ class RunCheckpoints:
         write_json_atomic(os.path.join(self.root, CONSUMED),
                           {"load_path": os.path.realpath(load_path), "step": step})
 
-    def resume(self, ckpt_cfg, actor, critic) -> Optional[dict]:
-        """Load the chosen checkpoint into the roles; return the trainer state (None: fresh)."""
+    def resume(self, ckpt_cfg, actor, critic, check=None) -> Optional[dict]:
+        """Load the chosen checkpoint into the roles; return the trainer state (None: fresh).
+        check(actor checkpoint path), when given, runs before any of its weights are read and
+        may refuse it by raising (config/resume.py: a config that cannot resume from it)."""
         choice = self._choose(ckpt_cfg)
         if choice is None:
             return None
+        if check is not None:
+            check(choice.actor)
         loaded = load_checkpoint(choice.actor, *_engine_parts(actor))
         if choice.critic is not None:
             load_checkpoint(choice.critic, *_engine_parts(critic))

@@ -508,15 +508,30 @@ class Trainer:
             self.checkpoints.save(step, self.actor, self.critic, self.trainer_state())
 
     def _resume(self) -> None:
-        state = self.checkpoints.resume(self.cfg.checkpoint, self.actor, self.critic)
+        from verl_mcore.config import resume
+
+        changes = []
+
+        def check(checkpoint: str) -> None:  # before any weight is read: refuses by key name
+            changes[:] = resume.compare(checkpoint, self.cfg, self.info.arch)
+
+        # The config wins over the checkpoint, in the optimizer and in the trainer state
+        # (config/resume.py).
+        with contextlib.ExitStack() as keep:
+            for role in (self.actor, self.critic):
+                if role is not None:
+                    keep.enter_context(role.engine.config_hyperparameters_kept())
+            state = self.checkpoints.resume(self.cfg.checkpoint, self.actor, self.critic, check=check)
         if state is None:
             # Rows an earlier start logged before dying without a checkpoint are stale too.
             self.tracking.resumed_at(0)
             return
+        state = resume.apply_to_state(changes, state)
         self.step_index = int(state["step"])
         self.last_good_step = self.step_index
         self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state["kl_ctrl"] is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.tracking.resumed_at(self.step_index)  # metrics rows past the checkpoint are stale
         restarts = os.environ.get("SLURM_RESTART_COUNT")

@@ -276,10 +276,12 @@ class Checkpointer:
         optimizer: Any = None,
         scheduler: Any = None,
         extra_state: Optional[dict] = None,
+        extra_files: Optional[dict[str, str]] = None,
     ) -> str:
         """Write the checkpoint of `step`; return the path it has (or will have, async) when
         committed. extra_state: the trainer's own state, any nesting of dicts / lists / tuples /
-        str / int / float / bool / None / tensors; rank 0's copy is written.
+        str / int / float / bool / None / tensors; rank 0's copy is written. extra_files:
+        {name: text} written by rank 0 into the checkpoint directory (the run's config).
 
         A failure on any rank raises on every rank, and leaves the previous checkpoints as they
         were (the temporary directory is not removed here: RunCheckpoints does it)."""
@@ -331,6 +333,8 @@ class Checkpointer:
                     },
                     os.path.join(tmp, TRAINER_STATE),
                 )
+                for name, text in (extra_files or {}).items():
+                    write_text_atomic(os.path.join(tmp, name), text)
         pending = _PendingSave(step, tmp, final)
         meta = _meta(step, len(model_chunks), self.optimizer_sharding if has_optimizer else None)
         if request is None:
