@@ -298,10 +298,20 @@ def build_kl_controller(cfg: Config):
     return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
 
 
-def build_checkpointers(cfg: Config, run_dir: str):
+def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo):
+    """The run's checkpoints, with the planner's estimate of their size (for the disk-space
+    check before each save) and the config record each actor checkpoint carries."""
     from verl_mcore.checkpoints import RunCheckpoints
+    from verl_mcore.config.resume import checkpoint_files
+    from verl_mcore.plan import checkpoint_bytes, resolve_dims
 
-    return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic)
+    try:
+        expected = checkpoint_bytes(cfg, resolve_dims(info.hf_dir or cfg.model.path))
+    except ConfigError as e:
+        log.warning("no estimate of the checkpoint size (%s): no disk-space check before saves", e)
+        expected = None
+    return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic,
+                          expected_bytes=expected, run_files=checkpoint_files(cfg, info.arch))
 
 
 def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:

@@ -236,6 +236,22 @@ def role_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
     return n
 
 
+def checkpoint_bytes(cfg: Config, dims: ModelDims) -> dict[str, int]:
+    """Expected size on disk of one checkpoint of each trained role ("actor", and "critic" with
+    GAE), all ranks together: the model in its dtype, plus with checkpoint.save_optimizer the
+    optimizer state megatron writes in parameter space (fp32 master copy and Adam's two moments,
+    12 bytes a parameter, also for fp32 models). RNG, trainer state and metadata add a few
+    percent (the tiny test model: 1.45 MB estimated, 1.66 MB written)."""
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    roles = ["actor"] + (["critic"] if cfg.uses_critic else [])
+    out = {}
+    for role in roles:
+        params = tp * sum(role_params(cfg, dims, role, stage) for stage in range(pp))
+        per_param = _dtype_bytes(getattr(cfg, role).dtype) + (12 if cfg.checkpoint.save_optimizer else 0)
+        out[role] = params * per_param
+    return out
+
+
 def activation_bytes_per_token_layer(dims: ModelDims, tp: int, sequence_parallel: bool,
                                      dtype_bytes: int = 2) -> int:
     h, hd, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size

@@ -20,6 +20,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from verl_mcore.utils.files import disk_full_error, is_disk_full, write_text_atomic
+
 log = logging.getLogger("verl_mcore.tracking")
 
 
@@ -107,7 +109,9 @@ class MetricAccumulator:
 # Trackers (rank 0 only)
 
 class JsonlTracker:
-    """Always on: one JSON object per step in RUN_DIR/metrics.jsonl, flushed every step."""
+    """Always on: one JSON object per step in RUN_DIR/metrics.jsonl, flushed every step.
+    Append-only by design (a kill cuts at most the last row); rewritten, atomically, only by
+    `resumed_at`."""
 
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
@@ -136,12 +140,7 @@ class JsonlTracker:
                 else:
                     kept.append(line if line.endswith("\n") else line + "\n")
         if dropped or cut:
-            tmp = f"{self.path}.tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(kept))
             log.warning("%s: resumed at step %d; dropped the rows of steps %s (logged by the run "
                         "that went past that checkpoint) and %d cut line(s) %s",
                         self.path, step, sorted(set(dropped)), len(cut), cut)
@@ -151,8 +150,14 @@ class JsonlTracker:
         row = {"step": step, "time": time.time()}
         row.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                     for k, v in metrics.items()})
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        line = json.dumps(row) + "\n"
+        try:  # appended: a failed write cuts at most this row, which the next start drops
+            self._f.write(line)
+            self._f.flush()
+        except OSError as e:
+            if is_disk_full(e):
+                raise disk_full_error(self.path, f"the metrics row of step {step}", len(line)) from e
+            raise
 
     def close(self) -> None:
         self._f.close()
@@ -244,15 +249,13 @@ class WandbTracker:
         if run_id is None:
             run_id = self._wandb.util.generate_id()
             os.makedirs(self.run_dir, exist_ok=True)
-            with open(id_path + ".tmp", "w") as f:
-                f.write(run_id + "\n")
-            os.replace(id_path + ".tmp", id_path)
+            write_text_atomic(id_path, run_id + "\n")
         self.run = self._wandb.init(project=self.project, name=self.name, dir=self.run_dir,
                                     config=self.config, id=run_id, resume="allow")
 
     def resumed_at(self, step: int) -> None:
         if self.run is None:
-            self._open(resuming=True)
+            self._open(resuming=step > 0)  # step 0: a fresh start, a new W&B run
         logged_up_to = int(getattr(self.run, "step", 0) or 0) - 1  # W&B's next step - 1
         if logged_up_to > step:
             log.warning("W&B run %s already has steps up to %d; resumed at step %d, so W&B will "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
 import sys
 
 from verl_mcore.config import Config, ConfigError, ModelShape, validate
@@ -61,21 +60,19 @@ def main(argv=None) -> int:
     # per-rank report comes first (distributed/watchdog.py).
     init_distributed(info, cfg.trainer.device,
                      process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
-    if info.rank == 0:
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
-            f.write(cfg.to_yaml())
     from verl_mcore.distributed.agree import AgreedFailure
+    from verl_mcore.run_dir import RunDirError
     from verl_mcore.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, launch=info)
-    except (ConfigError, AgreedFailure) as e:
-        # The checks the trainer runs before any model is built (build.build_inputs: config,
-        # model directory, data, reward code; build.resolve_offload: the memory plan) stop
-        # every rank together; rank 0 says why.
+        trainer = Trainer(cfg, launch=info)  # writes RUN_DIR/config.yaml once it holds the lock
+    except (RunDirError, ConfigError, AgreedFailure) as e:
+        # Raised on every rank alike, before any model is built: the run directory's lock, and
+        # the checks of build.build_inputs (config, model directory, data, reward code) and
+        # build.resolve_offload (the memory plan). Rank 0 says why.
         if info.rank == 0:
-            print(f"error before training: {e}", file=sys.stderr)
+            kind = "run directory error" if isinstance(e, RunDirError) else "error before training"
+            print(f"{kind}: {e}", file=sys.stderr)
         return 2
     code = trainer.fit()
     if code == 0:

@@ -120,11 +120,9 @@ class Trainer:
     """`Trainer(cfg).fit()` under torchrun / srun / mpirun (or one plain process)."""
 
     def __init__(self, cfg: Config, launch=None):
-        from verl_mcore.distributed.groups import build_groups
         from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
-        from verl_mcore.distributed.preemption import PreemptionGuard
-        from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
-        from verl_mcore.tracking import Tracking
+        from verl_mcore.distributed.watchdog import process_group_timeout
+        from verl_mcore.run_dir import RunDir
 
         self.cfg = cfg
         self.launch = launch or detect_launch()
@@ -139,6 +137,20 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = training_device()
         self.run_dir = build.resolve_run_dir(cfg)
+        # Before anything is written into the run directory: a second run there is refused.
+        self.run = RunDir.open(cfg, self.run_dir, self.launch.local_rank, self.launch.local_world_size)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.run.close()  # this process may start another Trainer on the directory
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        from verl_mcore.distributed.groups import build_groups
+        from verl_mcore.distributed.preemption import PreemptionGuard
+        from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
+        from verl_mcore.tracking import Tracking
+
         self.groups = build_groups(
             cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
         _seed_everything(cfg.trainer.seed, self.rank)
@@ -174,7 +186,7 @@ class Trainer:
             log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
         self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)
         self.kl_ctrl = build.build_kl_controller(cfg)
-        self.checkpoints = build.build_checkpointers(cfg, self.run_dir)
+        self.checkpoints = build.build_checkpointers(cfg, self.run_dir, self.info)
         self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,
                                  cfg.trainer.experiment_name, config=None)
         self.step_index = 0  # steps completed
@@ -215,10 +227,12 @@ class Trainer:
                         self.save_checkpoint(step)
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
-        except (NonFiniteError, RewardFailureError):
-            # Raised on every rank alike (from reduced or gathered values): commit the pending
-            # async saves, which hold good steps, before stopping.
-            self.checkpoints.close()
+        except BaseException as e:
+            if isinstance(e, (NonFiniteError, RewardFailureError)):
+                # Raised on every rank alike (from reduced or gathered values): commit the
+                # pending async saves, which hold good steps, before stopping.
+                self.checkpoints.close()
+            self.run.close()  # this process may start another Trainer on the directory
             raise
         finally:
             progress.close()
@@ -523,13 +537,30 @@ class Trainer:
             self.checkpoints.save(step, self.actor, self.critic, self.trainer_state())
 
     def _resume(self) -> None:
-        state = self.checkpoints.resume(self.cfg.checkpoint, self.actor, self.critic)
+        from verl_mcore.config import resume
+
+        changes = []
+
+        def check(checkpoint: str) -> None:  # before any weight is read: refuses by key name
+            changes[:] = resume.compare(checkpoint, self.cfg, self.info.arch)
+
+        # The config wins over the checkpoint, in the optimizer and in the trainer state
+        # (config/resume.py).
+        with contextlib.ExitStack() as keep:
+            for role in (self.actor, self.critic):
+                if role is not None:
+                    keep.enter_context(role.engine.config_hyperparameters_kept())
+            state = self.checkpoints.resume(self.cfg.checkpoint, self.actor, self.critic, check=check)
         if state is None:
+            # Rows an earlier start logged before dying without a checkpoint are stale too.
+            self.tracking.resumed_at(0)
             return
+        state = resume.apply_to_state(changes, state)
         self.step_index = int(state["step"])
         self.last_good_step = self.step_index
         self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if state["kl_ctrl"] is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.tracking.resumed_at(self.step_index)  # metrics rows past the checkpoint are stale
         restarts = os.environ.get("SLURM_RESTART_COUNT")
@@ -543,6 +574,7 @@ class Trainer:
         self.rewards.close()
         self.watchdog.stop()
         self.guard.uninstall()
+        self.run.close()
         if self.rank == 0:
             ckpt = self.checkpoints.latest_path()
             print(f"\nrun {how}: {self.step_index} steps\n"

@@ -63,6 +63,15 @@ def test_malformed_override():
         Config.load(None, ["trainer.total_steps"])
 
 
+def test_a_partial_section_keeps_that_sections_own_defaults():
+    # critic.optim defaults to lr 1e-5 (not OptimConfig's 1e-6): setting another of its keys
+    # must not reset it.
+    cfg = Config.load(None, ["critic.optim.clip_grad=0.5"])
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.clip_grad == 0.5
+    assert Config.load(None, ["critic.optim.lr=3e-5"]).critic.optim.lr == 3e-5
+    assert Config.load(None, ["actor.optim.clip_grad=0.5"]).actor.optim.lr == 1e-6
+
+
 def test_yaml_round_trip():
     cfg = _cfg("rollout.n=3", "reward.routes={math: lighteval/MATH}")
     again = Config.load(None, [])

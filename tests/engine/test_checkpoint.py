@@ -107,14 +107,6 @@ def test_keep_last_zero_keeps_everything(tmp_path):
     assert len(ck.list_checkpoints(root)) == 4
 
 
-def test_atomic_text_write_leaves_no_temporary(tmp_path):
-    path = str(tmp_path / "latest")
-    ck._write_text_atomic(path, "step_00000001")
-    ck._write_text_atomic(path, "step_00000002")
-    assert open(path).read() == "step_00000002\n"
-    assert os.listdir(tmp_path) == ["latest"]
-
-
 def _draw() -> tuple:
     return (random.random(), float(np.random.rand()), torch.rand(3).tolist(),
             np.random.randn(2).tolist())

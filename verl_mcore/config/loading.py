@@ -155,8 +155,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {tp!r} in the schema")
 
 
-def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
-    """Instantiate dataclass `cls` from a nested mapping, checking every key and type."""
+def from_dict(cls: type, data: dict, prefix: str = "", defaults: Any = None) -> Any:
+    """Instantiate dataclass `cls` from a nested mapping, checking every key and type. Keys the
+    mapping leaves out keep their value in `defaults` (an instance of `cls`), else the class
+    default: a partial `critic.optim` keeps the critic's own defaults (lr 1e-5), not
+    OptimConfig's (1e-6)."""
     hints = _field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for k in data:
@@ -172,10 +175,19 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
             raise ConfigError(f"unknown config key {prefix}{k}{hint}")
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _convert(hints[f.name], data[f.name], prefix + f.name)
+        if f.name not in data:
+            continue
+        tp, value, key = hints[f.name], data[f.name], prefix + f.name
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            if defaults is not None:
+                base = getattr(defaults, f.name)
+            else:
+                base = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            kwargs[f.name] = from_dict(tp, value, key + ".", base)
+        else:
+            kwargs[f.name] = _convert(tp, value, key)
     try:
-        return cls(**kwargs)
+        return dataclasses.replace(defaults, **kwargs) if defaults is not None else cls(**kwargs)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:

@@ -128,6 +128,14 @@ class PromptLoader:
                 "shuffle": self.shuffle, "batch_size": self.batch_size,
                 "num_samples": len(self.dataset)}
 
+    @staticmethod
+    def rebatch(state: dict, batch_size: int) -> dict:
+        """A saved position for another data.train_batch_size: the same epoch, resuming at the
+        batch that holds the first prompt not yet handed out (the order within an epoch does
+        not depend on the batch size), so at most batch_size - 1 prompts are handed out again."""
+        done = int(state["batch_in_epoch"]) * int(state["batch_size"])  # prompts of this epoch
+        return dict(state, batch_size=batch_size, batch_in_epoch=done // batch_size)
+
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position. The ordering inputs must match: a different dataset
         size, seed or batch size would silently change which prompts come next."""

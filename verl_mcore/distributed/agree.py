@@ -1,22 +1,28 @@
-"""Run a check on every rank, and stop every rank together when it fails on any of them.
+"""A failure on some ranks raised on every rank, so no rank waits for the ones that stopped.
 
-A check that fails on one rank only (a file missing on one node, a flaky file system, a user
-file that imports on some nodes and not others) would otherwise stop that rank alone, and let
-the others walk into the next collective and wait there for the watchdog's timeout
-(trainer.collective_timeout_s, 30 minutes by default) before anyone learns why.
+A check or a rank-0-only block that fails on some ranks (a file missing on one node, a full disk,
+a refused lock, a user file that imports on some nodes and not others) would otherwise stop
+those ranks alone and leave the others blocked in the next collective until the watchdog's
+timeout (trainer.collective_timeout_s, 30 minutes by default) before anyone learns why. Here
+all ranks meet after the block (one all_gather) and, when any failed, all raise: a failing rank
+its own exception (traceback intact), the others `error_type` (DiskFullError when the failure
+was a full disk) naming the first failing rank and its message, so rank 0 can print one line
+that explains the stop of every rank.
+
+    with raised_on_every_rank("committing step_8", RuntimeError):   # every rank enters
+        if rank == 0:
+            write_files()                                            # may fail on rank 0 only
 
     inputs = all_ranks_agree(check_inputs, "checking the inputs", cleanup=close_them)
-
-Every rank runs `fn`; one all_gather says who failed. When nobody did, each rank gets its own
-result. Otherwise the ranks that failed raise their own exception (its traceback intact), and the
-others run `cleanup` on their result and raise AgreedFailure naming the first rank that failed
-and its message, so rank 0 can print one line that explains the stop of every rank.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
+
+from verl_mcore.utils.files import DiskFullError, is_disk_full
 
 T = TypeVar("T")
 
@@ -25,27 +31,40 @@ class AgreedFailure(RuntimeError):
     """Another rank failed the check this rank passed."""
 
 
+@contextlib.contextmanager
+def raised_on_every_rank(what: str, error_type: type = AgreedFailure, group=None):
+    """Collective over `group` (default: all ranks); `what` names the block in the message."""
+    failure = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+        failure = e
+    mine = None if failure is None else (is_disk_full(failure), f"{type(failure).__name__}: {failure}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    if failure is not None:
+        raise failure
+    failed = [(rank, report) for rank, report in enumerate(everyone) if report is not None]
+    if failed:
+        rank, (disk_full, message) = failed[0]
+        others = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise (DiskFullError if disk_full else error_type)(
+            f"rank {rank}{others} failed while {what}: {message}")
+
+
 def all_ranks_agree(fn: Callable[[], T], what: str,
                     cleanup: Optional[Callable[[T], Any]] = None) -> T:
-    error: Optional[BaseException] = None
-    result = None
+    """`fn()` on every rank; its result when it passed everywhere. A rank that passed while
+    another failed runs `cleanup` on its result before raising (see the module docstring)."""
+    done: list = []
     try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
-        error = e
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        reports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, mine)
-    else:
-        reports = [mine]
-    failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
-    if not failed:
-        return result
-    if error is not None:
-        raise error
-    if cleanup is not None:
-        cleanup(result)
-    rank, message = failed[0]
-    others = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-    raise AgreedFailure(f"rank {rank}{others} failed while {what}: {message}")
+        with raised_on_every_rank(what):
+            done.append(fn())
+    except Exception:
+        if done and cleanup is not None:
+            cleanup(done[0])
+        raise
+    return done[0]

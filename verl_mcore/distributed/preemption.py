@@ -34,6 +34,8 @@ import os
 import signal
 from typing import Iterable, Optional
 
+from verl_mcore.utils.files import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 # "Preempted, checkpoint written: requeue me." 75 is EX_TEMPFAIL in BSD sysexits.h ("temporary
@@ -143,10 +145,7 @@ class PreemptionGuard:
             rank = dist.get_rank() if distributed else 0
         path = os.environ.get(MARKER_ENV)
         if path and rank == 0:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{step}\n")
-            os.replace(tmp, path)  # the launcher never sees a half-written marker
+            write_text_atomic(path, f"{step}\n")  # the launcher never sees a half-written marker
         if distributed:
             dist.barrier(group=self.group)
         log.warning("checkpoint of step %d written; exiting with %d (EXIT_PREEMPTED) to be requeued",

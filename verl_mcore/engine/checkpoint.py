@@ -26,7 +26,10 @@ Commit protocol (why a killed save never hides the previous checkpoint): every r
 rank 0 writes manifest.json, renames the directory to `step_N/` (one atomic rename), then
 rewrites `latest` (write to a temporary name + rename), then deletes the checkpoints beyond
 keep_last. A kill at any point leaves either no `step_N/` (the previous one is still complete
-and `latest` still names it) or a complete `step_N/`.
+and `latest` still names it) or a complete `step_N/`. Every file is fsynced before the rename
+publishes it, and the directory after it (a machine crash keeps the same guarantee). A failure
+on any rank (a full disk) raises on every rank; the `.tmp.step_N/` it leaves is removed by
+RunCheckpoints, and at the next start, by whoever holds the run-directory lock.
 
 Loading trusts nothing in the directory (it may be someone else's, or damaged): every file is
 read as data (safe_read.py: allow-listed unpickling of DCP's `.metadata`, weights_only for every
@@ -66,6 +69,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from verl_mcore.distributed.agree import raised_on_every_rank
 from verl_mcore.engine import manifest, optim_step
 from verl_mcore.engine.safe_read import (
     BadCheckpointError,
@@ -74,6 +78,7 @@ from verl_mcore.engine.safe_read import (
     read_json,
     torch_load,
 )
+from verl_mcore.utils.files import fsync_path, torch_save_synced, write_json_atomic, write_text_atomic
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -193,9 +198,10 @@ def _set_aside(path: str, prefix: str) -> tuple[str, str]:
     if pointed == name:
         remaining = list_checkpoints(root)
         if remaining:
-            _write_text_atomic(pointer, os.path.basename(remaining[-1][1]))
+            write_text_atomic(pointer, os.path.basename(remaining[-1][1]) + "\n")
         else:
             os.remove(pointer)
+    fsync_path(root)
     return path, target
 
 
@@ -406,10 +412,15 @@ class Checkpointer:
         optimizer: Any = None,
         scheduler: Any = None,
         extra_state: Optional[dict] = None,
+        extra_files: Optional[dict[str, str]] = None,
     ) -> str:
         """Write the checkpoint of `step`; return the path it has (or will have, async) when
         committed. extra_state: the trainer's own state, any nesting of dicts / lists / tuples /
-        str / int / float / bool / None / tensors; rank 0's copy is written."""
+        str / int / float / bool / None / tensors; rank 0's copy is written. extra_files:
+        {name: text} written by rank 0 into the checkpoint directory (the run's config).
+
+        A failure on any rank raises on every rank, and leaves the previous checkpoints as they
+        were (the temporary directory is not removed here: RunCheckpoints does it)."""
         from megatron.core import dist_checkpointing
 
         self._own_write_results()
@@ -420,12 +431,12 @@ class Checkpointer:
             # One save in flight at a time: the previous one must commit before this one starts
             # (rotation and `latest` assume commits happen in step order).
             self.maybe_finalize(blocking=True)
-        if rank == 0:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)  # a killed earlier attempt at the same step
-            os.makedirs(os.path.join(tmp, DIST_DIR))
-            os.makedirs(os.path.join(tmp, RNG_DIR))
-        dist.barrier()
+        with raised_on_every_rank(f"creating {tmp}"):  # also the barrier before the writes
+            if rank == 0:
+                if os.path.exists(tmp):
+                    shutil.rmtree(tmp)  # a killed earlier attempt at the same step
+                os.makedirs(os.path.join(tmp, DIST_DIR))
+                os.makedirs(os.path.join(tmp, RNG_DIR))
 
         has_optimizer = optimizer is not None and self.save_optimizer
         # Before the first optimizer step (PPO's actor during critic warmup) torch's Adam has no
@@ -447,15 +458,19 @@ class Checkpointer:
         finally:
             for states, param in placeholders:
                 del states[param]
-        torch.save(capture_rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
-        if rank == 0:
-            torch.save(
-                {
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "extra": extra_state,
-                },
-                os.path.join(tmp, TRAINER_STATE),
-            )
+        # Synced: the commit's rename must not publish files still in the page cache.
+        with raised_on_every_rank(f"writing {tmp}"):
+            torch_save_synced(capture_rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
+            if rank == 0:
+                torch_save_synced(
+                    {
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "extra": extra_state,
+                    },
+                    os.path.join(tmp, TRAINER_STATE),
+                )
+                for name, text in (extra_files or {}).items():
+                    write_text_atomic(os.path.join(tmp, name), text)
         pending = _PendingSave(step, tmp, final)
         meta = _meta(step, len(model_chunks), self.optimizer_sharding if has_optimizer else None)
         if request is None:
@@ -507,26 +522,32 @@ class Checkpointer:
 
     def _commit(self, pending: _PendingSave, meta: dict) -> None:
         """Make a fully written temporary directory the newest checkpoint (rank 0 does the file
-        operations; the barriers keep every rank's view consistent)."""
+        operations; the barrier and the final agreement keep every rank's view consistent, and
+        a failure of rank 0 raises on every rank)."""
         dist.barrier()  # every rank's files are in pending.tmp
-        if dist.get_rank() == 0:
-            _write_json_atomic(os.path.join(pending.tmp, META), meta)
+        with raised_on_every_rank(f"committing {pending.final}"):
+            if dist.get_rank() == 0:
+                write_json_atomic(os.path.join(pending.tmp, META), meta)
         files = manifest.gather_manifest(pending.tmp)  # each rank hashes the files it wrote
-        if dist.get_rank() == 0:
-            _write_json_atomic(os.path.join(pending.tmp, manifest.MANIFEST), files)
-            displaced = None
-            if os.path.exists(pending.final):
-                # Same step written again (e.g. PPO resumed from an older step because the
-                # critic lacked the newest): move the old one aside first, since a rename cannot
-                # replace a non-empty directory.
-                displaced = pending.final + f".replaced.{os.getpid()}.{time.time_ns()}"
-                os.rename(pending.final, displaced)
-            os.rename(pending.tmp, pending.final)
-            _write_text_atomic(os.path.join(self.root, LATEST), os.path.basename(pending.final))
-            if displaced is not None:
-                shutil.rmtree(displaced, ignore_errors=True)
-            _rotate(self.root, self.keep_last, pending.step)
-        dist.barrier()
+        with raised_on_every_rank(f"committing {pending.final}"):
+            if dist.get_rank() == 0:
+                self._commit_files(pending, files)
+
+    def _commit_files(self, pending: _PendingSave, files: dict) -> None:
+        write_json_atomic(os.path.join(pending.tmp, manifest.MANIFEST), files)
+        _sync_before_rename(pending.tmp)
+        displaced = None
+        if os.path.exists(pending.final):
+            # Same step written again (e.g. PPO resumed from an older step because the
+            # critic lacked the newest): move the old one aside first, since a rename cannot
+            # replace a non-empty directory.
+            displaced = pending.final + f".replaced.{os.getpid()}.{time.time_ns()}"
+            os.rename(pending.final, displaced)
+        os.rename(pending.tmp, pending.final)
+        write_text_atomic(os.path.join(self.root, LATEST), os.path.basename(pending.final) + "\n")
+        if displaced is not None:
+            shutil.rmtree(displaced, ignore_errors=True)
+        _rotate(self.root, self.keep_last, pending.step)
 
     # ---------------------------------------------------------------- load
 
@@ -836,21 +857,28 @@ def _rotate(root: str, keep_last: int, current_step: int) -> None:
         for step, path in complete[:-keep_last]:
             if step != current_step:
                 shutil.rmtree(path, ignore_errors=True)
-    for name in os.listdir(root):
-        if name.startswith(TMP_PREFIX):
-            match = _NAME.match(name[len(TMP_PREFIX):])
-            if match and int(match.group(1)) < current_step:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    remove_unfinished_saves(root, before_step=current_step)
 
 
-def _write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def remove_unfinished_saves(root: str, before_step: Optional[int] = None) -> list[str]:
+    """Delete the temporary directories of saves that never committed (of steps before
+    `before_step`; None: all of them); return their paths. Rank 0, with no save of this root in
+    flight: at the start of a run under the run-directory lock (a save killed by a full disk
+    would otherwise hold that space for good), after a failed save, and at each rotation."""
+    removed = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        match = _NAME.match(name[len(TMP_PREFIX):]) if name.startswith(TMP_PREFIX) else None
+        if match and (before_step is None or int(match.group(1)) < before_step):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(os.path.join(root, name))
+    return removed
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
-    _write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+def _sync_before_rename(tmp: str) -> None:
+    """fsync what the rename of `tmp` will publish and nobody synced yet: megatron fsyncs its
+    .distcp shards and .metadata but not its common.pt and metadata.json; our own files sync
+    themselves (torch_save_synced); the directories' entries are synced here."""
+    for name in (os.path.join(DIST_DIR, "common.pt"), os.path.join(DIST_DIR, "metadata.json"),
+                 DIST_DIR, RNG_DIR, ""):
+        if os.path.exists(os.path.join(tmp, name)):
+            fsync_path(os.path.join(tmp, name))

@@ -401,6 +401,26 @@ class MegatronEngine:
             dist.all_reduce(out, group=self.pg.pp)
         return out
 
+    @contextlib.contextmanager
+    def config_hyperparameters_kept(self):
+        """Around a checkpoint load: keep this engine's hyperparameters, built from the config.
+
+        megatron's optimizer load replaces every param group's settings with the saved ones
+        (max_lr, min_lr, betas, eps, ...), and the scheduler derives each step's lr from the
+        group's max_lr / min_lr; so a resumed run would keep the checkpoint's lr whatever its
+        config says (config/resume.py). The groups' own settings are put back after the load,
+        and lr and weight decay recomputed from the scheduler's restored step counter."""
+        if self.optimizer is None:
+            yield
+            return
+        groups = [g for opt in optim_step.sub_optimizers(self.optimizer) for g in opt.optimizer.param_groups]
+        kept = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        yield
+        groups = [g for opt in optim_step.sub_optimizers(self.optimizer) for g in opt.optimizer.param_groups]
+        for group, settings in zip(groups, kept, strict=True):
+            group.update(settings)
+        self.scheduler.step(0)
+
     def num_parameters(self) -> int:
         """Parameters of this rank's chunks (for logs)."""
         return sum(p.numel() for m in self.model for p in m.parameters())
@@ -441,6 +461,9 @@ def _build_scheduler(optim, optimizer, lr_decay_steps: int):
 
     warmup = optim.lr_warmup_steps
     decay_steps = max(lr_decay_steps, warmup + 1)
+    # override: a checkpoint's load_state_dict keeps this config's schedule (lr, min_lr, warmup,
+    # decay style and length, weight decay) and restores only the step counter, so a changed
+    # actor.optim.lr applies on resume (megatron's default keeps the checkpoint's values).
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup > 0 else optim.lr,
@@ -453,4 +476,6 @@ def _build_scheduler(optim, optimizer, lr_decay_steps: int):
         end_wd=optim.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )

@@ -1,1 +1,1 @@
-"""Small process-level helpers shared across packages (RNG state capture)."""
+"""Small process-level helpers shared across packages (RNG state capture, atomic file writes)."""

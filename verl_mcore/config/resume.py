@@ -1,0 +1,179 @@
+"""A resume whose config differs from the checkpoint's: what is applied, what is refused.
+
+Each actor checkpoint records the resolved config it was saved with (`config.yaml`, usable as
+`--config`) and the model's architecture (`model_arch.json`). On resume every key whose value
+differs is logged, one line per key,
+
+    actor.optim.lr: 0.003 in the checkpoint -> 0.0001 from the config
+
+and the config's value is used, including where the checkpoint restores state:
+  - the LR schedule, actor and critic (lr, min_lr, lr_schedule, lr_warmup_steps, weight_decay;
+    its length follows trainer.total_steps and the batch sizes): the scheduler is built with
+    megatron's override_opt_param_scheduler, so a load restores only its step counter
+    (engine/engine.py _build_scheduler);
+  - the optimizer's settings (lr bounds, betas, eps), which megatron's optimizer load replaces
+    with the saved param groups': put back after the load
+    (MegatronEngine.config_hyperparameters_kept);
+  - clip_grad and every loss / batch / sampling setting: read from the config at each step;
+  - the KL controller: a changed algorithm.kl_ctrl.type or kl_coef starts it afresh at the
+    config's coefficient (unchanged, an adaptive controller keeps the coefficient it reached);
+  - data.train_batch_size: the prompt loader keeps its place in the epoch (PromptLoader.rebatch).
+Refused before any weight is read (ResumeConfigError, naming the key and what to do):
+  - another model architecture (model_arch.json against model.path's config.json);
+  - another padded vocabulary size (model.make_vocab_size_divisible_by with the training TP):
+    the embedding and output layer have that many rows;
+  - algorithm.adv_estimator=gae from a checkpoint of a run without a critic;
+  - data.seed, data.shuffle: the prompts still to come this epoch would change;
+  - parallel.use_distributed_optimizer, when the checkpoint holds optimizer state: the two
+    optimizers' states have different formats (megatron-core 0.16.1 fails with KeyError
+    'pre_wd_mult' loading one into the other).
+TP / PP / DP sizes and the roles' dtypes may change: the trainer's checkpoints hold global
+tensors, the optimizer state included (fully_reshardable), and reshard at load
+(engine/checkpoint.py; tests/engine/test_checkpoint_layouts.py: TP2 -> TP1 x DP2 and -> PP2;
+actor.dtype fp32 -> bf16 seen to load; VPP changes are not tested), the vocabulary padding aside.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import yaml
+
+from verl_mcore.config.loading import ConfigError, to_dict
+
+log = logging.getLogger("verl_mcore.config.resume")
+
+CONFIG_FILE = "config.yaml"
+ARCH_FILE = "model_arch.json"
+ORDER_KEYS = ("data.seed", "data.shuffle")  # PromptLoader's order of the prompts
+KL_KEYS = ("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef")
+
+
+class ResumeConfigError(ConfigError):
+    """A config value that cannot change when resuming from this checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    key: str
+    saved: Any
+    current: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.saved!r} in the checkpoint -> {self.current!r} from the config"
+
+
+def checkpoint_files(cfg, arch) -> dict[str, str]:
+    """{name: text} to save in every actor checkpoint of this run."""
+    return {CONFIG_FILE: cfg.to_yaml(),
+            ARCH_FILE: json.dumps(_arch_record(cfg, arch), indent=1, sort_keys=True) + "\n"}
+
+
+def _arch_record(cfg, arch) -> dict:
+    record = dataclasses.asdict(arch)
+    record.pop("torch_dtype", None)  # the HF file's storage dtype; the roles' dtypes are config
+    record["padded_vocab_size"] = arch.padded_vocab_size(
+        cfg.parallel.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by)
+    return record
+
+
+def compare(checkpoint: str, cfg, arch) -> list[Change]:
+    """The keys whose value in `cfg` differs from the one `checkpoint` was saved with; raises
+    ResumeConfigError naming every key that cannot change. A checkpoint without the record
+    (written before it existed) is resumed as before, with a warning."""
+    try:
+        with open(os.path.join(checkpoint, CONFIG_FILE)) as f:
+            saved = yaml.safe_load(f)
+        with open(os.path.join(checkpoint, ARCH_FILE)) as f:
+            saved_arch = json.load(f)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        log.warning("checkpoint %s has no readable record of its config (%s): the config's "
+                    "changes since are neither listed nor checked", checkpoint, e)
+        return []
+    # Keys the checkpoint's config lacks (added to the schema since) are left out.
+    changes = [Change(k, _lookup(saved, k), v) for k, v in _leaves(cfg)
+               if _lookup(saved, k) not in (_MISSING, v)]
+    refused = _refused(changes, saved, saved_arch, _arch_record(cfg, arch), cfg)
+    if refused:
+        raise ResumeConfigError(
+            f"cannot resume from {checkpoint} with this config:\n  - " + "\n  - ".join(refused)
+            + f"\n(The checkpoint's config is {os.path.join(checkpoint, CONFIG_FILE)}.)")
+    return changes
+
+
+def _refused(changes: list[Change], saved: dict, saved_arch: dict, arch: dict, cfg) -> list[str]:
+    out = []
+    vocab_saved, vocab_now = saved_arch.get("padded_vocab_size"), arch["padded_vocab_size"]
+    shapes = {k: (saved_arch.get(k), v) for k, v in arch.items()
+              if k != "padded_vocab_size" and k in saved_arch and saved_arch[k] != v}
+    if shapes:
+        detail = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(shapes.items()))
+        out.append(f"model.path={cfg.model.path}: another architecture than the checkpoint's "
+                   f"({detail}); its weights cannot load into this model. Point model.path at "
+                   f"the model the run started from (the checkpoint's model.path was "
+                   f"{_lookup(saved, 'model.path')}), or start a new run in a new trainer.run_dir")
+    elif vocab_saved != vocab_now:
+        out.append(f"the vocabulary is padded to {vocab_now} rows (model.make_vocab_size_divisible_by"
+                   f"={cfg.model.make_vocab_size_divisible_by} at "
+                   f"parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size}), "
+                   f"the checkpoint's embedding has {vocab_saved} (make_vocab_size_divisible_by="
+                   f"{_lookup(saved, 'model.make_vocab_size_divisible_by')} at TP="
+                   f"{_lookup(saved, 'parallel.tensor_model_parallel_size')}); set "
+                   f"model.make_vocab_size_divisible_by so that the padding is {vocab_saved} "
+                   f"again (the padded size is a multiple of lcm(it, TP))")
+    by_key = {c.key: c for c in changes}
+    estimator = by_key.get("algorithm.adv_estimator")
+    if estimator is not None and estimator.current == "gae" and estimator.saved != "gae":
+        out.append(f"{estimator}: the checkpoint has no critic to resume; keep "
+                   f"algorithm.adv_estimator={estimator.saved}, or start a new run in a new "
+                   f"trainer.run_dir")
+    optimizer = by_key.get("parallel.use_distributed_optimizer")
+    if optimizer is not None and _lookup(saved, "checkpoint.save_optimizer") is not False:
+        out.append(f"{optimizer}: the checkpoint's optimizer state has the other optimizer's "
+                   f"format; set parallel.use_distributed_optimizer={optimizer.saved} again")
+    for key in ORDER_KEYS:
+        if key in by_key:
+            out.append(f"{by_key[key]}: the prompts still to come would change mid-epoch; set "
+                       f"{key}={by_key[key].saved!r} again, or start a new run")
+    return out
+
+
+def apply_to_state(changes: list[Change], state: dict) -> dict:
+    """The checkpoint's trainer state with the config's changes applied where it holds the
+    old value (see the module docstring); logs every change."""
+    for change in changes:
+        log.info("resume: %s", change)
+    keys = {c.key: c for c in changes}
+    state = dict(state)
+    if any(k in keys for k in KL_KEYS):
+        state["kl_ctrl"] = None  # the controller starts afresh from the config
+    if "data.train_batch_size" in keys:
+        from verl_mcore.data.loader import PromptLoader
+
+        state["loader"] = PromptLoader.rebatch(state["loader"], keys["data.train_batch_size"].current)
+    return state
+
+
+_MISSING = object()
+
+
+def _leaves(obj, prefix: str = ""):
+    """(dotted key, plain value) of every field of a config dataclass tree; dict- and
+    list-valued fields (reward.routes, reward.sources) are one value each."""
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{field.name}.")
+        else:
+            yield f"{prefix}{field.name}", to_dict(value)
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
