@@ -184,7 +184,7 @@ def test_node_local_directories_are_locked_on_each_node_and_refusals_reach_every
     held(b)
     r0, r1 = run_on_ranks(_open, 2, args=([a, b], _cfg(), 1))
     assert f"pid {os.getpid()}, Slurm job 4242" in r1["error"]
-    assert r0["error"].startswith("rank 1,") and "Slurm job 4242" in r0["error"]
+    assert r0["error"].startswith("rank 1 failed while opening") and "Slurm job 4242" in r0["error"]
     # A directory both nodes share: rank 0's lock covers it, rank 1 finds rank 0's token.
     r0, r1 = run_on_ranks(_open, 2, args=([a, a], _cfg(), 1))
     assert "error" not in r0 and "error" not in r1 and not r0["warnings"]
