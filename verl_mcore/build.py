@@ -111,6 +111,11 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
                 check_weight_files(cfg.model.path)
             info = load_model_info(cfg)
             train, val = build_datasets(cfg, info)
+            if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
+                raise ConfigError(
+                    f"data.train_files: {len(train)} prompts after the data checks, fewer than one "
+                    f"batch of data.train_batch_size={cfg.data.train_batch_size}; lower the batch "
+                    "size or add data")
             rewards = build_reward_manager(cfg)
         except ConfigError:
             raise

@@ -134,7 +134,11 @@ def _holder() -> dict:
 def _lock(run_dir: str) -> tuple[Optional[int], Optional[str]]:
     """Take RUN_DIR/.lock; return (its fd, our token), (None, token) where the filesystem has no
     flock. Raises RunDirError naming the holder when another process has it."""
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:  # a file of that name, a parent that is a file, no permission
+        raise RunDirError(f"trainer.run_dir={run_dir} cannot be used as the run directory "
+                          f"({e.strerror}); give the run another trainer.run_dir") from e
     path = os.path.join(run_dir, LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     locked = True

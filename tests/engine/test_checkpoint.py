@@ -311,3 +311,19 @@ def test_a_bad_step_after_a_consumed_load_path_goes_back_to_load_path(tmp_path, 
     # The requeue would continue from step 3, which is bad: set aside, back to load_path.
     assert _resume(run, step2)["step"] == 2
     assert os.path.isdir(os.path.join(run.actor.root, "corrupt.step_00000003"))
+
+
+def test_a_role_without_any_checkpoint_is_refused_not_a_fresh_start(tmp_path, fake_loads):
+    """A GRPO run resumed with adv_estimator=gae (or with its critic checkpoints deleted): the
+    actor has steps, the critic none. Starting fresh trained the actor from scratch over the
+    run's checkpoints and metrics (exit 0, a warning); now it is refused and nothing moves."""
+    from verl_mcore.config import ConfigError
+
+    grpo = _run(tmp_path / "run", with_critic=False)
+    for step in (2, 3):
+        _commit(grpo, step)
+    ppo = _run(tmp_path / "run", with_critic=True)
+    with pytest.raises(ConfigError, match=r"has steps \[2, 3\] but .*critic has none of them.*"
+                                          r"adv_estimator changed to gae"):
+        _resume(ppo)
+    assert fake_loads == [] and _steps(grpo.actor.root) == [2, 3]

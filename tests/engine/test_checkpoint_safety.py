@@ -109,14 +109,29 @@ def _corrupt(step3: str, variant: str, marker: str) -> None:
         _plant_object(os.path.join(step3, ck.DIST_DIR), marker)
         _remanifest(step3)
     elif variant == "no_manifest_truncated":  # an old checkpoint: the size checks still apply
-        os.remove(os.path.join(step3, manifest.MANIFEST))
+        _as_saved_before_manifests(step3)
         _truncate(_distcp(step3), os.path.getsize(_distcp(step3)) - 10)
+    elif variant == "deleted_manifest":  # a new checkpoint's manifest removed, bytes altered
+        os.remove(os.path.join(step3, manifest.MANIFEST))
+        _overwrite_256(_distcp(step3))
     else:
         raise ValueError(variant)
 
 
 FALLBACK_VARIANTS = ["truncated_distcp", "truncated_trainer_state", "overwritten_distcp",
-                     "planted_metadata", "planted_object", "no_manifest_truncated"]
+                     "planted_metadata", "planted_object", "no_manifest_truncated",
+                     "deleted_manifest"]
+
+
+def _as_saved_before_manifests(step_dir: str) -> None:
+    """What a checkpoint saved before manifests looks like: none, and no claim of one."""
+    os.remove(os.path.join(step_dir, manifest.MANIFEST))
+    meta_file = os.path.join(step_dir, ck.META)
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta.pop("manifest")
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
 
 
 def _save_then_resume_corrupted(rank, world_size, tmp):
@@ -168,10 +183,10 @@ def _save_then_resume_corrupted(rank, world_size, tmp):
             "latest": open(f"{vroot}/{ck.LATEST}").read().strip(),
             "pwned": os.path.exists(marker)}
 
-    # An old checkpoint (no manifest, intact) loads with a warning.
+    # An old checkpoint (no manifest, and a meta.json from before they existed, intact) loads
+    # with a warning.
     old = f"{tmp}/old"
-    on_rank0(lambda: (shutil.copytree(snapshot, old),
-                      os.remove(f"{old}/step_00000003/{manifest.MANIFEST}")))
+    on_rank0(lambda: (shutil.copytree(snapshot, old), _as_saved_before_manifests(f"{old}/step_00000003")))
     out["old_step"] = ck.Checkpointer(old).load(chunks, optimizer, scheduler).step
 
     # Explicit choices are refused, not replaced: checkpoint.load_path, model.checkpoint and

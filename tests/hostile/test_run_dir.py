@@ -209,3 +209,13 @@ def test_the_command_line_refuses_a_second_run_before_building_anything(tmp_path
     assert "Traceback" not in run.stderr
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(os.listdir(run_dir)) == [".lock", "metrics.jsonl"]
+
+
+def test_a_run_dir_that_is_a_file_is_refused_by_name(tmp_path, monkeypatch):
+    from verl_mcore import run_dir as rd
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(rd.RunDirError, match=r"trainer.run_dir=.*afile cannot be used .*File exists"):
+        rd._lock(str(afile))
+    assert afile.read_text() == "x"

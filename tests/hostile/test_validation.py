@@ -208,6 +208,15 @@ def test_data_errors_named(model_dir, tmp_path):
     assert str(bad) in msg and "row 1" in msg
 
 
+def test_fewer_prompts_than_one_batch_named(model_dir, tmp_path):
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"prompt": "repeat the digit 3 : ", "data_source": "x"}\n')
+    msg = _input_error(_cfg(model_dir, f"data.train_files=[{one}]", "data.train_batch_size=4",
+                            "actor.ppo_mini_batch_size=4"))
+    assert "1 prompts after the data checks, fewer than one batch" in msg
+    assert "data.train_batch_size=4" in msg
+
+
 def test_prompt_too_long_named(model_dir):
     msg = _input_error(_cfg(model_dir, "data.max_prompt_length=2"))
     assert "more than data.max_prompt_length=2" in msg and "quickstart_train.parquet" in msg

@@ -91,7 +91,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "trainer.total_steps": ("[1, inf)", ""),
     "trainer.max_consecutive_skips": ("[1, inf)", ""),
     "trainer.val_every": ("[0, inf)", "0: no validation"),
-    "trainer.seed": ("[0, inf)", ""),
+    "trainer.seed": ("[0, 4294967295]", "torch, numpy and Python generators take it"),
     "trainer.collective_timeout_s": ("(0, inf)", "seconds"),
 }
 

@@ -230,7 +230,13 @@ def verify_checkpoint(path: str) -> None:
         files = manifest.read_manifest(path)
         if files is not None:
             manifest.verify_share(path, files, rank, world)
-        elif rank == 0:
+            return
+        meta = read_json(os.path.join(path, META))
+        if isinstance(meta, dict) and meta.get("manifest"):
+            raise BadCheckpointError(
+                f"{os.path.join(path, manifest.MANIFEST)}: missing, though {META} says this "
+                "checkpoint was saved with one: its files cannot be trusted")
+        if rank == 0:
             logger.warning(
                 "checkpoint %s has no %s (saved before checkpoints had one): the sizes and hashes "
                 "of its files cannot be checked, so altered bytes inside a file would go "
@@ -324,9 +330,19 @@ def _newest_common_step(roots: Sequence[str]) -> Optional[int]:
         return latest_step
     common = sorted(set(steps[0]).intersection(*steps[1:]))
     if not common:
-        logger.warning("checkpoints: %s has steps %s but %s none of them; starting fresh",
-                       roots[0], sorted(steps[0]), ", ".join(roots[1:]))
-        return None
+        # Not a kill between the roles' saves (the critic is saved first, so it is never the
+        # one behind): the run had no such role (a GRPO run resumed with adv_estimator=gae) or
+        # its checkpoints were removed. Starting fresh would train the actor from scratch over
+        # the run's checkpoints and metrics.
+        from verl_mcore.config import ConfigError
+
+        missing = [root for root, s in zip(roots[1:], steps[1:]) if not set(steps[0]) & set(s)]
+        raise ConfigError(
+            f"checkpoint: {roots[0]} has steps {sorted(steps[0])} but {', '.join(missing)} has "
+            "none of them: this run was not trained with that role (algorithm.adv_estimator "
+            "changed to gae?) or its checkpoints were removed. Refused, to keep the run's "
+            "checkpoints and metrics: resume with the config the run had, or start a new "
+            "trainer.run_dir")
     logger.warning("checkpoints: %s has no step %d (killed between the saves of the roles?); "
                    "resuming every role from step %d", ", ".join(roots[1:]), latest_step,
                    common[-1])
@@ -339,14 +355,19 @@ def _on_rank0(fn: Callable[[], T]) -> T:
     on rank 0 is raised on every rank. Collective."""
     if dist.get_world_size() == 1:
         return fn()
+    from verl_mcore.config import ConfigError
+
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box = [(fn(), None)]
+            box = [(fn(), None, False)]
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            box = [(None, f"{type(e).__name__}: {e}")]
+            box = [(None, f"{type(e).__name__}: {e}" if not isinstance(e, ConfigError) else str(e),
+                    isinstance(e, ConfigError))]
     dist.broadcast_object_list(box, src=0)
-    value, error = box[0]
+    value, error, refused = box[0]
+    if refused:  # a refusal the user acts on (train.py prints it and exits 2)
+        raise ConfigError(error)
     if error is not None:
         raise RuntimeError(f"checkpoint: rank 0 could not choose a checkpoint: {error}")
     return value
@@ -846,6 +867,9 @@ def _meta(step: int, num_chunks: int, optimizer_sharding: Optional[str]) -> dict
         "layout": _layout(num_chunks),
         "optimizer_sharding": optimizer_sharding,  # None: no optimizer state saved
         "saved_at_unix": time.time(),
+        # Saved with a manifest (Checkpointer._commit): one missing later was removed, and the
+        # checkpoint is treated as damaged rather than as one from before manifests.
+        "manifest": True,
     }
 
 

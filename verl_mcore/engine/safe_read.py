@@ -119,10 +119,13 @@ def _why(e: BaseException) -> str:
     weights_only=False, the opposite of what to do with a file that may be hostile: keep only
     its "Unsupported global: ..." part."""
     text = str(e)
-    if "WeightsUnpickler error: " in text:
-        text = text.split("WeightsUnpickler error: ", 1)[1].split(" was not an allowed", 1)[0]
-        return f"refused by weights_only: {text}"
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].split(" was not an allowed", 1)[0]
+        lines = [line.strip() for line in reason.splitlines() if line.strip()]
+        return f"refused by weights_only: {lines[0] if lines else 'not plain data'}"
+    # Any other wording: never pass on the advice to retry with weights_only=False.
+    lines = [line for line in text.splitlines() if line.strip() and "weights_only" not in line]
+    return f"{type(e).__name__}: {lines[0] if lines else 'not plain data'}"
 
 
 def torch_load(path: str) -> Any:
