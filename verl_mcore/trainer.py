@@ -142,8 +142,16 @@ class Trainer:
         try:
             self._build(cfg)
         except BaseException:
-            self.run.close()  # this process may start another Trainer on the directory
+            self._undo_partial_build()
             raise
+
+    def _undo_partial_build(self) -> None:
+        """A Trainer that never was leaves no thread, signal handler, worker or lock behind
+        (this process may start another Trainer on the directory)."""
+        for part, stop in (("watchdog", "stop"), ("guard", "uninstall"), ("rewards", "close")):
+            if hasattr(self, part):
+                getattr(getattr(self, part), stop)()
+        self.run.close()
 
     def _build(self, cfg: Config) -> None:
         from verl_mcore.distributed.groups import build_groups
@@ -163,16 +171,11 @@ class Trainer:
         # checked before minutes of model building, and "auto" offload refuses a run whose
         # phases would not fit; a problem on any rank stops every rank.
         with self.watchdog.phase("check inputs"):
-            try:
-                inputs = build.build_inputs(cfg, self.world)
-                offload, why = build.resolve_offload(cfg, inputs.info, self.world,
-                                                     self.launch.local_world_size)
-            except BaseException:  # a Trainer that never was leaves no thread or handler behind
-                self.watchdog.stop()
-                self.guard.uninstall()
-                raise
+            inputs = build.build_inputs(cfg, self.world)
+            self.rewards = inputs.rewards
+            offload, why = build.resolve_offload(cfg, inputs.info, self.world,
+                                                 self.launch.local_world_size)
         self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
-        self.rewards = inputs.rewards
         with self.watchdog.phase("build models"):
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
