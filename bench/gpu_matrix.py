@@ -93,6 +93,7 @@ class Case:
     # run's last checkpoint and continue the metrics rows.
     resume: bool = False
     expect: tuple[str, ...] = ()  # metric names (fnmatch patterns) some row must have
+    absent: tuple[str, ...] = ()  # metric names (fnmatch patterns) no row may have
 
     @property
     def summary(self) -> str:
@@ -151,7 +152,13 @@ def _cases() -> list[Case]:
         Case("lr-linear", (GAE, "actor.optim.lr_schedule=linear", "critic.optim.lr_schedule=linear")),
         Case("old-logp-always", ("actor.recompute_old_log_probs=always",),
              expect=("actor/old_entropy",)),
-        Case("ppo-epochs-2", (GAE, "actor.ppo_epochs=2")),
+        Case("ppo-epochs-2", (GAE, "actor.ppo_epochs=2"), expect=("timing_s/values",)),
+        # A one-step critic update (the whole batch one mini-batch) computes the values in its
+        # own forward passes; =always runs the values pass before it anyway.
+        Case("critic-one-step", (GAE, "actor.ppo_mini_batch_size=4"),
+             expect=("critic/vf_loss", "critic/values/mean"), absent=("timing_s/values",)),
+        Case("values-always", (GAE, "actor.ppo_mini_batch_size=4", "critic.recompute_values=always"),
+             expect=("timing_s/values",)),
         Case("nonfinite-skip", ("trainer.on_nonfinite=skip",), expect=("train/skipped_updates",)),
         Case("recompute-activations", (GAE, "actor.recompute_activations=true",
                                        "critic.recompute_activations=true")),
@@ -363,6 +370,9 @@ def judge(case: Case, run_dir: Path, log: str, want: list[int]) -> tuple[int, li
     missing = [p for p in case.expect if not fnmatch.filter(names, p)]
     if missing:
         problems.append(f"no metric {', '.join(missing)}")
+    present = [p for p in case.absent if fnmatch.filter(names, p)]
+    if present:
+        problems.append(f"unexpected metric {', '.join(present)}")
     if case.resume:
         resumed = want[-1] - 1  # the first run's last step, saved at its end
         if f"resumed from step {resumed}" not in log:

@@ -446,7 +446,7 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
     # score: the log-prob passes (old log-probs of the actor, the reference's); the reference's
     # weights are on the GPU for it even when offloaded between uses.
     best("score", forward_pass("reference" if _uses_reference(cfg) else "actor"))
-    if cfg.uses_critic:
+    if cfg.critic_values_pass:
         best("values", forward_pass("critic"))
 
     def update(role, others):

@@ -1,7 +1,11 @@
 """The RL loop: one `step()` that reads like the algorithm, run on every rank (SPMD).
 
-    prompts -> repartition + generate -> rewards -> old / ref log-probs, values -> KL
-            -> advantages -> critic update -> actor update -> metrics -> validation / checkpoint
+    prompts -> repartition + generate -> rewards -> old / ref log-probs -> KL -> token rewards
+            -> critic values + update -> advantages -> actor update -> metrics
+            -> validation / checkpoint
+
+The critic learns before the advantages are computed: both read its values before the update
+(V_old), which a one-step critic update computes in its own forward passes (engine/critic.py).
 
 Where the data lives. Generation runs in the generation layout: each TP_g group is one replica
 that samples responses for its share of the step's prompts (data.train_batch_size / DP_g). The
@@ -271,19 +275,14 @@ class Trainer:
         if self.reference is not None:
             with phase("ref"):
                 batch.ref_log_probs = self.reference.compute_ref_log_prob(batch)
-        if self.critic is not None:
-            with phase("values"):
-                batch.values = self.critic.compute_values(batch)
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
+        metrics: dict[str, float] = {}
+        if self.critic is not None:  # leaves the values before its update in batch.values
+            metrics.update(self.fit_critic(step, batch, token_rewards, phase))
+        with phase("adv"):
             batch.advantages, batch.returns = self.advantages(batch, token_rewards, scores,
                                                               rollout.group_ids, baseline)
-        metrics: dict[str, float] = {}
-        if self.critic is not None:
-            with phase("critic"):
-                self.onload_training_state("critic")
-                critic_metrics = self.update(step, "critic", batch)
-            metrics.update(critic_metrics)
         if step > cfg.critic.warmup_steps or self.critic is None:
             with phase("actor"):
                 self.onload_training_state("actor")
@@ -454,13 +453,34 @@ class Trainer:
             m["critic/vf_explained_var"] = float(1 - (returns - values).var(unbiased=False) / (var + 1e-8))
         return m
 
-    def update(self, step: int, role: str, batch) -> dict[str, float]:
+    def fit_critic(self, step: int, batch, token_rewards, phase) -> dict[str, float]:
+        """The critic's update of this step, on the GAE returns of its values before the update
+        (V_old, left in batch.values for the advantages). A one-step update computes V_old in its
+        own forward passes; otherwise, or with critic.recompute_values=always, a forward-only
+        values pass runs first (engine/critic.py)."""
+        from verl_mcore import ops
+
+        a = self.cfg.algorithm
+
+        def returns_of(rewards, values, mask):
+            return ops.gae(rewards, values, mask, a.gamma, a.lam)[1]
+
+        batch.token_rewards = token_rewards
+        if self.cfg.critic_values_pass:
+            with phase("values"):
+                batch.values = self.critic.compute_values(batch)
+                batch.returns = returns_of(token_rewards, batch.values, batch.response_mask)
+        with phase("critic"):
+            self.onload_training_state("critic")
+            return self.update(step, "critic", batch, returns_of)
+
+    def update(self, step: int, role: str, batch, *args) -> dict[str, float]:
         """`role`'s (actor or critic) PPO update of this step, checked (check_finite); a step
         that diverged the weights stops the run naming the update and the last good step."""
         from verl_mcore.engine.engine import DivergedStepError
 
         try:
-            summary, per_step = getattr(self, role).update(batch)
+            summary, per_step = getattr(self, role).update(batch, *args)
         except DivergedStepError as e:
             raise NonFiniteError(f"the {role} update at step {step}: {e}. The last good step is "
                                  f"{self.last_good_step} (its checkpoint, if saved, is intact).") from e

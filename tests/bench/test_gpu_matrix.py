@@ -132,11 +132,12 @@ def test_judge_checks_rows_finiteness_expected_metrics_and_resume(tmp_path):
     good = [{"step": s, "time": 1.0, "actor/pg_loss": 0.1, "val/x/score/mean@1": 0.5} for s in (1, 2, 3)]
     assert gm.judge(case, _run_dir(tmp_path, good), "", [1, 2, 3]) == (3, [])
     bad = good[:2] + [{"step": 3, "time": 1.0, "actor/pg_loss": None, "actor/grad_norm": "nan"}]
-    rows, problems = gm.judge(gm.Case("c", expect=("critic/vf_loss",)),
+    rows, problems = gm.judge(gm.Case("c", expect=("critic/vf_loss",), absent=("actor/*",)),
                               _run_dir(tmp_path / "b", bad), "", [1, 2, 3, 4])
     assert rows == 3 and problems == [
         "3 metrics rows with steps [1, 2, 3], expected [1, 2, 3, 4]",
-        "non-finite metrics: actor/grad_norm, actor/pg_loss", "no metric critic/vf_loss"]
+        "non-finite metrics: actor/grad_norm, actor/pg_loss", "no metric critic/vf_loss",
+        "unexpected metric actor/*"]
     resumed = gm.Case("r", resume=True)
     run = _run_dir(tmp_path / "r", [{"step": s} for s in (1, 2, 3, 4)])
     assert gm.judge(resumed, run, "INFO resumed from step 3\n", [1, 2, 3, 4]) == (4, [])

@@ -108,6 +108,9 @@ def test_yaml_round_trip():
      ["algorithm.kl_ctrl.horizon=0 must be >= 1"]),
     (1, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], ["algorithm.kl_ctrl.target_kl=0.0 must be > 0"]),
     (1, ["algorithm.kl_ctrl.kl_coef=-0.1"], ["algorithm.kl_ctrl.kl_coef=-0.1 must be >= 0"]),
+    # 1e12 samples: refused before any model is built, not a MemoryError in step 1.
+    (1, ["rollout.n=1000000000000", "actor.ppo_mini_batch_size=8", "data.train_batch_size=8"],
+     ["rollout.n=1000000000000 samples", "GiB on every rank, more than this machine's"]),
 ])
 def test_cross_field_checks_name_fields(world, overrides, fragments):
     cfg = _cfg("rollout.n=2", *overrides)

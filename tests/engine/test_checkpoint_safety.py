@@ -114,13 +114,20 @@ def _corrupt(step3: str, variant: str, marker: str) -> None:
     elif variant == "deleted_manifest":  # a new checkpoint's manifest removed, bytes altered
         os.remove(os.path.join(step3, manifest.MANIFEST))
         _overwrite_256(_distcp(step3))
+    elif variant == "renamed":  # the directory renamed: its name says step 5, meta.json step 3
+        os.rename(step3, step3.replace("step_00000003", "step_00000005"))
+    elif variant == "mixed_trainer_state":  # step 2's trainer state copied in, manifest matching
+        shutil.copy(step3.replace("step_00000003", "step_00000002") + f"/{ck.TRAINER_STATE}",
+                    f"{step3}/{ck.TRAINER_STATE}")
+        _remanifest(step3)
     else:
         raise ValueError(variant)
 
 
 FALLBACK_VARIANTS = ["truncated_distcp", "truncated_trainer_state", "overwritten_distcp",
                      "planted_metadata", "planted_object", "no_manifest_truncated",
-                     "deleted_manifest"]
+                     "deleted_manifest", "renamed", "mixed_trainer_state"]
+SET_ASIDE_AS = {"renamed": "corrupt.step_00000005"}  # default: corrupt.step_00000003
 
 
 def _as_saved_before_manifests(step_dir: str) -> None:
@@ -236,7 +243,8 @@ def test_corrupt_newest_is_set_aside_and_the_resume_is_bitwise(resumed, variant)
         v = r["variants"][variant]
         assert v["step"] == 2
         assert v["resumed"] == [r["losses"][3], r["losses"][4]]  # exactly
-        assert v["listing"] == ["corrupt.step_00000003", ck.LATEST, "step_00000002"]
+        assert v["listing"] == [SET_ASIDE_AS.get(variant, "corrupt.step_00000003"), ck.LATEST,
+                                "step_00000002"]
         assert v["latest"] == "step_00000002"
         assert not v["pwned"]
 

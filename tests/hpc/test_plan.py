@@ -195,7 +195,9 @@ def test_estimate_against_peaks_measured_on_an_h200(tmp_path, estimator):
     torch's allocator) is within 10% of each phase's measured peak, and "auto" keeps the
     optimizer state on that GPU, as the benchmark ran (where it fit)."""
     (tmp_path / "config.json").write_text(json.dumps(H200_SHAPE))
-    overrides = [f"model.path={tmp_path}", f"algorithm.adv_estimator={estimator}"] + H200_BENCH
+    # The peaks were measured with the critic's values pass, which a one-step update now skips.
+    overrides = [f"model.path={tmp_path}", f"algorithm.adv_estimator={estimator}",
+                 "critic.recompute_values=always"] + H200_BENCH
     cfg = Config.load(None, overrides)
     dims = plan.resolve_dims(str(tmp_path))
     memory = plan.plan_memory(cfg, dims, 1, plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False))
@@ -237,3 +239,18 @@ def test_auto_offload_refuses_a_run_that_fits_neither_way(tmp_path, monkeypatch,
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: types.SimpleNamespace(total_memory=int(139.8 * 2**30)))
     assert build.resolve_offload(Config.load(None, base), info, 1, 1)[0] is False
+
+
+def test_values_phase_only_where_the_values_pass_runs(tmp_path):
+    """A one-step critic update computes the values itself (critic.recompute_values=auto): the
+    plan has no values phase then, and has one with =always or with several optimizer steps."""
+    (tmp_path / "config.json").write_text(json.dumps(H200_SHAPE))
+    dims = plan.resolve_dims(str(tmp_path))
+    knobs = plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False)
+    base = [f"model.path={tmp_path}", "algorithm.adv_estimator=gae"] + H200_BENCH
+    for extra, has_values in (([], False), (["critic.recompute_values=always"], True),
+                              (["critic.ppo_mini_batch_size=32"], True), (["critic.ppo_epochs=2"], True),
+                              (["actor.ppo_epochs=2"], True)):
+        cfg = Config.load(None, base + extra)
+        assert cfg.critic_values_pass is has_values, extra
+        assert ("values" in plan.plan_memory(cfg, dims, 1, knobs)) is has_values, extra

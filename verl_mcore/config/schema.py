@@ -235,6 +235,11 @@ class CriticConfig:
     cliprange_value: float = 0.5
     warmup_steps: int = 0  # steps that update only the critic
     recompute_activations: bool = False
+    # The forward-only values pass before the update. "auto" skips it when the update is one
+    # optimizer step (ppo_epochs = 1, one mini-batch = the whole batch): its forward passes run on
+    # the weights before the update, so their values, detached, are the rollout-time values
+    # (engine/critic.py). "always" runs the pass anyway (verl's order).
+    recompute_values: Literal["auto", "always"] = "auto"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
 
 
@@ -313,3 +318,13 @@ class Config:
     @property
     def uses_critic(self) -> bool:
         return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def critic_values_pass(self) -> bool:
+        """Whether the critic's forward-only values pass runs before its update: unless the
+        update is one optimizer step, whose own forward passes give the values
+        (critic.recompute_values, engine/critic.py)."""
+        c, a = self.critic, self.actor
+        one_step = ((c.ppo_epochs or a.ppo_epochs) == 1
+                    and (c.ppo_mini_batch_size or a.ppo_mini_batch_size) == self.data.train_batch_size)
+        return self.uses_critic and (c.recompute_values == "always" or not one_step)

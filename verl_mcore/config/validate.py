@@ -281,6 +281,26 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list
     return errs
 
 
+def _rollout_batch_fits(cfg: Config) -> list[str]:
+    """The step's rollout batch (train_batch_size x rollout.n samples at the longest lengths) is
+    held whole in host memory by every rank: one copy larger than this machine's memory would
+    otherwise be a MemoryError in step 1, after the models were built."""
+    from verl_mcore.plan import GiB, rollout_batch_bytes
+
+    need = rollout_batch_bytes(cfg)
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return []
+    if need <= have:
+        return []
+    d = cfg.data
+    return [f"the step's rollout batch, data.train_batch_size={d.train_batch_size} x rollout.n="
+            f"{cfg.rollout.n} samples of up to {d.max_prompt_length} + {d.max_response_length} "
+            f"tokens, needs {need / GiB:.1f} GiB on every rank, more than this machine's "
+            f"{have / GiB:.1f} GiB: lower them"]
+
+
 def _batch_errors(cfg: Config, world: int) -> list[str]:
     errs = []
     d, a, r = cfg.data, cfg.actor, cfg.rollout
@@ -290,6 +310,7 @@ def _batch_errors(cfg: Config, world: int) -> list[str]:
         return errs
     dp = data_parallel_size(cfg, world)
     dp_g = world // cfg.rollout.tensor_parallel_size if world % cfg.rollout.tensor_parallel_size == 0 else None
+    errs += _rollout_batch_fits(cfg)
     if d.train_batch_size % a.ppo_mini_batch_size:
         errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
                     f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")

@@ -19,6 +19,8 @@ response are padding (mask 0). Optional fields, needed by the role that reads th
     advantages     [B, R] float   (actor update)
     returns        [B, R] float   value targets (critic update)
     values         [B, R] float   critic values at rollout time, the clip centre (critic update)
+    token_rewards  [B, R] float   the step's token rewards (a one-step critic update that computes
+                                  the values and returns itself: engine/critic.py)
 
 The engine receives the GLOBAL batch, the same on every rank of the data-parallel (DP) group, and
 returns global results ([B, R], original sample order) on every rank; it decides itself which DP
@@ -43,7 +45,7 @@ import torch
 from torch import Tensor
 
 # Response-aligned optional fields, in the order they are documented above.
-RESPONSE_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "returns", "values")
+RESPONSE_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "returns", "values", "token_rewards")
 
 
 @dataclass
@@ -57,6 +59,7 @@ class TrainBatch:
     advantages: Optional[Tensor] = None
     returns: Optional[Tensor] = None
     values: Optional[Tensor] = None
+    token_rewards: Optional[Tensor] = None
 
     def __post_init__(self):
         self.validate()

@@ -181,7 +181,7 @@ def set_aside_checkpoints_after(root: str, step: int) -> list[tuple[str, str]]:
 def _set_aside(path: str, prefix: str) -> tuple[str, str]:
     """Rename the checkpoint `path` to `prefix + its name` beside it (`.1`, `.2`, ... when a
     checkpoint of that step was set aside before), and repoint `latest` to the newest complete
-    checkpoint left if it named this one. Returns (old, new). Rank 0 only."""
+    checkpoint left if it named this one (or none). Returns (old, new). Rank 0 only."""
     root, name = os.path.split(path)
     target = os.path.join(root, prefix + name)
     suffix = 1
@@ -195,7 +195,9 @@ def _set_aside(path: str, prefix: str) -> tuple[str, str]:
             pointed = f.read().strip()
     except FileNotFoundError:
         pointed = None
-    if pointed == name:
+    # Also when it names no complete checkpoint (a renamed directory): it would dangle.
+    if pointed is not None and (pointed == name or not (
+            _NAME.match(pointed) and is_complete(os.path.join(root, pointed)))):
         remaining = list_checkpoints(root)
         if remaining:
             write_text_atomic(pointer, os.path.basename(remaining[-1][1]) + "\n")
@@ -251,11 +253,21 @@ def verify_checkpoint(path: str) -> None:
                 or not isinstance(meta.get("layout"), dict) or "optimizer_sharding" not in meta:
             raise BadCheckpointError(f"{os.path.join(path, META)}: not a format-{FORMAT} "
                                      "checkpoint description")
+        # The step is written twice by the save (directory name, meta.json) and a third time
+        # in the trainer's state: a checkpoint whose copies disagree was altered or mixed up.
+        named = _NAME.match(os.path.basename(os.path.normpath(path)))
+        if named and int(named.group(1)) != meta["step"]:
+            raise BadCheckpointError(f"{os.path.join(path, META)}: step {meta['step']}, but the "
+                                     f"directory is named for step {int(named.group(1))}")
         check_dist_dir(os.path.join(path, DIST_DIR))
         state = torch_load(os.path.join(path, TRAINER_STATE))
         if not (isinstance(state, dict) and {"scheduler", "extra"} <= state.keys()):
             raise BadCheckpointError(f"{os.path.join(path, TRAINER_STATE)}: not a trainer state "
                                      "(expected keys 'scheduler' and 'extra')")
+        extra = state["extra"]
+        if isinstance(extra, dict) and "step" in extra and extra["step"] != meta["step"]:
+            raise BadCheckpointError(f"{os.path.join(path, TRAINER_STATE)}: trainer step "
+                                     f"{extra['step']!r}, but {META} says step {meta['step']}")
 
     manifest.on_every_rank(check_manifest)
     manifest.on_every_rank(check_contents)
