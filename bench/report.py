@@ -73,10 +73,14 @@ def read_commands(outdir: str) -> list[tuple[str, str]]:
 
 
 def git_commit() -> str:
+    """HEAD's short hash, marked when the files differ from it: the device machine gets a copy
+    of the working tree whose .git may be older than the files (then the hash is not theirs)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, check=True)
-        return out.stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        return out.stdout.strip() + (" (files differ from this commit)" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown: the device copy has no .git"
 
