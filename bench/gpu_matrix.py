@@ -172,6 +172,16 @@ def _cases() -> list[Case]:
             "reward.sources=[{name: rule, type: rule}, {name: digits, type: custom, weight: 0.5, "
             "path: {root}/examples/quickstart_reward.py, function: repeat_digit_score}]",),
              expect=("reward/digits/mean",)),
+        # A reward model (a tiny Qwen2ForSequenceClassification with the actor's tokenizer,
+        # made beside the model) weighted with the rule source.
+        Case("reward-model-source", (
+            "reward.sources=[{name: rm, type: reward_model, weight: 0.5, path: {model}-rm}, "
+            "{name: rule, type: rule, weight: 0.5}]",),
+             expect=("reward/rm/mean", "reward/rm/std", "reward/rule/mean")),
+        Case("reward-models-fp16-fp32", (
+            "reward.sources=[{name: half, type: reward_model, dtype: fp16, path: {model}-rm, "
+            "micro_batch_size: 3}, {name: full, type: reward_model, dtype: fp32, path: {model}-rm}]",),
+             expect=("reward/half/mean", "reward/full/mean")),
     ]
     # Every shipped config, as a user would start it, on the tiny model and one GPU (COMMON).
     cases += [Case(f"config-{p.stem}", config=f"configs/{p.name}")
@@ -191,8 +201,6 @@ EXEMPT: dict[tuple[str, Any], str] = {
     ("data.truncation", "truncate_right"): "host-side prompt loading (tests/data)",
     ("data.on_bad_row", "skip"): "host-side prompt loading (tests/data)",
     ("checkpoint.resume", "never"): "host-side choice of the checkpoint (tests/engine)",
-    ("reward.sources[].type", "reward_model"): "the trainer builds no reward model yet; the "
-                                               "reward-model issue adds its case",
 }
 
 
@@ -584,10 +592,12 @@ def main(argv=None) -> int:
             print(f"{c.name:<36} {c.summary}")
         print(f"{len(cases)} cases")
         return 0
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        subprocess.run([sys.executable, "-m", "tools.make_tiny_model", "--out", args.model],
-                       cwd=ROOT, env=case_env(os.cpu_count() or 1), check=True,
-                       stdout=subprocess.DEVNULL)
+    # The tiny model, and a reward model with its tokenizer beside it ({model}-rm).
+    for out, extra in ((args.model, []), (args.model + "-rm", ["--reward-model"])):
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            subprocess.run([sys.executable, "-m", "tools.make_tiny_model", "--out", out, *extra],
+                           cwd=ROOT, env=case_env(os.cpu_count() or 1), check=True,
+                           stdout=subprocess.DEVNULL)
     t0 = time.monotonic()
     results = run_all(cases, args)
     text = write_report(Path(args.out), header(args, results, time.monotonic() - t0), results,

@@ -60,8 +60,9 @@ def build_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def make_model_dir(out: str, shape: str, dtype: str, seed: int = 0) -> str:
-    """Write (once) a random HF Qwen2 model of `shape` with its tokenizer to `out`.
+def make_model_dir(out: str, shape: str, dtype: str, seed: int = 0, seq_cls: bool = False) -> str:
+    """Write (once) a random HF Qwen2 model of `shape` with its tokenizer to `out` (seq_cls: a
+    Qwen2ForSequenceClassification with one label, a reward model).
 
     An existing directory of the same shape and dtype is reused, so both benchmarks can share
     one (pass the same --workdir); a different one is an error rather than a silent mismatch.
@@ -81,6 +82,9 @@ def make_model_dir(out: str, shape: str, dtype: str, seed: int = 0) -> str:
         saved = have.get("dtype", have.get("torch_dtype"))  # the key's name before transformers 5
         if saved != dtype:
             wrong["dtype"] = (saved, dtype)
+        arch = "Qwen2ForSequenceClassification" if seq_cls else "Qwen2ForCausalLM"
+        if have.get("architectures") != [arch]:
+            wrong["architectures"] = (have.get("architectures"), [arch])
         if wrong:
             raise SystemExit(f"{out} holds another model ({wrong}: (found, wanted)); use another "
                              f"--workdir or delete it")
@@ -91,8 +95,11 @@ def make_model_dir(out: str, shape: str, dtype: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     # Random init on the GPU when there is one: seconds instead of a minute for 1.5B on CPU.
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if seq_cls:
+        config.num_labels = 1
     with torch.device(device):
-        model = T.Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+        cls = T.Qwen2ForSequenceClassification if seq_cls else T.Qwen2ForCausalLM
+        model = cls(config).to(getattr(torch, dtype))
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

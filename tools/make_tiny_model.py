@@ -40,9 +40,12 @@ def build_tokenizer(vocab_size: int = 40):
 
 
 def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, ffn: int = 128, max_positions: int = 128) -> str:
+                    kv_heads: int = 2, ffn: int = 128, max_positions: int = 128,
+                    reward_model: bool = False) -> str:
+    """reward_model: a Qwen2ForSequenceClassification with one label (a reward model with the
+    quickstart's tokenizer) instead of the causal LM."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -53,7 +56,11 @@ def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, 
         bos_token_id=None, initializer_range=0.02,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    if reward_model:
+        config.num_labels = 1
+        model = Qwen2ForSequenceClassification(config).to(torch.float32)
+    else:
+        model = Qwen2ForCausalLM(config).to(torch.float32)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -66,12 +73,16 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--reward-model", action="store_true",
+                   help="a sequence classifier with one label (a reward model) instead")
     args = p.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):
         print(f"{args.out} already holds a model; leaving it as it is")
         return 0
-    make_tiny_model(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers)
-    print(f"wrote a tiny random Qwen2-architecture model to {args.out}")
+    make_tiny_model(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
+                    reward_model=args.reward_model)
+    kind = "reward model" if args.reward_model else "model"
+    print(f"wrote a tiny random Qwen2-architecture {kind} to {args.out}")
     return 0
 
 

@@ -110,6 +110,8 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
             if cfg.model.checkpoint is None and cfg.model.path and os.path.isdir(cfg.model.path):
                 check_weight_files(cfg.model.path)
             info = load_model_info(cfg)
+            for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
+                reward_model_info(cfg, key, source)
             train, val = build_datasets(cfg, info)
             if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
                 raise ConfigError(
@@ -186,7 +188,7 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
     return MegatronEngine(provider, config, groups.train, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
                           use_distributed_optimizer=p.use_distributed_optimizer,
-                          load_weights=_weight_loader(info, "critic" if role == "critic" else "actor"),
+                          load_weights=_weight_loader(info, role if role in ("critic", "reward") else "actor"),
                           vocab_size=info.arch.vocab_size)
 
 
@@ -272,7 +274,68 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
 def build_reward_manager(cfg: Config):
     from verl_mcore.reward import RewardManager
 
-    return RewardManager.from_config(cfg.reward)
+    # The trainer scores its reward models itself (collectively, on the whole batch) and hands
+    # the manager their scores with each batch.
+    return RewardManager.from_config(cfg.reward, scored_outside=[
+        s.name for s in cfg.reward.sources if s.type == "reward_model"])
+
+
+def reward_model_sources(cfg: Config) -> list[tuple[str, Any]]:
+    """(config key, source) of every reward_model source."""
+    return [(f"reward.sources[{i}]", s) for i, s in enumerate(cfg.reward.sources)
+            if s.type == "reward_model"]
+
+
+def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
+    """The reward model's architecture, tokenizer and weights, read and checked before any model
+    is built: `path` is an HF *ForSequenceClassification directory, or a dist checkpoint whose
+    hf_config/ holds its config.json and tokenizer (tools/convert_hf)."""
+    from verl_mcore.models.hf_config import read_hf_arch
+    from verl_mcore.models.hf_weights import check_weight_files
+    from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR
+
+    path = source.path
+    where = f"{key}.path={path}"
+    if not path or not os.path.isdir(path):
+        raise ConfigError(f"{where}: no such directory (a reward model is an HF "
+                          "*ForSequenceClassification directory or a dist checkpoint)")
+    checkpoint = None
+    hf_dir = path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        hf_dir = os.path.join(path, CKPT_HF_CONFIG_SUBDIR)
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise ConfigError(f"{where}: neither an HF directory (no config.json) nor a dist "
+                              f"checkpoint (no {CKPT_HF_CONFIG_SUBDIR}/config.json)")
+        checkpoint = path
+    arch = read_hf_arch(hf_dir)
+    if arch.num_labels is None:
+        raise ConfigError(f"{where}: config.json's architectures name no "
+                          "*ForSequenceClassification model, so there is no `score` head to read "
+                          "a reward from")
+    if checkpoint is None:
+        check_weight_files(hf_dir)
+    tokenizer = _load_tokenizer(source.tokenizer or hf_dir, f"{key}.tokenizer",
+                                cfg.model.trust_remote_code)
+    return ModelInfo(arch, tokenizer, hf_dir, checkpoint)
+
+
+def build_reward_models(cfg: Config, groups, info: ModelInfo) -> dict[str, Any]:
+    """name -> RewardModelScorer for every reward_model source, on every rank."""
+    from verl_mcore.engine.reward_model import RewardModelScorer, same_tokenizer
+
+    out = {}
+    for key, s in reward_model_sources(cfg):
+        rm_info = reward_model_info(cfg, key, s)
+        engine = build_engine(cfg, groups, rm_info, "reward", s.dtype)
+        packed = s.max_tokens_per_microbatch or (None if s.micro_batch_size else
+                                                 cfg.actor.max_tokens_per_microbatch)
+        out[s.name] = RewardModelScorer(
+            engine, s.name, tokenizer=rm_info.tokenizer,
+            retokenize=not same_tokenizer(info.tokenizer, rm_info.tokenizer),
+            prompt_key=cfg.data.prompt_key, max_positions=rm_info.arch.max_position_embeddings,
+            max_tokens_per_microbatch=packed,
+            micro_batch_size=s.micro_batch_size or cfg.actor.micro_batch_size_per_gpu)
+    return out
 
 
 def build_datasets(cfg: Config, info: ModelInfo):

@@ -333,11 +333,41 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     return out
 
 
+def reward_model_dims(cfg: Config) -> dict[str, ModelDims]:
+    """name -> shape of every reward_model source (its config.json; a dist checkpoint's is in
+    hf_config/)."""
+    out = {}
+    for s in cfg.reward.sources:
+        if s.type == "reward_model" and s.path:
+            hf = s.path if os.path.isfile(os.path.join(s.path, "config.json")) \
+                else os.path.join(s.path, "hf_config")
+            out[s.name] = resolve_dims(hf)
+    return out
+
+
+def reward_model_bytes(cfg: Config, stage: int) -> int:
+    """Parameters of the reward models on one rank of `stage`: they run at the training layout
+    and stay on the GPU (their score head is a [h, 1] row in the output layer's place)."""
+    p, div = cfg.parallel, cfg.model.make_vocab_size_divisible_by
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    sources = {s.name: s for s in cfg.reward.sources}
+    total = 0
+    for name, dims in reward_model_dims(cfg).items():
+        n = stage_params(dims, tp, pp, stage, div)
+        if stage == pp - 1 and not (dims.tie_word_embeddings and pp == 1):
+            n -= padded_vocab(dims, tp, div) // tp * dims.hidden_size - dims.hidden_size
+        total += _dtype_bytes(sources[name].dtype) * n
+    return total
+
+
 def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str],
                      reference_pass: bool = False) -> dict[str, int]:
     """Parameters of other models on the GPU during a phase (the reference's, with
-    reference.offload_params, only during its own pass)."""
+    reference.offload_params, only during its own pass); the reward models' always."""
     out = {}
+    rm = reward_model_bytes(cfg, stage)
+    if rm:
+        out["reward model parameters"] = rm
     for role in roles:
         if role == "reference" and (not _uses_reference(cfg)
                                     or (cfg.reference.offload_params and not reference_pass)):
@@ -346,6 +376,29 @@ def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str],
             continue
         out[f"{role} parameters"] = _dtype_bytes(getattr(cfg, role).dtype) * role_params(cfg, dims, role, stage)
     return out
+
+
+def _reward_pass(cfg: Config, dims: ModelDims, actor_params, idle_state, batch):
+    """The reward models' scoring: one reward model's forward over a micro-batch at a time (the
+    actor's micro-batch settings unless the source sets its own), the other models resident."""
+    p = cfg.parallel
+    sources = {s.name: s for s in cfg.reward.sources}
+
+    def f(stage):
+        per_layer = 0
+        for name, rm_dims in reward_model_dims(cfg).items():
+            s, seq = sources[name], cfg.data.max_prompt_length + cfg.data.max_response_length
+            if s.max_tokens_per_microbatch:  # as build.build_reward_models chooses
+                tokens = s.max_tokens_per_microbatch
+            elif s.micro_batch_size:
+                tokens = s.micro_batch_size * seq
+            else:
+                tokens = cfg.actor.max_tokens_per_microbatch or cfg.actor.micro_batch_size_per_gpu * seq
+            per_layer = max(per_layer, tokens * activation_bytes_per_token_layer(
+                rm_dims, p.tensor_model_parallel_size, p.sequence_parallel))
+        return {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"]),
+                **idle_state(stage), **batch, "reward model activations": per_layer}
+    return f
 
 
 def rollout_batch_bytes(cfg: Config) -> int:
@@ -448,6 +501,8 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
     best("score", forward_pass("reference" if _uses_reference(cfg) else "actor"))
     if cfg.critic_values_pass:
         best("values", forward_pass("critic"))
+    if reward_model_dims(cfg):
+        best("reward", _reward_pass(cfg, dims, actor_params, idle_state, batch))
 
     def update(role, others):
         def f(stage):

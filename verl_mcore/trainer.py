@@ -184,6 +184,7 @@ class Trainer:
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
             self.critic = build.build_critic(cfg, self.groups, self.info)
+            self.reward_models = build.build_reward_models(cfg, self.groups, self.info)
             self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
         self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
         for role in (self.actor, self.critic):
@@ -375,14 +376,19 @@ class Trainer:
         return make_rollout(samples, group_ids, self.info)
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
-        """Rule / custom / model scores [B] on the training device: each rank scores a slice,
+        """Rule / custom / model scores [B] on the training device: the reward models score the
+        whole batch on every rank together; each rank scores a slice with the other sources,
         then all-gather."""
         from verl_mcore.tracking import MetricAccumulator
 
         n = len(rollout.responses)
         mine = list(range(self.rank, n, self.world))
+        model_scores = {name: rm.score(rollout.train, rollout.rows, rollout.responses).cpu()
+                        for name, rm in self.reward_models.items()}
+        token_ids = _token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
-                                 indices=mine)
+                                 *token_ids, indices=mine,
+                                 model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
@@ -403,6 +409,12 @@ class Trainer:
         metrics = {k: v for k, v in acc.reduce().items()}
         for name, values in per_source.items():
             metrics[f"reward/{name}/mean"] = float(values.mean())
+        for name, values in model_scores.items():  # the whole batch's, on every rank
+            stats = {"mean": values.mean(), "std": values.std(unbiased=False), "min": values.min(),
+                     "max": values.max()}
+            metrics.update({f"reward/{name}/{k}": float(v) for k, v in stats.items()})
+            if self.rank == 0:
+                log.info("reward model %s: %s", name, " ".join(f"{k} {float(v):.4g}" for k, v in stats.items()))
         metrics["reward/failed"] = float(failed)
         return scores.to(self.device), metrics
 
@@ -608,6 +620,17 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------
+
+def _token_ids(batch, rows) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) of `rows` of a TrainBatch, as lists (reward-model objects
+    handed in from Python take them); an empty response is [] again, not its masked pad."""
+    ids, prompt, seq = batch.input_ids.cpu(), batch.prompt_lens.tolist(), batch.seq_lens.tolist()
+    empty = (batch.response_mask.sum(dim=1) == 0).tolist()
+    prompts = [ids[i, :prompt[i]].tolist() for i in rows]
+    responses = [[] if empty[i] and seq[i] - prompt[i] == 1 else ids[i, prompt[i]:seq[i]].tolist()
+                 for i in rows]
+    return prompts, responses
+
 
 def make_rollout(samples, group_ids, info) -> Rollout:
     """samples: [(prompt ids, dataset row, response ids, finish reason)] -> Rollout."""

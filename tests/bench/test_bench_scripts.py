@@ -109,3 +109,14 @@ def test_trl_phase_clock_keeps_inner_peaks_in_outer_phases(monkeypatch):
                                 {"gen": 50, "ref": 20, "scoring": 50, "train": 30, "step": 50}.items()}
     assert set(took["seconds"]) == {"step", "scoring", "gen", "ref", "train"}
     assert clock.take() == {"seconds": {}, "peak_gib": {}}
+
+
+def test_reward_model_bench_tiny(tmp_path):
+    run = subprocess.run([sys.executable, "bench/bench_reward_model.py", "--workdir", str(tmp_path),
+                          "--shape", "tiny", "--samples", "8", "--prompt", "8", "--response", "8",
+                          "--max-tokens", "64", "--warmup", "1", "--iters", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in run.stdout.splitlines() if ": " in line)
+    assert int(lines["samples"]) == 8 and int(lines["tokens_per_sample"]) == 16
+    assert float(lines["samples_per_s"]) > 0 and 0 < float(lines["share_of_ceiling"]) < 1

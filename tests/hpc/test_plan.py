@@ -254,3 +254,27 @@ def test_values_phase_only_where_the_values_pass_runs(tmp_path):
         cfg = Config.load(None, base + extra)
         assert cfg.critic_values_pass is has_values, extra
         assert ("values" in plan.plan_memory(cfg, dims, 1, knobs)) is has_values, extra
+
+
+def test_reward_models_count_in_every_phase(tmp_path):
+    """A reward_model source: its parameters (read from its own config.json, score head in place
+    of the output layer, at the training layout) are resident in every phase, and its scoring
+    pass is a phase of its own."""
+    (tmp_path / "config.json").write_text(json.dumps(H200_SHAPE))
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text(json.dumps({**H200_SHAPE, "architectures": ["Qwen2ForSequenceClassification"]}))
+    dims = plan.resolve_dims(str(tmp_path))
+    knobs = plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False)
+    base = [f"model.path={tmp_path}"] + H200_BENCH
+    with_rm = base + ["reward.sources=[{name: rule, type: rule}, {name: rm, type: reward_model, "
+                      f"path: {rm}, dtype: bf16}}]"]
+    plain = plan.plan_memory(Config.load(None, base), dims, 1, knobs)
+    scored = plan.plan_memory(Config.load(None, with_rm), dims, 1, knobs)
+    # 1.5B shape, tied embeddings at PP=1: the whole model without a second vocab matrix, bf16.
+    rm_bytes = 2 * plan.stage_params(dims, 1, 1, 0, 128)
+    assert "reward" in scored and "reward" not in plain
+    for phase in ("generate", "score", "actor_update"):
+        assert scored[phase]["components"]["reward model parameters"] == rm_bytes
+        assert scored[phase]["total"] - plain[phase]["total"] == rm_bytes
+    assert scored["reward"]["components"]["reward model activations"] > 0

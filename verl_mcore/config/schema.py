@@ -117,6 +117,12 @@ class RewardSourceConfig:
     path: Optional[str] = None  # custom: Python file; reward_model: HF or dist checkpoint
     function: Optional[str] = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # reward_model only. The model runs at the run's parallel.* layout on every rank, forward
+    # only (engine/reward_model.py); its micro-batches default to the actor's settings.
+    dtype: Dtype = "bf16"
+    tokenizer: Optional[str] = None  # default: `path` (a dist checkpoint: its hf_config/)
+    micro_batch_size: Optional[int] = None
+    max_tokens_per_microbatch: Optional[int] = None
 
 
 @dataclass

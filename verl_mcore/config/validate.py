@@ -58,6 +58,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.seed": ("[0, inf)", ""),
     "data.import_timeout_s": ("(0, inf)", "seconds"),
     "reward.sources[].weight": ("(-inf, inf)", "negative: a penalty"),
+    "reward.sources[].micro_batch_size": ("[1, inf)", "null: the actor's"),
+    "reward.sources[].max_tokens_per_microbatch": ("[1, inf)", "null: the actor's"),
     "reward.num_workers": ("[0, inf)", "0: score in the trainer process"),
     "reward.timeout_s": ("(0, inf)", "seconds per sample; there is no 'off'"),
     "reward.fallback_score": ("(-inf, inf)", ""),
@@ -385,6 +387,10 @@ def _validation_errors(cfg: Config) -> list[str]:
 
 def _reward_errors(cfg: Config) -> list[str]:
     r, errs = cfg.reward, []
+    for i, s in enumerate(r.sources):
+        if s.type == "reward_model" and not s.path:
+            errs.append(f"reward.sources[{i}] ({s.name!r}) is a reward_model: set its path (an HF "
+                        "*ForSequenceClassification directory or a dist checkpoint)")
     if r.max_memory_mb is not None and r.num_workers == 0:
         errs.append(f"reward.max_memory_mb={r.max_memory_mb} needs reward.num_workers >= 1: the "
                     "cap is set on the scoring worker processes (in the trainer process it would "

@@ -9,8 +9,11 @@ Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight *
   rule          per sample: the scorer its route names (below); without a route,
                 reward.custom_fn if set, else the built-in dispatch by data_source
   custom        `function` from the Python file `path`, called with `kwargs`
-  reward_model  an object with `score_batch(prompt_ids, response_ids) -> list[float]` (the
-                trainer builds it from `path` and passes it in `reward_models` by source name)
+  reward_model  a learned model. The trainer builds a megatron model from `path` and scores the
+                whole batch with it on every rank together (engine/reward_model.py), then
+                hands the scores in (`scored_outside` names, `model_scores` per batch). From
+                Python, an object with `score_batch(prompt_ids, response_ids) -> list[float]`
+                may be passed in `reward_models` by source name instead.
 An empty `reward.sources` means one `rule` source of weight 1.
 
 Routing (`reward.route_by: category`, `reward.routes: {math: lighteval/MATH, code: my_judge}`,
@@ -101,8 +104,9 @@ class _Source:
 
 class RewardManager:
     def __init__(self, cfg: RewardConfig, sources: list[RewardSourceConfig],
-                 reward_models: Mapping[str, RewardModel]):
+                 reward_models: Mapping[str, RewardModel], scored_outside: Sequence[str] = ()):
         self.cfg = cfg
+        self._scored_outside = set(scored_outside)
         keyed = {s.name: (s, f"reward.sources[{i}]") for i, s in enumerate(sources)}
         if len(keyed) != len(sources):
             names = [s.name for s in sources]
@@ -119,7 +123,7 @@ class RewardManager:
                                                      function=s.function, kwargs=dict(s.kwargs))
         self._models: dict[str, RewardModel] = {}
         for name, (s, key) in keyed.items():
-            if s.type == "reward_model":
+            if s.type == "reward_model" and name not in self._scored_outside:
                 model = reward_models.get(name)
                 if model is None:
                     raise ValueError(f"{key} ({name!r}) is a reward_model source: build the model "
@@ -170,11 +174,19 @@ class RewardManager:
                       if cfg.num_workers > 0 else None)
         self._logged_first_error = False
 
+    @property
+    def needs_token_ids(self) -> bool:
+        """Whether `score` needs prompt_ids / response_ids (reward-model objects read them)."""
+        return bool(self._models)
+
     @classmethod
     def from_config(cls, cfg: RewardConfig,
-                    reward_models: Optional[Mapping[str, RewardModel]] = None) -> "RewardManager":
+                    reward_models: Optional[Mapping[str, RewardModel]] = None,
+                    scored_outside: Sequence[str] = ()) -> "RewardManager":
+        """scored_outside: reward_model sources whose scores come with each `score` call
+        (`model_scores`), computed by the caller (the trainer's megatron reward models)."""
         sources = list(cfg.sources) or [RewardSourceConfig(name="rule", weight=1.0, type="rule")]
-        return cls(cfg, sources, dict(reward_models or {}))
+        return cls(cfg, sources, dict(reward_models or {}), scored_outside)
 
     # ---- scoring -----------------------------------------------------------------------------
 
@@ -192,7 +204,7 @@ class RewardManager:
         if target is None:
             return self._fallback_key
         resolved = self._route_targets[target]
-        if resolved in self._models:
+        if resolved in self._models or resolved in self._scored_outside:
             return "model:" + resolved
         return "source:" + resolved if not resolved.startswith("builtin:") else resolved
 
@@ -227,10 +239,13 @@ class RewardManager:
     def score(self, responses: Sequence[str], rows: Sequence[Mapping[str, Any]],
               prompt_ids: Optional[Sequence[Sequence[int]]] = None,
               response_ids: Optional[Sequence[Sequence[int]]] = None,
-              indices: Optional[Sequence[int]] = None) -> RewardOutput:
+              indices: Optional[Sequence[int]] = None,
+              model_scores: Optional[Mapping[str, Sequence[float]]] = None) -> RewardOutput:
         """Score a batch: responses [batch] decoded texts, rows [batch] the samples' dataset rows
-        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources.
-        indices [batch]: the samples' numbers in the step's batch, for messages (default 0..)."""
+        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources
+        given as objects. indices [batch]: the samples' numbers in the step's batch, for messages
+        (default 0..). model_scores: source name -> [batch] scores of the `scored_outside`
+        sources."""
         n = len(responses)
         if len(rows) != n:
             raise ValueError(f"{n} responses but {len(rows)} rows")
@@ -257,6 +272,15 @@ class RewardManager:
         for (name, i), outcome in zip(pool_slots, results):
             outcomes[name][i] = outcome
         for model_name, slots in model_slots.items():
+            if model_name in self._scored_outside:
+                given = (model_scores or {}).get(model_name)
+                if given is None or len(given) != n:
+                    raise ValueError(f"reward model {model_name!r} is scored outside the manager: "
+                                     f"pass its {n} scores as model_scores[{model_name!r}]")
+                for name, i in slots:
+                    outcomes[name][i] = _checked(given[i])
+                    scorer_of[(name, i)] = "model:" + model_name
+                continue
             if prompt_ids is None or response_ids is None:
                 raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "
                                  f"and response_ids to RewardManager.score")
