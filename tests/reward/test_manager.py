@@ -173,3 +173,24 @@ def test_check_dataset_before_training(tmp_path):
     with manager(route_by="category", routes={"chat": "lighteval/MATH"}) as m:
         with pytest.raises(ValueError, match=r"data_source \[None\]"):
             m.check_dataset(ds)
+
+
+def test_dapo_sources_score_plus_minus_one_with_acc(tmp_path):
+    from tests.data.files import gsm8k_rows, write_rows
+    from tests.data.tiny_tokenizer import make_tiny_tokenizer
+    from verl_mcore.config.schema import DataConfig
+    from verl_mcore.data import RLHFDataset
+
+    def dataset(*sources):
+        rows = [dict(r, data_source=s) for r, s in zip(gsm8k_rows(len(sources)), sources)]
+        path = write_rows(str(tmp_path / f"{len(sources)}.parquet"), rows, "parquet")
+        return RLHFDataset(path, make_tiny_tokenizer(), DataConfig())
+
+    with manager() as m:
+        m.check_dataset(dataset("math", "aime_2024", "openai/gsm8k"))  # all built in, as in verl
+        out = m.score(["Answer: 72", "Answer: 7"],
+                      [row(data_source="math"), row(data_source="aime_2024")])
+        assert out.scores == [1.0, -1.0] and out.extras == {"rule/acc": [1.0, 0.0]}
+        # "gsm8k" was ours alone; verl knows only "openai/gsm8k", and so do we now
+        with pytest.raises(ValueError, match=r"data_source \['gsm8k'\].*'aime\*'"):
+            m.check_dataset(dataset("math", "gsm8k"))

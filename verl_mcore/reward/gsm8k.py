@@ -1,9 +1,18 @@
-"""GSM8K: the answer is the number after `####` (the dataset's own format).
+"""GSM8K: the answer is the number after `#### ` (the dataset's own format).
 
-strict    the number after the last `#### ` in the response; nothing else counts
+strict    the number right after the last `#### ` (four hashes and one space, as verl's regex:
+          `####72` and `####  72` are not the format); nothing else counts
 flexible  the last number anywhere in the response (for models that do not follow the format)
 
-Numbers compare by value: `1,000`, `$1000`, `1000.00` and `1000` are the same answer.
+A number is digits with `.` and `,` inside, optionally `-` and `$` before it. Numbers compare by
+value: `1,000`, `$1000`, `1000.00`, `1000.` and `1000` are the same answer; commas count only as
+thousands separators, so `4,5` is not 45. An answer that is no number (`1.2.3`) compares as text.
+
+Where verl's gsm8k differs (it compares the extracted string with the ground truth exactly):
+`#### 18.00`, `#### 0.5` for `.5`, `#### 72.`, `#### $72` and an int ground truth score as wrong or
+unanswered there and right here; verl's flexible mode keeps commas (`1,000` is not 1000 there) and
+takes a lone `.` or `,` in the text for an answer (format_score where we give 0 for no number);
+its strict mode drops every comma (`#### 4,5` is 45 there and a wrong answer here).
 """
 from __future__ import annotations
 
@@ -11,13 +20,18 @@ import re
 from fractions import Fraction
 from typing import Optional
 
-_NUMBER = r"-?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?|-?\$?\s*\.[0-9]+"
-_AFTER_HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
+# Ends on a digit, so a sentence's full stop or comma is not part of the number.
+_NUMBER = r"-?\$?[0-9.,]*[0-9]"
+_AFTER_HASHES = re.compile(r"#### (" + _NUMBER + ")")
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
 def _value(text: str) -> Optional[Fraction]:
-    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    cleaned = text.replace("$", "")
+    if "," in cleaned:
+        if not re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", cleaned):
+            return None
+        cleaned = cleaned.replace(",", "")
     try:
         return Fraction(cleaned)
     except (ValueError, ZeroDivisionError):
