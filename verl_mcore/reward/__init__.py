@@ -3,7 +3,7 @@
     from verl_mcore.reward import RewardManager, default_compute_score, place_on_last_token
 
 A scorer is `score(data_source, response, ground_truth, extra_info) -> float | {"score": ...}`.
-`default_compute_score` is the built-in dispatch by data_source (GSM8K, MATH).
+`default_compute_score` is the built-in dispatch by data_source (GSM8K, MATH, DAPO; builtin.py).
 """
 from verl_mcore.reward.builtin import default_compute_score
 from verl_mcore.reward.manager import RewardManager, RewardModel, RewardOutput
