@@ -381,8 +381,13 @@ class Trainer:
 
         n = len(rollout.responses)
         mine = list(range(self.rank, n, self.world))
+        prompts = None
+        if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
+            ids, lens = rollout.train.input_ids[mine].tolist(), rollout.train.prompt_lens[mine].tolist()
+            prompts = self.info.tokenizer.batch_decode([p[:k] for p, k in zip(ids, lens)],
+                                                       skip_special_tokens=True)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
-                                 indices=mine)
+                                 indices=mine, prompts=prompts)
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)

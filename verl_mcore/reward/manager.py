@@ -7,11 +7,22 @@
 
 Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight * score):
   rule          per sample: the scorer its route names (below); without a route,
-                reward.custom_fn if set, else the built-in dispatch by data_source
-  custom        `function` from the Python file `path`, called with `kwargs`
+                reward.custom_fn (a function, `custom_fn_kwargs` to each call) or
+                reward.custom_cls (a class, its `kwargs` to the constructor) if set, else the
+                built-in dispatch by data_source
+  custom        `function` from the Python file `path`: a function called with `kwargs`, or a
+                class constructed with them
   reward_model  an object with `score_batch(prompt_ids, response_ids) -> list[float]` (the
                 trainer builds it from `path` and passes it in `reward_models` by source name)
 An empty `reward.sources` means one `rule` source of weight 1.
+
+A class is constructed once per scoring process and is either per-sample (`score(data_source,
+response, ground_truth, extra_info)` or `__call__`) or a batch class (`compute_reward(batch) ->
+B scores`, where batch["prompts"], batch["responses"] and batch[<column>] are lists over the
+call's B samples): custom.py. A batch class gets one call per batch, with all the samples it
+scores (a route target: the samples routed to it); through the workers that call is one item,
+with a time limit of reward.timeout_s x B. Each value of the result is checked like a score; a
+result of the wrong length fails every sample of the call.
 
 Routing (`reward.route_by: category`, `reward.routes: {math: lighteval/MATH, code: my_judge}`,
 `reward.default_route`): the rule source scores each sample with the scorer its column value
@@ -27,7 +38,9 @@ Rule and custom scorers run isolated in `reward.num_workers` spawned processes w
 num_workers=0 scores in this process, without timeouts or a cap, and a crash of the scorer
 (a segfault) is a crash of the trainer there. Every user file is imported first in a fresh
 interpreter within `reward.import_timeout_s` (user_code.py), so a file that blocks or exits
-at import fails at start-up naming itself.
+at import fails at start-up naming itself; that probe also checks the signatures of the object
+named (and constructs a class once), so a wrong one fails at start-up naming the file, the class
+or function and the signature expected, never at step 1 and never as silent fallback scores.
 
 A call that raises, times out, kills its worker, or returns anything but a finite number (a
 string, a bool, None, NaN, inf, or one too large for float32 statistics: scorers.check_result)
@@ -48,10 +61,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
+from verl_mcore.reward import custom
 from verl_mcore.reward.builtin import SCORERS
 from verl_mcore.reward.pool import ScoringPool
-from verl_mcore.reward.scorers import InvalidScore, ScorerSpec, check_result
-from verl_mcore.reward.worker import Outcome, score_one
+from verl_mcore.reward.scorers import ScorerSpec
+from verl_mcore.reward.worker import Outcome, checked, run_item
 from verl_mcore.user_code import check_import
 
 logger = logging.getLogger(__name__)
@@ -107,12 +121,8 @@ class RewardManager:
         if len(keyed) != len(sources):
             names = [s.name for s in sources]
             raise ValueError(f"reward.sources: duplicate names in {names}")
-        self._fallback_key = "custom_fn" if (cfg.custom_fn.path or cfg.custom_fn.name) else "dispatch"
-        specs = {"dispatch": ScorerSpec("dispatch", "reward")}
-        if self._fallback_key == "custom_fn":
-            specs["custom_fn"] = ScorerSpec("custom", "reward.custom_fn", path=cfg.custom_fn.path,
-                                            function=cfg.custom_fn.name,
-                                            kwargs=dict(cfg.custom_fn_kwargs))
+        specs = {"dispatch": ScorerSpec("dispatch", "reward"), **_fallback_specs(cfg)}
+        self._fallback_key = next((k for k in ("custom_fn", "custom_cls") if k in specs), "dispatch")
         for name, (s, key) in keyed.items():
             if s.type == "custom":
                 specs["source:" + name] = ScorerSpec("custom", key, path=s.path,
@@ -156,10 +166,16 @@ class RewardManager:
                              "'rule' to route")
         # Every user file is imported in a probe process first, so one that blocks, exits or
         # crashes at import fails here naming itself instead of hanging or killing the trainer.
-        for spec in specs.values():
-            if spec.kind == "custom":
-                check_import(spec.path, spec.function, spec.key, cfg.import_timeout_s,
-                             "reward.import_timeout_s", spec.name_field)
+        # The probe also checks each object's signatures and constructs a class once, so a wrong
+        # signature or a constructor that raises fails here too, naming the file and the class.
+        kinds = {key: check_import(spec.path, spec.function, spec.key, cfg.import_timeout_s,
+                                   "reward.import_timeout_s", spec.name_field,
+                                   check=(custom.check, (spec,)))
+                 for key, spec in specs.items() if spec.kind == "custom"}
+        # Scorer keys of batch classes: one call per batch (of the samples each one scores).
+        self._batch_keys = {key for key, kind in kinds.items() if kind == "batch"}
+        self._labels = {key: f"{spec.key} ({spec.function} in {spec.path})"
+                        for key, spec in specs.items() if spec.kind == "custom"}
         # Then only the processes that score import them: this one with num_workers=0, else
         # the workers (a bad path or name fails there too, before training starts).
         self._fns = ({key: spec.load() for key, spec in specs.items()}
@@ -196,6 +212,11 @@ class RewardManager:
             return "model:" + resolved
         return "source:" + resolved if not resolved.startswith("builtin:") else resolved
 
+    @property
+    def needs_prompts(self) -> bool:
+        """Whether score() needs the prompt texts: a batch class reads batch["prompts"]."""
+        return bool(self._batch_keys)
+
     def check_dataset(self, dataset) -> None:
         """Fail before training if some sample would reach the built-in dispatch with a
         data_source it does not know (every such sample would silently get the fallback)."""
@@ -227,49 +248,69 @@ class RewardManager:
     def score(self, responses: Sequence[str], rows: Sequence[Mapping[str, Any]],
               prompt_ids: Optional[Sequence[Sequence[int]]] = None,
               response_ids: Optional[Sequence[Sequence[int]]] = None,
-              indices: Optional[Sequence[int]] = None) -> RewardOutput:
+              indices: Optional[Sequence[int]] = None,
+              prompts: Optional[Sequence[str]] = None) -> RewardOutput:
         """Score a batch: responses [batch] decoded texts, rows [batch] the samples' dataset rows
-        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources.
-        indices [batch]: the samples' numbers in the step's batch, for messages (default 0..)."""
+        (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources,
+        prompts [batch] (decoded texts) by batch classes (needs_prompts). indices [batch]: the
+        samples' numbers in the step's batch, for messages (default 0..)."""
         n = len(responses)
         if len(rows) != n:
             raise ValueError(f"{n} responses but {len(rows)} rows")
         outcomes: dict[str, list[Optional[Outcome]]] = {s.name: [None] * n for s in self.sources}
         scorer_of: dict[tuple[str, int], str] = {}  # (source, sample) -> scorer key, for messages
-        pool_items, pool_slots = [], []
+        calls, call_slots = [], []  # pool items, and the (source, sample)s each one scores
+        batched: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
         model_slots: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
         for i, (response, row) in enumerate(zip(responses, rows)):
             args = None
             for source in self.sources:
-                target = self._target(source, row)
+                target = scorer_of[(source.name, i)] = self._target(source, row)
                 if target.startswith("model:"):
                     model_slots[target[len("model:"):]].append((source.name, i))
-                    continue
-                args = args or self.scorer_args(response, row)
-                pool_items.append((target, args))
-                pool_slots.append((source.name, i))
-                scorer_of[(source.name, i)] = target
-        if self._pool is not None:
-            results = self._pool.map(pool_items)
-        else:
-            with _exit_raises_in_this_thread():
-                results = [score_one(self._fns[key], args) for key, args in pool_items]
-        for (name, i), outcome in zip(pool_slots, results):
-            outcomes[name][i] = outcome
+                elif target in self._batch_keys:
+                    batched[target].append((source.name, i))
+                else:
+                    args = args or self.scorer_args(response, row)
+                    calls.append((target, args))
+                    call_slots.append([(source.name, i)])
+        for key, slots in batched.items():
+            calls.append((key, (self._batch(key, [i for _, i in slots], responses, rows, prompts),)))
+            call_slots.append(slots)
+        for slots, result in zip(call_slots, self._run(calls, [len(s) for s in call_slots])):
+            # a batch call that timed out or killed its worker has one Outcome, for each sample
+            for (name, i), outcome in zip(slots, result if isinstance(result, list)
+                                          else [result] * len(slots)):
+                outcomes[name][i] = outcome
         for model_name, slots in model_slots.items():
-            if prompt_ids is None or response_ids is None:
-                raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "
-                                 f"and response_ids to RewardManager.score")
-            idx = [i for _, i in slots]
-            got = list(self._models[model_name].score_batch([prompt_ids[i] for i in idx],
-                                                            [response_ids[i] for i in idx]))
-            if len(got) != len(idx):
-                raise ValueError(f"reward model {model_name!r} returned {len(got)} scores for "
-                                 f"{len(idx)} sequences")
-            for (name, i), value in zip(slots, got):
-                outcomes[name][i] = _checked(value)
-                scorer_of[(name, i)] = "model:" + model_name
+            self._score_model(model_name, slots, outcomes, prompt_ids, response_ids)
         return self._combine(outcomes, rows, scorer_of, list(indices or range(n)))
+
+    def _batch(self, key: str, idx: list[int], responses, rows, prompts) -> custom.RewardBatch:
+        if prompts is None or len(prompts) != len(responses):
+            raise ValueError(f"{self._labels[key]} is a batch reward class: pass prompts (the "
+                             f"{len(responses)} decoded prompt texts) to RewardManager.score")
+        return custom.build_batch([prompts[i] for i in idx], [responses[i] for i in idx],
+                                  [rows[i] for i in idx])
+
+    def _run(self, calls: list[tuple[str, tuple]], sizes: list[int]) -> list:
+        if self._pool is not None:
+            return self._pool.map(calls, sizes)
+        with _exit_raises_in_this_thread():
+            return [run_item(self._fns[key], args) for key, args in calls]
+
+    def _score_model(self, model_name, slots, outcomes, prompt_ids, response_ids) -> None:
+        if prompt_ids is None or response_ids is None:
+            raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "
+                             f"and response_ids to RewardManager.score")
+        idx = [i for _, i in slots]
+        got = list(self._models[model_name].score_batch([prompt_ids[i] for i in idx],
+                                                        [response_ids[i] for i in idx]))
+        if len(got) != len(idx):
+            raise ValueError(f"reward model {model_name!r} returned {len(got)} scores for "
+                             f"{len(idx)} sequences")
+        for (name, i), value in zip(slots, got):
+            outcomes[name][i] = checked(value)
 
     def _combine(self, outcomes, rows, scorer_of, indices) -> RewardOutput:
         n, fallback = len(rows), float(self.cfg.fallback_score)
@@ -352,6 +393,25 @@ class RewardManager:
         self.close()
 
 
+def _fallback_specs(cfg: RewardConfig) -> dict[str, ScorerSpec]:
+    """The scorer of the rule source's samples that no route takes: reward.custom_fn (a
+    function) or reward.custom_cls (a class); none means the built-in dispatch."""
+    fn, cls = cfg.custom_fn, cfg.custom_cls
+    if (fn.path or fn.name) and (cls.path or cls.name or cls.kwargs):
+        raise ValueError(f"reward.custom_fn ({fn.name} in {fn.path}) and reward.custom_cls "
+                         f"({cls.name} in {cls.path}) are both set: they are the same scorer, "
+                         "a function or a class; keep one")
+    if fn.path or fn.name:
+        return {"custom_fn": ScorerSpec("custom", "reward.custom_fn", path=fn.path,
+                                        function=fn.name, kwargs=dict(cfg.custom_fn_kwargs),
+                                        accepts="function")}
+    if cls.path or cls.name or cls.kwargs:
+        return {"custom_cls": ScorerSpec("custom", "reward.custom_cls", path=cls.path,
+                                         function=cls.name, kwargs=dict(cls.kwargs),
+                                         accepts="class")}
+    return {}
+
+
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
@@ -359,14 +419,6 @@ def _mean(values: Sequence[float]) -> float:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
-
-
-def _checked(value: Any) -> Outcome:
-    """A reward model's score, held to the same rule as a scorer's return value."""
-    try:
-        return Outcome("ok", check_result(value)[0])
-    except InvalidScore as e:
-        return Outcome("invalid", error=str(e))
 
 
 @contextlib.contextmanager
