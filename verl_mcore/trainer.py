@@ -388,14 +388,16 @@ class Trainer:
                                                        skip_special_tokens=True)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
                                  indices=mine, prompts=prompts)
-        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure)
+        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
-        failed, firsts = 0, []
-        for idx, s, sources, f, first in gathered:
+        failed, firsts, routes = 0, [], [None] * n
+        for idx, s, sources, f, first, r in gathered:
             scores[idx] = torch.tensor(s, dtype=torch.float32)
+            for i, value in zip(idx, r):
+                routes[i] = value
             for name, values in sources.items():
                 per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
             failed += sum(f)
@@ -409,6 +411,8 @@ class Trainer:
         for name, values in per_source.items():
             metrics[f"reward/{name}/mean"] = float(values.mean())
         metrics["reward/failed"] = float(failed)
+        # From the gathered per-sample values: exact over the whole batch, however it was split.
+        metrics.update(self.rewards.route_metrics(routes, scores.tolist()))
         return scores.to(self.device), metrics
 
     def token_rewards(self, batch, scores) -> tuple[torch.Tensor, dict[str, float]]:

@@ -137,7 +137,8 @@ class RewardConfig:
     # per-sample `score(data_source, response, ground_truth, extra_info)` (or `__call__`) or a
     # batch `compute_reward(batch) -> B scores` (reward/custom.py). Not together with custom_fn.
     custom_cls: CustomClassKwargsConfig = field(default_factory=CustomClassKwargsConfig)
-    # Route by a column: value -> scorer name (a built-in data_source or a source name).
+    # Route by a column: value -> scorer name (a built-in data_source or a source name). Logs
+    # reward/route/<value>/mean and /count over the whole batch (reward/manager.py).
     route_by: Optional[str] = None
     routes: dict[str, str] = field(default_factory=dict)
     default_route: Optional[str] = None

@@ -28,6 +28,11 @@ Routing (`reward.route_by: category`, `reward.routes: {math: lighteval/MATH, cod
 `reward.default_route`): the rule source scores each sample with the scorer its column value
 names — a built-in data_source name or the name of another source. A source that is a route
 target scores only the samples routed to it and is not added to the total on its own.
+`RewardOutput.routes` holds each sample's column value; `route_metrics` of the whole batch's
+values and totals (Trainer.score gathers them from every rank) gives reward/route/<value>/mean
+(the mean total score of those samples) and reward/route/<value>/count. A sample without a value
+counts under `<none>`; a value that is not 1-64 of [A-Za-z0-9_.-] is named by its first 48
+characters, the others replaced by "_", and 8 hex digits of its SHA-1 ("C++" -> "C__-fc2b4216").
 
 Every scorer sees `(data_source, response, ground_truth, extra_info)`: ground_truth is
 `reward_model["ground_truth"]`, and extra_info is the row's extra_info with every other column of
@@ -54,8 +59,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -103,6 +110,9 @@ class RewardOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # (sample number, description) of the batch's first failure in sample order, or None
     first_failure: Optional[tuple[int, str]] = None
+    # [batch] each sample's reward.route_by value (str; None where the row has none), for
+    # route_metrics over the whole batch; empty without reward.route_by
+    routes: list[Optional[str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -202,8 +212,8 @@ class RewardManager:
             return "model:" + source.name
         target = None
         if self.cfg.route_by:
-            value = row.get(self.cfg.route_by)
-            target = self.cfg.routes.get(str(value)) if value is not None else None
+            value = self._route_value(row)
+            target = self.cfg.routes.get(value) if value is not None else None
             target = target or self.cfg.default_route
         if target is None:
             return self._fallback_key
@@ -211,6 +221,15 @@ class RewardManager:
         if resolved in self._models:
             return "model:" + resolved
         return "source:" + resolved if not resolved.startswith("builtin:") else resolved
+
+    def _route_value(self, row: Mapping[str, Any]) -> Optional[str]:
+        value = row.get(self.cfg.route_by)
+        return None if value is None else str(value)
+
+    def route_metrics(self, routes: Sequence[Optional[str]],
+                      totals: Sequence[float]) -> dict[str, float]:
+        """route_metrics (below) with reward.route_by set, else none."""
+        return route_metrics(routes, totals) if self.cfg.route_by else {}
 
     @property
     def needs_prompts(self) -> bool:
@@ -284,7 +303,9 @@ class RewardManager:
                 outcomes[name][i] = outcome
         for model_name, slots in model_slots.items():
             self._score_model(model_name, slots, outcomes, prompt_ids, response_ids)
-        return self._combine(outcomes, rows, scorer_of, list(indices or range(n)))
+        out = self._combine(outcomes, rows, scorer_of, list(indices or range(n)))
+        out.routes = [self._route_value(row) for row in rows] if self.cfg.route_by else []
+        return out
 
     def _batch(self, key: str, idx: list[int], responses, rows, prompts) -> custom.RewardBatch:
         if prompts is None or len(prompts) != len(responses):
@@ -410,6 +431,40 @@ def _fallback_specs(cfg: RewardConfig) -> dict[str, ScorerSpec]:
                                          function=cls.name, kwargs=dict(cls.kwargs),
                                          accepts="class")}
     return {}
+
+
+NO_ROUTE = "<none>"  # the route bucket of samples whose row has no reward.route_by value
+_SAFE_ROUTE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def route_metric_name(value: Optional[str]) -> str:
+    """A route value as a metric-name fragment: itself when it is 1-64 of [A-Za-z0-9_.-];
+    otherwise its first 48 characters with every other character replaced by "_", then "-" and
+    8 hex digits of its SHA-1, so that two values never share a name ("C++" -> "C__-<hash>");
+    None (no value) -> NO_ROUTE."""
+    if value is None:
+        return NO_ROUTE
+    if _SAFE_ROUTE.fullmatch(value):
+        return value
+    digest = hashlib.sha1(value.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", value[:48]) + "-" + digest
+
+
+def route_metrics(routes: Sequence[Optional[str]], totals: Sequence[float]) -> dict[str, float]:
+    """reward/route/<value>/mean (the mean total score of the samples with that reward.route_by
+    value) and reward/route/<value>/count; routes [batch] and totals [batch] are the WHOLE
+    batch's, gathered from every rank: means of per-rank means would weigh a rank's few samples
+    of a value like another rank's many."""
+    if len(routes) != len(totals):
+        raise ValueError(f"route_metrics: {len(routes)} route values for {len(totals)} scores")
+    by_route: dict[str, list[float]] = collections.defaultdict(list)
+    for value, total in zip(routes, totals):
+        by_route[route_metric_name(value)].append(float(total))
+    metrics = {}
+    for name, values in sorted(by_route.items()):
+        metrics[f"reward/route/{name}/mean"] = _mean(values)
+        metrics[f"reward/route/{name}/count"] = float(len(values))
+    return metrics
 
 
 def _mean(values: Sequence[float]) -> float:
