@@ -386,17 +386,24 @@ class Trainer:
         model_scores = {name: rm.score(rollout.train, rollout.rows, rollout.responses).cpu()
                         for name, rm in self.reward_models.items()}
         token_ids = _token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
+        prompts = None
+        if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
+            ids, lens = rollout.train.input_ids[mine].tolist(), rollout.train.prompt_lens[mine].tolist()
+            prompts = self.info.tokenizer.batch_decode([p[:k] for p, k in zip(ids, lens)],
+                                                       skip_special_tokens=True)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
-                                 *token_ids, indices=mine,
+                                 *token_ids, indices=mine, prompts=prompts,
                                  model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
-        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure)
+        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
-        failed, firsts = 0, []
-        for idx, s, sources, f, first in gathered:
+        failed, firsts, routes = 0, [], [None] * n
+        for idx, s, sources, f, first, r in gathered:
             scores[idx] = torch.tensor(s, dtype=torch.float32)
+            for i, value in zip(idx, r):
+                routes[i] = value
             for name, values in sources.items():
                 per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
             failed += sum(f)
@@ -416,6 +423,8 @@ class Trainer:
             if self.rank == 0:
                 log.info("reward model %s: %s", name, " ".join(f"{k} {float(v):.4g}" for k, v in stats.items()))
         metrics["reward/failed"] = float(failed)
+        # From the gathered per-sample values: exact over the whole batch, however it was split.
+        metrics.update(self.rewards.route_metrics(routes, scores.tolist()))
         return scores.to(self.device), metrics
 
     def token_rewards(self, batch, scores) -> tuple[torch.Tensor, dict[str, float]]:

@@ -18,32 +18,39 @@ at start-up.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # Seconds the probe may take beyond the limit (interpreter start-up, the faulthandler report)
 # before it is killed from outside.
 _KILL_MARGIN_S = 10.0
 _REPORT = "verl_mcore_import_error"  # the key of the probe's report of an exception, on stdout
+_RESULT = "verl_mcore_check_result"  # the key of its report of what `check` returned
 
 # faulthandler: a crash prints the Python stack, and at the time limit the stack is printed
 # (from a C thread, so even an import stuck holding the GIL reports) and the probe exits. The
 # probe ends with os._exit: a thread the file started must not keep it alive.
 _PROBE = """
-import faulthandler, json, os, sys, traceback
+import base64, faulthandler, json, os, pickle, sys, traceback
 args = json.loads(sys.argv[1])
 sys.path[:] = args["sys_path"]
 faulthandler.enable()
 faulthandler.dump_traceback_later(args["timeout_s"], exit=True)
 from verl_mcore.user_code import load_user_object
 try:
-    load_user_object(args["path"], args["name"], args["key"], args["name_field"])
+    obj = load_user_object(args["path"], args["name"], args["key"], args["name_field"])
+    if args["check"]:
+        check, check_args = pickle.loads(base64.b64decode(args["check"]))
+        result = check(obj, *check_args, construct=True)
+        print(json.dumps({"%s": result}), file=sys.__stdout__, flush=True)
 except BaseException as e:
     # The user's frames only: from the first one in their file down to where it failed.
     frames = traceback.extract_tb((e.__cause__ or e).__traceback__)
@@ -52,7 +59,7 @@ except BaseException as e:
     print(json.dumps({"%s": str(e), "where": where}), flush=True)
     os._exit(1)
 os._exit(0)
-""" % _REPORT
+""" % (_RESULT, _REPORT)
 
 
 def load_user_object(path: Optional[str], name: Optional[str], key: str,
@@ -112,16 +119,28 @@ _BLOCKING_HINT = ("A module-level statement blocks (a sleep, a network call, a l
 
 
 def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: float,
-                 timeout_key: str, name_field: str = "name") -> None:
+                 timeout_key: str, name_field: str = "name",
+                 check: Optional[tuple[Callable, tuple]] = None) -> Any:
     """Import `path` and look up `name` in a fresh interpreter within `timeout_s` seconds (the
     config key `timeout_key`); raise UserCodeError naming the file, the key and what to do when
     that import fails, blocks, exits or crashes. The probe's stdin is empty, so an `input()` at
-    module level fails instead of waiting."""
+    module level fails instead of waiting.
+
+    `check` = (fn, args): a module-level function (pickled by name) that the probe calls on the
+    object found, `fn(obj, *args, construct=True)`, within the same time limit, e.g. to check a
+    class's signatures and construct it once; what it raises fails like the import, and its
+    JSON-serialisable return value is returned. When this process has imported the file already
+    the probe is skipped and `fn(obj, *args, construct=False)` runs here: what it would construct
+    here is constructed by whoever uses the object."""
     path = _check_path(path, name, key, name_field)
-    if _module_name(path) in sys.modules:
-        return  # this process has imported it already
+    if _module_name(path) in sys.modules:  # this process has imported it already
+        if check is None:
+            return None
+        fn, fn_args = check
+        return fn(load_user_object(path, name, key, name_field), *fn_args, construct=False)
     args = json.dumps({"sys_path": sys.path, "timeout_s": timeout_s, "path": path, "name": name,
-                       "key": key, "name_field": name_field})
+                       "key": key, "name_field": name_field,
+                       "check": base64.b64encode(pickle.dumps(check)).decode() if check else None})
     where, late = f"{key}.path={path}", f"importing the file did not finish within {timeout_key}={timeout_s} s"
     try:
         run = subprocess.run([sys.executable, "-c", _PROBE, args], env=child_env(),
@@ -131,8 +150,14 @@ def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: 
         raise UserCodeError(f"{where}: {late} (the probe process was killed). "
                             + _BLOCKING_HINT.format(timeout_key)) from None
     if run.returncode == 0:
-        return
-    report = _report(run.stdout)
+        if check is None:
+            return None
+        result = _report(run.stdout, _RESULT)
+        if result is None:
+            raise UserCodeError(f"{where}: the import probe ended without reporting its check of "
+                                f"{name!r}; its output ends with:\n{_tail(run.stdout + run.stderr)}")
+        return result[_RESULT]
+    report = _report(run.stdout, _REPORT)
     if report is not None:
         raise UserCodeError(report[_REPORT] + (f"\n{report['where']}" if report["where"] else ""))
     if "Timeout (" in run.stderr:  # faulthandler's report of where the import was stuck
@@ -143,13 +168,14 @@ def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: 
                         f"with:\n{_tail(run.stdout + run.stderr)}")
 
 
-def _report(stdout: str) -> Optional[dict]:
+def _report(stdout: str, kind: str) -> Optional[dict]:
+    """The probe's last line, when it is its report of `kind` (the user's file may print too)."""
     lines = stdout.strip().splitlines()
     try:
         report = json.loads(lines[-1]) if lines else None
     except ValueError:
         return None
-    return report if isinstance(report, dict) and _REPORT in report else None
+    return report if isinstance(report, dict) and kind in report else None
 
 
 def _user_frames(faulthandler_report: str, path: str) -> str:

@@ -86,6 +86,12 @@ class CustomClassConfig:
 
 
 @dataclass
+class CustomClassKwargsConfig(CustomClassConfig):
+    # Passed to the class's constructor, once per scoring process (not to each call).
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
@@ -115,6 +121,9 @@ class RewardSourceConfig:
     weight: float = 1.0
     type: Literal["rule", "custom", "reward_model"] = "rule"
     path: Optional[str] = None  # custom: Python file; reward_model: HF or dist checkpoint
+    # custom: a function (called per sample with `kwargs`) or a class (constructed once per
+    # scoring process with `kwargs`; a per-sample `score` / `__call__` or a batch
+    # `compute_reward(batch)`: reward/custom.py)
     function: Optional[str] = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     # reward_model only. The model runs at the run's parallel.* layout on every rank, forward
@@ -130,7 +139,12 @@ class RewardConfig:
     # One user function replacing the built-in dispatch (score(data_source, response, gt, extra)).
     custom_fn: CustomClassConfig = field(default_factory=CustomClassConfig)
     custom_fn_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Route by a column: value -> scorer name (a built-in data_source or a source name).
+    # Or one user class in its place, constructed once per scoring process with `kwargs`: a
+    # per-sample `score(data_source, response, ground_truth, extra_info)` (or `__call__`) or a
+    # batch `compute_reward(batch) -> B scores` (reward/custom.py). Not together with custom_fn.
+    custom_cls: CustomClassKwargsConfig = field(default_factory=CustomClassKwargsConfig)
+    # Route by a column: value -> scorer name (a built-in data_source or a source name). Logs
+    # reward/route/<value>/mean and /count over the whole batch (reward/manager.py).
     route_by: Optional[str] = None
     routes: dict[str, str] = field(default_factory=dict)
     default_route: Optional[str] = None

@@ -7,8 +7,11 @@
 
 Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight * score):
   rule          per sample: the scorer its route names (below); without a route,
-                reward.custom_fn if set, else the built-in dispatch by data_source
-  custom        `function` from the Python file `path`, called with `kwargs`
+                reward.custom_fn (a function, `custom_fn_kwargs` to each call) or
+                reward.custom_cls (a class, its `kwargs` to the constructor) if set, else the
+                built-in dispatch by data_source
+  custom        `function` from the Python file `path`: a function called with `kwargs`, or a
+                class constructed with them
   reward_model  a learned model. The trainer builds a megatron model from `path` and scores the
                 whole batch with it on every rank together (engine/reward_model.py), then
                 hands the scores in (`scored_outside` names, `model_scores` per batch). From
@@ -16,10 +19,23 @@ Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight *
                 may be passed in `reward_models` by source name instead.
 An empty `reward.sources` means one `rule` source of weight 1.
 
+A class is constructed once per scoring process and is either per-sample (`score(data_source,
+response, ground_truth, extra_info)` or `__call__`) or a batch class (`compute_reward(batch) ->
+B scores`, where batch["prompts"], batch["responses"] and batch[<column>] are lists over the
+call's B samples): custom.py. A batch class gets one call per batch, with all the samples it
+scores (a route target: the samples routed to it); through the workers that call is one item,
+with a time limit of reward.timeout_s x B. Each value of the result is checked like a score; a
+result of the wrong length fails every sample of the call.
+
 Routing (`reward.route_by: category`, `reward.routes: {math: lighteval/MATH, code: my_judge}`,
 `reward.default_route`): the rule source scores each sample with the scorer its column value
 names — a built-in data_source name or the name of another source. A source that is a route
 target scores only the samples routed to it and is not added to the total on its own.
+`RewardOutput.routes` holds each sample's column value; `route_metrics` of the whole batch's
+values and totals (Trainer.score gathers them from every rank) gives reward/route/<value>/mean
+(the mean total score of those samples) and reward/route/<value>/count. A sample without a value
+counts under `<none>`; a value that is not 1-64 of [A-Za-z0-9_.-] is named by its first 48
+characters, the others replaced by "_", and 8 hex digits of its SHA-1 ("C++" -> "C__-fc2b4216").
 
 Every scorer sees `(data_source, response, ground_truth, extra_info)`: ground_truth is
 `reward_model["ground_truth"]`, and extra_info is the row's extra_info with every other column of
@@ -30,7 +46,9 @@ Rule and custom scorers run isolated in `reward.num_workers` spawned processes w
 num_workers=0 scores in this process, without timeouts or a cap, and a crash of the scorer
 (a segfault) is a crash of the trainer there. Every user file is imported first in a fresh
 interpreter within `reward.import_timeout_s` (user_code.py), so a file that blocks or exits
-at import fails at start-up naming itself.
+at import fails at start-up naming itself; that probe also checks the signatures of the object
+named (and constructs a class once), so a wrong one fails at start-up naming the file, the class
+or function and the signature expected, never at step 1 and never as silent fallback scores.
 
 A call that raises, times out, kills its worker, or returns anything but a finite number (a
 string, a bool, None, NaN, inf, or one too large for float32 statistics: scorers.check_result)
@@ -44,17 +62,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
+from verl_mcore.reward import custom
 from verl_mcore.reward.builtin import SCORERS
 from verl_mcore.reward.pool import ScoringPool
-from verl_mcore.reward.scorers import InvalidScore, ScorerSpec, check_result
-from verl_mcore.reward.worker import Outcome, score_one
+from verl_mcore.reward.scorers import ScorerSpec
+from verl_mcore.reward.worker import Outcome, checked, run_item
 from verl_mcore.user_code import check_import
 
 logger = logging.getLogger(__name__)
@@ -92,6 +113,9 @@ class RewardOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # (sample number, description) of the batch's first failure in sample order, or None
     first_failure: Optional[tuple[int, str]] = None
+    # [batch] each sample's reward.route_by value (str; None where the row has none), for
+    # route_metrics over the whole batch; empty without reward.route_by
+    routes: list[Optional[str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -111,12 +135,8 @@ class RewardManager:
         if len(keyed) != len(sources):
             names = [s.name for s in sources]
             raise ValueError(f"reward.sources: duplicate names in {names}")
-        self._fallback_key = "custom_fn" if (cfg.custom_fn.path or cfg.custom_fn.name) else "dispatch"
-        specs = {"dispatch": ScorerSpec("dispatch", "reward")}
-        if self._fallback_key == "custom_fn":
-            specs["custom_fn"] = ScorerSpec("custom", "reward.custom_fn", path=cfg.custom_fn.path,
-                                            function=cfg.custom_fn.name,
-                                            kwargs=dict(cfg.custom_fn_kwargs))
+        specs = {"dispatch": ScorerSpec("dispatch", "reward"), **_fallback_specs(cfg)}
+        self._fallback_key = next((k for k in ("custom_fn", "custom_cls") if k in specs), "dispatch")
         for name, (s, key) in keyed.items():
             if s.type == "custom":
                 specs["source:" + name] = ScorerSpec("custom", key, path=s.path,
@@ -160,10 +180,16 @@ class RewardManager:
                              "'rule' to route")
         # Every user file is imported in a probe process first, so one that blocks, exits or
         # crashes at import fails here naming itself instead of hanging or killing the trainer.
-        for spec in specs.values():
-            if spec.kind == "custom":
-                check_import(spec.path, spec.function, spec.key, cfg.import_timeout_s,
-                             "reward.import_timeout_s", spec.name_field)
+        # The probe also checks each object's signatures and constructs a class once, so a wrong
+        # signature or a constructor that raises fails here too, naming the file and the class.
+        kinds = {key: check_import(spec.path, spec.function, spec.key, cfg.import_timeout_s,
+                                   "reward.import_timeout_s", spec.name_field,
+                                   check=(custom.check, (spec,)))
+                 for key, spec in specs.items() if spec.kind == "custom"}
+        # Scorer keys of batch classes: one call per batch (of the samples each one scores).
+        self._batch_keys = {key for key, kind in kinds.items() if kind == "batch"}
+        self._labels = {key: f"{spec.key} ({spec.function} in {spec.path})"
+                        for key, spec in specs.items() if spec.kind == "custom"}
         # Then only the processes that score import them: this one with num_workers=0, else
         # the workers (a bad path or name fails there too, before training starts).
         self._fns = ({key: spec.load() for key, spec in specs.items()}
@@ -198,8 +224,8 @@ class RewardManager:
             return "model:" + source.name
         target = None
         if self.cfg.route_by:
-            value = row.get(self.cfg.route_by)
-            target = self.cfg.routes.get(str(value)) if value is not None else None
+            value = self._route_value(row)
+            target = self.cfg.routes.get(value) if value is not None else None
             target = target or self.cfg.default_route
         if target is None:
             return self._fallback_key
@@ -207,6 +233,20 @@ class RewardManager:
         if resolved in self._models or resolved in self._scored_outside:
             return "model:" + resolved
         return "source:" + resolved if not resolved.startswith("builtin:") else resolved
+
+    def _route_value(self, row: Mapping[str, Any]) -> Optional[str]:
+        value = row.get(self.cfg.route_by)
+        return None if value is None else str(value)
+
+    def route_metrics(self, routes: Sequence[Optional[str]],
+                      totals: Sequence[float]) -> dict[str, float]:
+        """route_metrics (below) with reward.route_by set, else none."""
+        return route_metrics(routes, totals) if self.cfg.route_by else {}
+
+    @property
+    def needs_prompts(self) -> bool:
+        """Whether score() needs the prompt texts: a batch class reads batch["prompts"]."""
+        return bool(self._batch_keys)
 
     def check_dataset(self, dataset) -> None:
         """Fail before training if some sample would reach the built-in dispatch with a
@@ -240,60 +280,81 @@ class RewardManager:
               prompt_ids: Optional[Sequence[Sequence[int]]] = None,
               response_ids: Optional[Sequence[Sequence[int]]] = None,
               indices: Optional[Sequence[int]] = None,
+              prompts: Optional[Sequence[str]] = None,
               model_scores: Optional[Mapping[str, Sequence[float]]] = None) -> RewardOutput:
         """Score a batch: responses [batch] decoded texts, rows [batch] the samples' dataset rows
         (PromptBatch.rows, repeated per response); token ids are needed by reward-model sources
-        given as objects. indices [batch]: the samples' numbers in the step's batch, for messages
-        (default 0..). model_scores: source name -> [batch] scores of the `scored_outside`
-        sources."""
+        given as objects, prompts [batch] (decoded texts) by batch classes (needs_prompts).
+        indices [batch]: the samples' numbers in the step's batch, for messages (default 0..).
+        model_scores: source name -> [batch] scores of the `scored_outside` sources."""
         n = len(responses)
         if len(rows) != n:
             raise ValueError(f"{n} responses but {len(rows)} rows")
         outcomes: dict[str, list[Optional[Outcome]]] = {s.name: [None] * n for s in self.sources}
         scorer_of: dict[tuple[str, int], str] = {}  # (source, sample) -> scorer key, for messages
-        pool_items, pool_slots = [], []
+        calls, call_slots = [], []  # pool items, and the (source, sample)s each one scores
+        batched: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
         model_slots: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
         for i, (response, row) in enumerate(zip(responses, rows)):
             args = None
             for source in self.sources:
-                target = self._target(source, row)
+                target = scorer_of[(source.name, i)] = self._target(source, row)
                 if target.startswith("model:"):
                     model_slots[target[len("model:"):]].append((source.name, i))
-                    continue
-                args = args or self.scorer_args(response, row)
-                pool_items.append((target, args))
-                pool_slots.append((source.name, i))
-                scorer_of[(source.name, i)] = target
-        if self._pool is not None:
-            results = self._pool.map(pool_items)
-        else:
-            with _exit_raises_in_this_thread():
-                results = [score_one(self._fns[key], args) for key, args in pool_items]
-        for (name, i), outcome in zip(pool_slots, results):
-            outcomes[name][i] = outcome
+                elif target in self._batch_keys:
+                    batched[target].append((source.name, i))
+                else:
+                    args = args or self.scorer_args(response, row)
+                    calls.append((target, args))
+                    call_slots.append([(source.name, i)])
+        for key, slots in batched.items():
+            calls.append((key, (self._batch(key, [i for _, i in slots], responses, rows, prompts),)))
+            call_slots.append(slots)
+        for slots, result in zip(call_slots, self._run(calls, [len(s) for s in call_slots])):
+            # a batch call that timed out or killed its worker has one Outcome, for each sample
+            for (name, i), outcome in zip(slots, result if isinstance(result, list)
+                                          else [result] * len(slots)):
+                outcomes[name][i] = outcome
         for model_name, slots in model_slots.items():
-            if model_name in self._scored_outside:
-                given = (model_scores or {}).get(model_name)
-                if given is None or len(given) != n:
-                    raise ValueError(f"reward model {model_name!r} is scored outside the manager: "
-                                     f"pass its {n} scores as model_scores[{model_name!r}]")
-                for name, i in slots:
-                    outcomes[name][i] = _checked(given[i])
-                    scorer_of[(name, i)] = "model:" + model_name
-                continue
-            if prompt_ids is None or response_ids is None:
-                raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "
-                                 f"and response_ids to RewardManager.score")
-            idx = [i for _, i in slots]
-            got = list(self._models[model_name].score_batch([prompt_ids[i] for i in idx],
-                                                            [response_ids[i] for i in idx]))
-            if len(got) != len(idx):
-                raise ValueError(f"reward model {model_name!r} returned {len(got)} scores for "
-                                 f"{len(idx)} sequences")
-            for (name, i), value in zip(slots, got):
-                outcomes[name][i] = _checked(value)
-                scorer_of[(name, i)] = "model:" + model_name
-        return self._combine(outcomes, rows, scorer_of, list(indices or range(n)))
+            self._score_model(model_name, slots, outcomes, prompt_ids, response_ids, model_scores, n)
+        out = self._combine(outcomes, rows, scorer_of, list(indices or range(n)))
+        out.routes = [self._route_value(row) for row in rows] if self.cfg.route_by else []
+        return out
+
+    def _batch(self, key: str, idx: list[int], responses, rows, prompts) -> custom.RewardBatch:
+        if prompts is None or len(prompts) != len(responses):
+            raise ValueError(f"{self._labels[key]} is a batch reward class: pass prompts (the "
+                             f"{len(responses)} decoded prompt texts) to RewardManager.score")
+        return custom.build_batch([prompts[i] for i in idx], [responses[i] for i in idx],
+                                  [rows[i] for i in idx])
+
+    def _run(self, calls: list[tuple[str, tuple]], sizes: list[int]) -> list:
+        if self._pool is not None:
+            return self._pool.map(calls, sizes)
+        with _exit_raises_in_this_thread():
+            return [run_item(self._fns[key], args) for key, args in calls]
+
+    def _score_model(self, model_name, slots, outcomes, prompt_ids, response_ids, model_scores,
+                     n) -> None:
+        if model_name in self._scored_outside:  # the trainer's megatron reward models
+            given = (model_scores or {}).get(model_name)
+            if given is None or len(given) != n:
+                raise ValueError(f"reward model {model_name!r} is scored outside the manager: "
+                                 f"pass its {n} scores as model_scores[{model_name!r}]")
+            for name, i in slots:
+                outcomes[name][i] = checked(given[i])
+            return
+        if prompt_ids is None or response_ids is None:
+            raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "
+                             f"and response_ids to RewardManager.score")
+        idx = [i for _, i in slots]
+        got = list(self._models[model_name].score_batch([prompt_ids[i] for i in idx],
+                                                        [response_ids[i] for i in idx]))
+        if len(got) != len(idx):
+            raise ValueError(f"reward model {model_name!r} returned {len(got)} scores for "
+                             f"{len(idx)} sequences")
+        for (name, i), value in zip(slots, got):
+            outcomes[name][i] = checked(value)
 
     def _combine(self, outcomes, rows, scorer_of, indices) -> RewardOutput:
         n, fallback = len(rows), float(self.cfg.fallback_score)
@@ -376,6 +437,59 @@ class RewardManager:
         self.close()
 
 
+def _fallback_specs(cfg: RewardConfig) -> dict[str, ScorerSpec]:
+    """The scorer of the rule source's samples that no route takes: reward.custom_fn (a
+    function) or reward.custom_cls (a class); none means the built-in dispatch."""
+    fn, cls = cfg.custom_fn, cfg.custom_cls
+    if (fn.path or fn.name) and (cls.path or cls.name or cls.kwargs):
+        raise ValueError(f"reward.custom_fn ({fn.name} in {fn.path}) and reward.custom_cls "
+                         f"({cls.name} in {cls.path}) are both set: they are the same scorer, "
+                         "a function or a class; keep one")
+    if fn.path or fn.name:
+        return {"custom_fn": ScorerSpec("custom", "reward.custom_fn", path=fn.path,
+                                        function=fn.name, kwargs=dict(cfg.custom_fn_kwargs),
+                                        accepts="function")}
+    if cls.path or cls.name or cls.kwargs:
+        return {"custom_cls": ScorerSpec("custom", "reward.custom_cls", path=cls.path,
+                                         function=cls.name, kwargs=dict(cls.kwargs),
+                                         accepts="class")}
+    return {}
+
+
+NO_ROUTE = "<none>"  # the route bucket of samples whose row has no reward.route_by value
+_SAFE_ROUTE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def route_metric_name(value: Optional[str]) -> str:
+    """A route value as a metric-name fragment: itself when it is 1-64 of [A-Za-z0-9_.-];
+    otherwise its first 48 characters with every other character replaced by "_", then "-" and
+    8 hex digits of its SHA-1, so that two values never share a name ("C++" -> "C__-<hash>");
+    None (no value) -> NO_ROUTE."""
+    if value is None:
+        return NO_ROUTE
+    if _SAFE_ROUTE.fullmatch(value):
+        return value
+    digest = hashlib.sha1(value.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", value[:48]) + "-" + digest
+
+
+def route_metrics(routes: Sequence[Optional[str]], totals: Sequence[float]) -> dict[str, float]:
+    """reward/route/<value>/mean (the mean total score of the samples with that reward.route_by
+    value) and reward/route/<value>/count; routes [batch] and totals [batch] are the WHOLE
+    batch's, gathered from every rank: means of per-rank means would weigh a rank's few samples
+    of a value like another rank's many."""
+    if len(routes) != len(totals):
+        raise ValueError(f"route_metrics: {len(routes)} route values for {len(totals)} scores")
+    by_route: dict[str, list[float]] = collections.defaultdict(list)
+    for value, total in zip(routes, totals):
+        by_route[route_metric_name(value)].append(float(total))
+    metrics = {}
+    for name, values in sorted(by_route.items()):
+        metrics[f"reward/route/{name}/mean"] = _mean(values)
+        metrics[f"reward/route/{name}/count"] = float(len(values))
+    return metrics
+
+
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
@@ -383,14 +497,6 @@ def _mean(values: Sequence[float]) -> float:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
-
-
-def _checked(value: Any) -> Outcome:
-    """A reward model's score, held to the same rule as a scorer's return value."""
-    try:
-        return Outcome("ok", check_result(value)[0])
-    except InvalidScore as e:
-        return Outcome("invalid", error=str(e))
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@ Why processes and not threads: a user's scorer may hang (a regex blow-up, a sand
 returns) or crash the interpreter; only a process can be killed. The parent talks to each worker
 over its own socket and hands it a small chunk of items; the worker answers item by item, so the
 parent always knows which item a worker is on and since when. An item that raises, or whose
-worker dies, is an "error"; one still running after `timeout_s` is a "timeout": its worker is
+worker dies, is an "error"; one still running after `timeout_s` (times the item's size: a batch
+scorer's call over B samples may take B times a sample's limit) is a "timeout": its worker is
 killed and replaced (the replacement gets nothing until it has loaded the scorers), the rest of
 its chunk goes back to the queue, and the other items go on. Results come back in input order,
 so nothing is lost or shifted. A dead worker's outcome carries its exit code (the manager names
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome
@@ -61,7 +62,9 @@ class _Worker:
 
 
 class ScoringPool:
-    """`map(items)` scores [(scorer_key, args)] -> [Outcome], in order. See the module docstring."""
+    """`map(items, sizes)` scores [(scorer_key, args)] -> [Outcome, or [Outcome] for a batch
+    scorer's item], in order; `sizes` [items]: samples per item (default 1 each), which scale its
+    time limit. A timeout or a dead worker is one Outcome for its item, whatever its size."""
 
     def __init__(self, specs: dict[str, ScorerSpec], num_workers: int, timeout_s: float,
                  startup_timeout_s: float = 120.0, max_memory_mb: Optional[int] = None):
@@ -72,18 +75,24 @@ class ScoringPool:
         self._workers = [_Worker(specs, max_memory_mb) for _ in range(num_workers)]
         self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
         try:
-            self._serve({}, [])  # wait until every worker has loaded the scorers
+            self._serve({}, [], [])  # wait until every worker has loaded the scorers
         except BaseException:
             self.close()
             raise
 
-    def map(self, items: list[tuple[str, tuple]]) -> list[Outcome]:
+    def map(self, items: list[tuple[str, tuple]],
+            sizes: Optional[list[int]] = None) -> list[Union[Outcome, list[Outcome]]]:
         results: dict[int, Outcome] = {}
-        self._serve(results, items)
+        self._serve(results, items, sizes or [1] * len(items))
         return [results[i] for i in range(len(items))]
 
-    def _serve(self, results: dict[int, Outcome], items: list[tuple[str, tuple]]) -> None:
+    def _serve(self, results: dict[int, Outcome], items: list[tuple[str, tuple]],
+               sizes: list[int]) -> None:
         todo = collections.deque(range(len(items)))
+
+        def limit_s(w: _Worker) -> float:  # for the item it is on, which restarted its clock
+            return self.timeout_s * sizes[w.items[0]] if w.state == "busy" else self.startup_timeout_s
+
         while len(results) < len(items) or any(w.state == "starting" for w in self._workers):
             now = time.monotonic()
             for w in self._workers:
@@ -97,17 +106,16 @@ class ScoringPool:
             waiting = [w for w in self._workers if w.state != "idle"]
             if not waiting:
                 continue
-            limit = min(w.since + (self.timeout_s if w.state == "busy" else self.startup_timeout_s)
-                        for w in waiting)
+            limit = min(w.since + limit_s(w) for w in waiting)
             ready = mp_connection.wait([w.conn for w in waiting], timeout=max(0.0, limit - now))
             for w in waiting:
                 if w.conn in ready:
                     self._receive(w, results, todo)
             now = time.monotonic()
             for i, w in enumerate(self._workers):
-                if w.state == "busy" and now - w.since >= self.timeout_s:
-                    results[w.items.popleft()] = Outcome(
-                        "timeout", error=f"no result after reward.timeout_s={self.timeout_s} s")
+                if w.state == "busy" and now - w.since >= limit_s(w):
+                    late = w.items.popleft()
+                    results[late] = Outcome("timeout", error=self._late(sizes[late]))
                     todo.extendleft(reversed(w.items))  # the rest of its chunk: to another worker
                     self._replace(i)
                 elif w.state == "starting" and now - w.since >= self.startup_timeout_s:
@@ -147,6 +155,12 @@ class ScoringPool:
         w.since = time.monotonic()
         if not w.items:
             w.state = "idle"
+
+    def _late(self, size: int) -> str:
+        if size == 1:
+            return f"no result after reward.timeout_s={self.timeout_s} s"
+        return (f"no result from the batch call after reward.timeout_s={self.timeout_s} s x "
+                f"{size} samples = {self.timeout_s * size:g} s")
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()

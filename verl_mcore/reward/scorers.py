@@ -3,8 +3,9 @@
 Scoring runs in spawned worker processes. A user's function loaded from a file cannot be pickled
 by reference into them, so the workers receive these specs and load the functions themselves.
 
-Every scorer is called as `fn(data_source, response, ground_truth, extra_info)` (positional, so
-the parameter names are the user's choice) and returns a float or {"score": float, ...}.
+Every per-sample scorer is called as `fn(data_source, response, ground_truth, extra_info)`
+(positional, so the parameter names are the user's choice) and returns a float or
+{"score": float, ...}; a user's batch class returns one such value per sample (custom.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from verl_mcore.reward import custom
 from verl_mcore.reward.builtin import SCORERS, default_compute_score
 from verl_mcore.user_code import load_user_object
 
@@ -24,8 +26,9 @@ ScoreFn = Callable[[str, str, Any, Optional[dict]], Any]
 class ScorerSpec:
     """kind "dispatch": default_compute_score by the sample's data_source;
     kind "builtin": the built-in scorer of data_source `name`, whatever the sample's data_source;
-    kind "custom": `function` from the Python file `path`, called with **kwargs;
-    `key` is the config key that defined it (named in errors)."""
+    kind "custom": `function` from the Python file `path`: a function called with **kwargs, or
+    a class constructed with them (custom.py); `accepts` what it may be ("function", "class" or
+    "any"); `key` is the config key that defined it (named in errors)."""
 
     kind: str
     key: str
@@ -33,11 +36,16 @@ class ScorerSpec:
     path: Optional[str] = None
     function: Optional[str] = None
     kwargs: dict = field(default_factory=dict)
+    accepts: str = "any"
 
     @property
     def name_field(self) -> str:
-        """The config key under `key` that names the function (custom kind)."""
-        return "name" if self.key == "reward.custom_fn" else "function"
+        """The config key under `key` that names the function or class (custom kind)."""
+        return "function" if self.key.startswith("reward.sources") else "name"
+
+    @property
+    def kwargs_key(self) -> str:
+        return "reward.custom_fn_kwargs" if self.key == "reward.custom_fn" else f"{self.key}.kwargs"
 
     def load(self) -> ScoreFn:
         if self.kind == "dispatch":
@@ -48,10 +56,8 @@ class ScorerSpec:
                                  f"({sorted(SCORERS)}) nor a reward.sources name")
             return functools.partial(_score_as, self.name)
         if self.kind == "custom":
-            fn = load_user_object(self.path, self.function, self.key, self.name_field)
-            if not callable(fn):
-                raise ValueError(f"{self.key}: {self.function} in {self.path} is not callable")
-            return functools.partial(fn, **self.kwargs) if self.kwargs else fn
+            return custom.load(load_user_object(self.path, self.function, self.key,
+                                                self.name_field), self)
         raise ValueError(f"{self.key}: unknown scorer kind {self.kind!r}")
 
 
