@@ -357,23 +357,17 @@ class Trainer:
 
         Global order: generation replica, then prompt, then sample, so the n samples of a prompt
         are consecutive (mini-batches keep GRPO groups together) and group ids count prompts.
+        The batch crosses ranks as tensors, token ids in one flat buffer (rollout/gather.py).
         """
+        from verl_mcore.rollout.gather import RolloutPart, gather_rollout
+
         outputs = self.rollout.generate(prompts.input_ids, sampling)
+        vocab = self.info.arch.vocab_size
         mine = None
         if self.groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
-            mine = [(o.prompt_index, o.sample_index, prompts.input_ids[o.prompt_index],
-                     prompts.rows[o.prompt_index], list(o.token_ids), o.finish_reason)
-                    for o in outputs]
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (self.groups.gen_dp_rank, mine))
-        samples, group_ids, base = [], [], 0
-        for _, part in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0]):
-            part = sorted(part, key=lambda o: (o[0], o[1]))
-            for prompt_index, _, prompt_ids, row, response, finish in part:
-                samples.append((prompt_ids, row, response, finish))
-                group_ids.append(base + prompt_index)
-            base += 1 + max((o[0] for o in part), default=-1)
-        return make_rollout(samples, group_ids, self.info)
+            mine = RolloutPart.from_outputs(prompts, outputs, vocab)
+        batch = gather_rollout(mine, self.groups, vocab)
+        return rollout_from_part(batch, batch.prompt_of, self.info)
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
         """Rule / custom / model scores [B] on the training device: the reward models score the
@@ -643,15 +637,23 @@ def _token_ids(batch, rows) -> tuple[list[list[int]], list[list[int]]]:
 
 def make_rollout(samples, group_ids, info) -> Rollout:
     """samples: [(prompt ids, dataset row, response ids, finish reason)] -> Rollout."""
+    from verl_mcore.rollout.gather import RolloutPart
+
+    part = RolloutPart.from_samples(samples, info.arch.vocab_size)
+    return rollout_from_part(part, torch.as_tensor(group_ids, dtype=torch.int64), info)
+
+
+def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
+    """A Rollout from flat samples (rollout.gather.RolloutPart) and their group ids [B]."""
     from verl_mcore.engine.batch import TrainBatch
+    from verl_mcore.rollout.gather import decode_responses
 
     # An empty response (the engine stopped at once) gets one masked EOS token.
     pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
-    train = TrainBatch.from_sequences([s[0] for s in samples], [s[2] for s in samples], pad)
-    texts = info.tokenizer.batch_decode([s[2] for s in samples], skip_special_tokens=True)
-    return Rollout(train=train, rows=[s[1] for s in samples],
-                   group_ids=torch.tensor(group_ids, dtype=torch.int64), responses=texts,
-                   finish=[s[3] for s in samples])
+    train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
+                                 part.response_lens, pad, prompt_of=part.prompt_of)
+    return Rollout(train=train, rows=part.sample_rows(), group_ids=group_ids.to(torch.int64),
+                   responses=decode_responses(info.tokenizer, part), finish=part.finish_reasons())
 
 
 @contextlib.contextmanager

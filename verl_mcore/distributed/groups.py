@@ -125,6 +125,16 @@ class ParallelGroups:
         return self.pp_rank == self.layout.pp - 1
 
 
+def collective_device(group=None):
+    """Where a collective over `group` takes its tensors: NCCL moves only CUDA tensors (the
+    current device), gloo only host ones."""
+    import torch
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _new_subgroups(groups: list[list[int]], rank: int):
     """Create every group (all ranks must call new_group for each) and return the one holding rank."""
     mine = None

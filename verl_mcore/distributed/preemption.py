@@ -113,10 +113,9 @@ class PreemptionGuard:
         if dist.is_available() and dist.is_initialized():
             import torch
 
-            device = "cpu"
-            if dist.get_backend(self.group) == "nccl":
-                device = f"cuda:{torch.cuda.current_device()}"
-            flag = torch.tensor([local], dtype=torch.int32, device=device)
+            from verl_mcore.distributed.groups import collective_device
+
+            flag = torch.tensor([local], dtype=torch.int32, device=collective_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             local = int(flag.item())
         self._stop_agreed = bool(local)

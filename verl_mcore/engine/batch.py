@@ -38,9 +38,11 @@ the host (one copy per call) and moves each to the device when it runs it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -113,19 +115,52 @@ class TrainBatch:
                        pad_token_id: int) -> "TrainBatch":
         """Samples given as token-id lists. A sample with an empty response gets one `pad_token_id`
         response token (the layout needs one) that is masked out of every loss and metric."""
-        b = len(prompts)
-        filled = [list(r) if len(r) else [pad_token_id] for r in responses]
-        prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        resp_lens = torch.tensor([len(r) for r in filled], dtype=torch.int64)
-        seq_lens = prompt_lens + resp_lens
+        prompt_ids, prompt_lens = flatten_token_ids(prompts)
+        response_ids, response_lens = flatten_token_ids(responses)
+        return cls.from_flat(prompt_ids, prompt_lens, response_ids, response_lens, pad_token_id)
+
+    @classmethod
+    def from_flat(cls, prompt_ids: Tensor, prompt_lens: Tensor, response_ids: Tensor,
+                  response_lens: Tensor, pad_token_id: int,
+                  prompt_of: Optional[Tensor] = None) -> "TrainBatch":
+        """Samples given as flat token buffers (what the rollout gather receives), laid out with
+        tensor ops only, no Python loop over samples or tokens:
+
+            prompt_ids     [sum(prompt_lens)]    int     the P prompts' tokens, one after another
+            prompt_lens    [P]                   int64
+            response_ids   [sum(response_lens)]  int     the B responses' tokens, one after another
+            response_lens  [B]                   int64
+            prompt_of      [B]                   int64   the prompt of each sample (None: sample i
+                                                         has prompt i, P = B); samples of one
+                                                         prompt share its tokens, sent once
+
+        As `from_sequences`: an empty response gets one masked `pad_token_id` token."""
+        b = response_lens.numel()
+        if b == 0:
+            raise ValueError("TrainBatch.from_flat: no samples (a batch needs at least one)")
+        prompt_of = torch.arange(b) if prompt_of is None else prompt_of.long()
+        _check_flat("prompt", prompt_ids, prompt_lens)
+        _check_flat("response", response_ids, response_lens)
+        p = len(prompt_lens)
+        if prompt_of.shape != (b,) or not 0 <= int(prompt_of.min()) <= int(prompt_of.max()) < p:
+            raise ValueError(f"TrainBatch.from_flat: prompt_of must be [B]=[{b}] indices into the "
+                             f"{p} prompts, got shape {tuple(prompt_of.shape)}")
+        sample_prompt_lens = prompt_lens.long()[prompt_of]  # [B]
+        filled = response_lens.long().clamp(min=1)  # [B] an empty response keeps one pad token
+        seq_lens = sample_prompt_lens + filled
+        # Each prompt once, left-aligned [P, max prompt len]; then one row per sample.
+        prompts = _left_aligned(prompt_ids, prompt_lens.long(), pad_token_id)
         input_ids = torch.full((b, int(seq_lens.max())), pad_token_id, dtype=torch.int64)
-        response_mask = torch.zeros(b, int(resp_lens.max()), dtype=torch.float32)
-        for i, (p, r, original) in enumerate(zip(prompts, filled, responses)):
-            input_ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
-            input_ids[i, len(p):len(p) + len(r)] = torch.as_tensor(r, dtype=torch.int64)
-            if len(original):
-                response_mask[i, :len(r)] = 1.0
-        return cls(input_ids=input_ids, prompt_lens=prompt_lens, seq_lens=seq_lens,
+        input_ids[:, :prompts.shape[1]] = prompts[prompt_of]
+        # masked_scatter_ fills the True positions in row-major order: sample by sample, token
+        # by token, the order of the flat buffer. A [B, S] bool mask, not [T] index tensors.
+        cols = torch.arange(input_ids.shape[1])
+        starts = sample_prompt_lens[:, None]
+        in_response = (cols >= starts) & (cols < starts + response_lens.long()[:, None])
+        input_ids.masked_scatter_(in_response, response_ids.long())
+        response_mask = (torch.arange(int(filled.max()))[None, :]
+                         < response_lens.long()[:, None]).float()
+        return cls(input_ids=input_ids, prompt_lens=sample_prompt_lens, seq_lens=seq_lens,
                    response_mask=response_mask)
 
     def select(self, rows: Sequence[int] | Tensor) -> "TrainBatch":
@@ -158,6 +193,36 @@ class TrainBatch:
         """[B, R] bool: columns inside each sample's response (whether or not they count)."""
         cols = torch.arange(self.response_width, device=self.response_mask.device)
         return cols[None, :] < self.response_lens.to(cols.device)[:, None]
+
+
+def flatten_token_ids(seqs: Sequence[Sequence[int]],
+                      dtype: torch.dtype = torch.int64) -> tuple[Tensor, Tensor]:
+    """(flat ids [sum len] of `dtype`, lengths [n] int64) of token-id lists, in one pass over the
+    ids; an id that does not fit `dtype` raises OverflowError."""
+    lengths = [len(x) for x in seqs]
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=_NUMPY_INT[dtype],
+                       count=sum(lengths))
+    return torch.from_numpy(flat), torch.tensor(lengths, dtype=torch.int64)
+
+
+_NUMPY_INT = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _check_flat(what: str, ids: Tensor, lens: Tensor) -> None:
+    if ids.dim() != 1 or lens.dim() != 1 or int(lens.sum()) != ids.numel():
+        raise ValueError(f"TrainBatch.from_flat: {what}_ids {tuple(ids.shape)} must be 1-D and hold "
+                         f"sum({what}_lens)={int(lens.sum())} tokens")
+    negative = (lens < 0).nonzero()
+    if len(negative):
+        raise ValueError(f"TrainBatch.from_flat: negative {what}_lens at row {int(negative[0])}")
+
+
+def _left_aligned(flat: Tensor, lens: Tensor, pad_token_id: int) -> Tensor:
+    """[n, max(lens)] int64: row i holds flat's i-th run of lens[i] tokens, then padding."""
+    width = int(lens.max()) if lens.numel() else 0
+    out = torch.full((lens.numel(), width), pad_token_id, dtype=torch.int64)
+    out.masked_scatter_(torch.arange(width)[None, :] < lens[:, None], flat.long())
+    return out
 
 
 def _on(t: Tensor, device: torch.device) -> bool:

@@ -12,11 +12,12 @@ The trainer side is a callable `(prompts, responses, temperature) -> per-sequenc
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from verl_mcore.distributed.groups import collective_device
 from verl_mcore.engine.logprobs import mask_padded_vocab
 from verl_mcore.ops import logprob_entropy
 from verl_mcore.rollout.base import RolloutEngine, SamplingParams
@@ -103,7 +104,7 @@ def check_weight_sync(engine: RolloutEngine, trainer: TrainerLogprobs,
     stats = torch.tensor([flat.max().item() if flat.numel() else 0.0], dtype=torch.float64)
     total = torch.tensor([flat.sum().item(), float(flat.numel())], dtype=torch.float64)
     if dist.is_initialized():
-        backend_device = _collective_device(group)
+        backend_device = collective_device(group)
         stats, total = stats.to(backend_device), total.to(backend_device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
@@ -119,8 +120,3 @@ def check_weight_sync(engine: RolloutEngine, trainer: TrainerLogprobs,
             "match the actor: check the repartition / weight push (or raise the bound for low "
             "precision).")
     return metrics
-
-
-def _collective_device(group: Optional[object]) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -1,0 +1,222 @@
+"""The global rollout batch from every generation replica's samples, gathered as tensors.
+
+    mine = RolloutPart.from_outputs(prompts, outputs, vocab_size)   # TP_g rank 0 of a replica
+    batch = gather_rollout(mine, groups, vocab_size)   # every rank: the whole step's samples
+
+Every rank of a TP_g group holds the same samples, so TP_g rank 0 speaks for its replica: the
+TP_g ranks 0 (together one gen_dp group) all-gather their parts, and each broadcasts the result to
+the rest of its TP_g group. Each buffer is then [DP_g, largest part], not [world, ...]: with
+TP_g = 8 a world-wide gather would receive 7 padding parts for every real one.
+
+What crosses ranks, in this order: the sizes of each part (one int64 row per replica), then the
+per-prompt and per-sample integers (lengths, local prompt of each sample, finish reason) in one
+int64 buffer, then all token ids in one flat buffer, then the dataset rows once per prompt (small
+dicts: the only pickled object). Prompt tokens are sent once per prompt, not once per sample.
+
+Global order: generation replica, then prompt, then sample, so the n samples of a prompt are
+consecutive (mini-batches keep GRPO groups together) and the global prompt index, which counts
+prompts over replicas, is the group id.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from verl_mcore.distributed.groups import collective_device
+from verl_mcore.engine.batch import flatten_token_ids
+from verl_mcore.rollout.base import FinishReason, SampleOutput
+
+FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)  # code = index
+_SIZES = 5  # a part's sizes row: replica, prompts, samples, prompt tokens, response tokens
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """int32 when every token id fits, as it does for every real vocabulary (32k-256k ids): half
+    the bytes of int64 on the wire and in the gathered buffers."""
+    return torch.int32 if vocab_size <= 2**31 else torch.int64
+
+
+@dataclass
+class RolloutPart:
+    """Samples with their prompts, as flat tensors (one replica's, or the global batch):
+
+    prompt_ids     [sum(prompt_lens)]   int32|int64  the prompts' tokens, one after another
+    prompt_lens    [P] int64
+    response_ids   [sum(response_lens)] int32|int64  the responses' tokens, sample after sample
+    response_lens  [B] int64
+    prompt_of      [B] int64   each sample's prompt (an index into the P prompts)
+    finish         [B] int64   index into FINISH_REASONS
+    rows           [P] dicts   each prompt's dataset row
+    """
+
+    prompt_ids: Tensor
+    prompt_lens: Tensor
+    response_ids: Tensor
+    response_lens: Tensor
+    prompt_of: Tensor
+    finish: Tensor
+    rows: list
+
+    @classmethod
+    def from_outputs(cls, prompts, outputs: Sequence[SampleOutput],
+                     vocab_size: int) -> "RolloutPart":
+        """One replica's engine outputs for `prompts` (a PromptBatch), ordered by (prompt,
+        sample). Its prompts are those up to the last one with a sample (the group-id count)."""
+        outputs = sorted(outputs, key=lambda o: (o.prompt_index, o.sample_index))
+        count = 1 + max((o.prompt_index for o in outputs), default=-1)
+        dtype = token_dtype(vocab_size)
+        prompt_ids, prompt_lens = flatten_token_ids(prompts.input_ids[:count], dtype)
+        response_ids, response_lens = flatten_token_ids([o.token_ids for o in outputs], dtype)
+        return cls(prompt_ids, prompt_lens, response_ids, response_lens,
+                   prompt_of=torch.tensor([o.prompt_index for o in outputs], dtype=torch.int64),
+                   finish=finish_codes([o.finish_reason for o in outputs]),
+                   rows=list(prompts.rows[:count]))
+
+    @classmethod
+    def from_samples(cls, samples, vocab_size: int) -> "RolloutPart":
+        """[(prompt ids, dataset row, response ids, finish reason)], each sample its own prompt."""
+        dtype = token_dtype(vocab_size)
+        prompt_ids, prompt_lens = flatten_token_ids([s[0] for s in samples], dtype)
+        response_ids, response_lens = flatten_token_ids([s[2] for s in samples], dtype)
+        return cls(prompt_ids, prompt_lens, response_ids, response_lens,
+                   prompt_of=torch.arange(len(samples)),
+                   finish=finish_codes([s[3] for s in samples]), rows=[s[1] for s in samples])
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_lens.numel()
+
+    def sizes(self, replica: int) -> Tensor:
+        """[_SIZES] int64: what a receiver needs to allocate and cut this part."""
+        return torch.tensor([replica, len(self.prompt_lens), self.num_samples,
+                             self.prompt_ids.numel(), self.response_ids.numel()], dtype=torch.int64)
+
+    def integers(self) -> Tensor:
+        """[P + 3B] int64: prompt_lens | response_lens | prompt_of | finish."""
+        return torch.cat([self.prompt_lens, self.response_lens, self.prompt_of, self.finish])
+
+    def tokens(self) -> Tensor:
+        """[prompt tokens + response tokens]: prompt_ids | response_ids."""
+        return torch.cat([self.prompt_ids, self.response_ids])
+
+    def sample_rows(self) -> list:
+        """[B] each sample's dataset row: the prompt's dict itself, shared by its samples."""
+        return [self.rows[p] for p in self.prompt_of.tolist()]
+
+    def finish_reasons(self) -> list[str]:
+        return [FINISH_REASONS[c] for c in self.finish.tolist()]
+
+
+def finish_codes(reasons: Sequence[str]) -> Tensor:
+    code = {r: i for i, r in enumerate(FINISH_REASONS)}
+    try:
+        return torch.tensor([code[r] for r in reasons], dtype=torch.int64)
+    except KeyError as e:
+        raise ValueError(f"finish reason {e.args[0]!r} of a rollout sample is none of "
+                         f"{FINISH_REASONS} (rollout/base.py FinishReason)") from None
+
+
+def gather_rollout(mine: Optional[RolloutPart], groups, vocab_size: int) -> RolloutPart:
+    """The global batch on every rank, from `mine` on TP_g rank 0 of each replica (None on the
+    other ranks, which hold the same samples). Its prompt_of counts prompts over replicas."""
+    lead = groups.gen_tp_rank == 0
+    if lead != (mine is not None):
+        raise ValueError(f"rank {groups.rank}: gather_rollout takes a part exactly on TP_g rank 0 "
+                         f"(this rank has TP_g rank {groups.gen_tp_rank})")
+    gather = _Gather(groups, lead)
+    sizes = gather.tensors(mine.sizes(groups.gen_dp_rank) if lead else None, [_SIZES] * gather.n,
+                           torch.int64)
+    sizes = torch.stack(sizes)
+    order = sizes[:, 0].argsort().tolist()  # replica order (the group's rank order already)
+    prompts, samples, prompt_tokens, response_tokens = (sizes[:, i].tolist() for i in range(1, 5))
+    integers = gather.tensors(mine.integers() if lead else None,
+                              [p + 3 * s for p, s in zip(prompts, samples)], torch.int64)
+    tokens = gather.tensors(mine.tokens() if lead else None,
+                            [p + r for p, r in zip(prompt_tokens, response_tokens)],
+                            token_dtype(vocab_size))
+    rows = gather.objects(mine.rows if lead else None)
+    parts = [_cut(integers[i], tokens[i], rows[i], prompts[i], samples[i], prompt_tokens[i])
+             for i in order]
+    return _concat(parts)
+
+
+class _Gather:
+    """The two-stage collective over the leads' gen_dp group and each TP_g group."""
+
+    def __init__(self, groups, lead: bool):
+        self.groups, self.lead = groups, lead
+        self.n = groups.layout.dp_gen
+        self.tp = groups.layout.tp_gen > 1
+        # Where NCCL needs the buffers (the current GPU); gloo takes them on the host.
+        self.device = collective_device(groups.gen_dp)
+        self.src = dist.get_global_rank(groups.gen_tp, 0) if self.tp else groups.rank
+
+    def tensors(self, local: Optional[Tensor], lengths: list[int],
+                dtype: torch.dtype) -> list[Tensor]:
+        """Each replica's 1-D tensor (its length in `lengths`), on the host, in gen_dp rank order.
+        all_gather needs equal sizes: each part is padded to the largest."""
+        width = max(1, max(lengths))  # gloo refuses empty buffers
+        out = torch.empty(self.n, width, dtype=dtype, device=self.device)  # [DP_g, width]
+        if self.lead:
+            padded = torch.zeros(width, dtype=dtype, device=self.device)
+            padded[:local.numel()] = local.to(self.device)
+            dist.all_gather(list(out.unbind(0)), padded, group=self.groups.gen_dp)
+        if self.tp:
+            dist.broadcast(out, src=self.src, group=self.groups.gen_tp)
+        out = out.cpu()
+        return [out[i, :lengths[i]] for i in range(self.n)]
+
+    def objects(self, local: Optional[list]) -> list:
+        """Each replica's list of small objects (the dataset rows, once per prompt)."""
+        out: list = [None] * self.n
+        if self.lead:
+            dist.all_gather_object(out, local, group=self.groups.gen_dp)
+        if self.tp:
+            box = [out]
+            dist.broadcast_object_list(box, src=self.src, group=self.groups.gen_tp)
+            out = box[0]
+        return out
+
+
+def _cut(integers: Tensor, tokens: Tensor, rows: list, prompts: int, samples: int,
+         prompt_tokens: int) -> RolloutPart:
+    """One replica's part from its unpadded integer and token buffers (views, no copies)."""
+    lens = integers[:prompts]
+    response_lens, prompt_of, finish = integers[prompts:].view(3, samples)
+    return RolloutPart(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], response_lens,
+                       prompt_of, finish, rows)
+
+
+def _concat(parts: list[RolloutPart]) -> RolloutPart:
+    """Parts in replica order as one: prompt indices shifted by the prompts before each part."""
+    base = np.cumsum([0] + [len(p.prompt_lens) for p in parts[:-1]]).tolist()
+    return RolloutPart(
+        prompt_ids=torch.cat([p.prompt_ids for p in parts]),
+        prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+        response_ids=torch.cat([p.response_ids for p in parts]),
+        response_lens=torch.cat([p.response_lens for p in parts]),
+        prompt_of=torch.cat([p.prompt_of + b for p, b in zip(parts, base)]),
+        finish=torch.cat([p.finish for p in parts]),
+        rows=[row for p in parts for row in p.rows])
+
+
+def decode_responses(tokenizer, part: RolloutPart, chunk: int = 1024) -> list[str]:
+    """[B] response texts. batch_decode takes Python lists of ints; building them a chunk of
+    samples at a time keeps at most `chunk` responses of them alive (the whole batch's would
+    be ~36 bytes per token)."""
+    ends = part.response_lens.cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    texts: list[str] = []
+    for lo in range(0, part.num_samples, chunk):
+        hi = min(lo + chunk, part.num_samples)
+        base = starts[lo]
+        flat = part.response_ids[base:ends[hi - 1]].tolist()
+        lists = [flat[s - base:e - base] for s, e in zip(starts[lo:hi], ends[lo:hi])]
+        texts += tokenizer.batch_decode(lists, skip_special_tokens=True)
+    return texts
