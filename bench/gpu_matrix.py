@@ -178,6 +178,13 @@ def _cases() -> list[Case]:
             "reward.sources=[{name: rm, type: reward_model, weight: 0.5, path: {model}-rm}, "
             "{name: rule, type: rule, weight: 0.5}]",),
              expect=("reward/rm/mean", "reward/rm/std", "reward/rule/mean")),
+        # The quickstart's reward as a batch class (kwargs to its constructor), weighted with
+        # the function.
+        Case("reward-class", (
+            "reward.sources=[{name: rule, type: rule}, {name: judge, type: custom, weight: 0.5, "
+            "path: {root}/examples/quickstart_reward.py, function: RepeatDigitJudge, "
+            "kwargs: {length: 4}}]",),
+             expect=("reward/judge/mean",)),
         Case("reward-models-fp16-fp32", (
             "reward.sources=[{name: half, type: reward_model, dtype: fp16, path: {model}-rm, "
             "micro_batch_size: 3}, {name: full, type: reward_model, dtype: fp32, path: {model}-rm}]",),
