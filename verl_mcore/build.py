@@ -56,16 +56,17 @@ def load_model_info(cfg: Config) -> ModelInfo:
     return ModelInfo(arch, tokenizer, cfg.model.path, cfg.model.checkpoint)
 
 
-def _load_tokenizer(where: str, key: str, trust_remote_code: bool):
+def _load_tokenizer(where: str, key: str, trust_remote_code: bool, instead: str = "model.tokenizer"):
     """AutoTokenizer from a directory (or a hub id), failing with the config key and the reason
-    (transformers says `Repo id must be ...` for a directory that does not exist)."""
+    (transformers says `Repo id must be ...` for a directory that does not exist); `instead`:
+    the key that names another tokenizer directory."""
     from transformers import AutoTokenizer
 
     looks_like_path = (os.path.isabs(where) or where.startswith((".", "~"))
                        or where.count("/") != 1)
     if not os.path.isdir(where) and looks_like_path:
         raise ConfigError(f"{key}={where}: no such directory (the tokenizer is read from there; "
-                          "set model.tokenizer to the directory that has tokenizer.json / "
+                          f"set {instead} to the directory that has tokenizer.json / "
                           "tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
@@ -73,8 +74,7 @@ def _load_tokenizer(where: str, key: str, trust_remote_code: bool):
         what = "directory" if os.path.isdir(where) else "Hugging Face hub id (not a local directory)"
         raise ConfigError(f"{key}={where}: the tokenizer of this {what} does not load "
                           f"({type(e).__name__}: {e}); it needs tokenizer.json or "
-                          "tokenizer_config.json with its vocabulary files, or set "
-                          "model.tokenizer") from e
+                          f"tokenizer_config.json with its vocabulary files, or set {instead}") from e
 
 
 @dataclass
@@ -111,7 +111,7 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
                 check_weight_files(cfg.model.path)
             info = load_model_info(cfg)
             for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
-                reward_model_info(cfg, key, source)
+                check_reward_model_tokens(cfg, info, key, reward_model_info(cfg, key, source))
             train, val = build_datasets(cfg, info)
             if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
                 raise ConfigError(
@@ -307,16 +307,54 @@ def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
             raise ConfigError(f"{where}: neither an HF directory (no config.json) nor a dist "
                               f"checkpoint (no {CKPT_HF_CONFIG_SUBDIR}/config.json)")
         checkpoint = path
-    arch = read_hf_arch(hf_dir)
+    try:
+        arch = read_hf_arch(hf_dir)
+    except ValueError as e:  # UnsupportedConfigError, ConfigError: name this source's key
+        raise ConfigError(f"{where}: {e}".replace("(model.path)", f"({key}.path)")) from e
     if arch.num_labels is None:
         raise ConfigError(f"{where}: config.json's architectures name no "
                           "*ForSequenceClassification model, so there is no `score` head to read "
                           "a reward from")
-    if checkpoint is None:
-        check_weight_files(hf_dir)
+    if arch.num_labels != 1:
+        raise ConfigError(f"{where}: a classifier with {arch.num_labels} labels; a reward model "
+                          "has one output (num_labels=1), and which label would be the reward is "
+                          "not something to guess")
+    if checkpoint is None and "score.weight" not in check_weight_files(hf_dir, f"{key}.path"):
+        raise ConfigError(f"{where}: its safetensors hold no `score.weight`: config.json says "
+                          "*ForSequenceClassification but these are not a reward model's weights")
     tokenizer = _load_tokenizer(source.tokenizer or hf_dir, f"{key}.tokenizer",
-                                cfg.model.trust_remote_code)
+                                cfg.model.trust_remote_code, instead=f"{key}.tokenizer")
+    if len(tokenizer) > arch.vocab_size:
+        raise ConfigError(f"{key}: its tokenizer has {len(tokenizer)} ids but the model only "
+                          f"{arch.vocab_size} embeddings (vocab_size): ids past them would read "
+                          "padding rows; set its tokenizer to the model's own")
     return ModelInfo(arch, tokenizer, hf_dir, checkpoint)
+
+
+def check_reward_model_tokens(cfg: Config, info: ModelInfo, key: str, rm: ModelInfo) -> None:
+    """What the reward model will be fed, checked before any model is built: the actor's ids as
+    they are (the same tokenizer) within its positions, or its own re-tokenisation of a sample,
+    which must give tokens (a tokenizer that loads can still turn text into nothing)."""
+    from verl_mcore.engine.reward_model import retokenize, same_tokenizer
+
+    d = cfg.data
+    if same_tokenizer(info.tokenizer, rm.tokenizer):
+        longest = d.max_prompt_length + d.max_response_length
+        if longest > rm.arch.max_position_embeddings:
+            raise ConfigError(
+                f"{key}: data.max_prompt_length + data.max_response_length = {longest} tokens, "
+                f"more than the reward model's max_position_embeddings="
+                f"{rm.arch.max_position_embeddings}; shorten them")
+        return
+    answer = "The answer is 5."
+    probe = retokenize(rm.tokenizer, {"prompt": [{"role": "user", "content": "What is 2 + 3?"}]},
+                       answer, "prompt")
+    decoded = rm.tokenizer.decode(probe, skip_special_tokens=True)
+    if len(probe) < 2 or "".join(answer.split()) not in "".join(decoded.split()):
+        raise ConfigError(f"{key}: its tokenizer (not the actor's, so samples are re-tokenised "
+                          f"with it) does not read text back: {answer!r} in a chat became "
+                          f"{len(probe)} token(s) that decode to {decoded[:80]!r}; set its "
+                          "tokenizer to the reward model's own")
 
 
 def build_reward_models(cfg: Config, groups, info: ModelInfo) -> dict[str, Any]:

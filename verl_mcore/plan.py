@@ -337,11 +337,20 @@ def reward_model_dims(cfg: Config) -> dict[str, ModelDims]:
     """name -> shape of every reward_model source (its config.json; a dist checkpoint's is in
     hf_config/)."""
     out = {}
-    for s in cfg.reward.sources:
+    for i, s in enumerate(cfg.reward.sources):
         if s.type == "reward_model" and s.path:
             hf = s.path if os.path.isfile(os.path.join(s.path, "config.json")) \
                 else os.path.join(s.path, "hf_config")
-            out[s.name] = resolve_dims(hf)
+            cfg_file = os.path.join(hf, "config.json")
+            if not os.path.isfile(cfg_file):
+                raise ConfigError(f"reward.sources[{i}].path={s.path}: neither an HF directory (no "
+                                  "config.json) nor a dist checkpoint (no hf_config/config.json)")
+            config = load_config_json(cfg_file)
+            if not any(str(a).endswith("ForSequenceClassification")
+                       for a in config.get("architectures") or []):
+                raise ConfigError(f"reward.sources[{i}].path={s.path}: config.json's "
+                                  "architectures name no *ForSequenceClassification model")
+            out[s.name] = ModelDims.from_hf_config(config, cfg_file)
     return out
 
 
@@ -791,6 +800,7 @@ def main(argv=None) -> int:
         cfg = Config.load(args.config, args.overrides)
         dims = resolve_dims(cfg.model.path)
         validate(cfg, world, dims.shape())
+        reward_model_dims(cfg)
     except ConfigError as e:
         print(f"plan: config error: {e}", file=sys.stderr)
         return EXIT_INVALID

@@ -23,13 +23,19 @@ def dirs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("rm")
-    out = {family: hf_factory.save_tiny_model(family, str(root / family), seed=3, seq_cls=True)
-           for family in ("qwen2", "llama2")}
+    out = {family: hf_factory.save_tiny_model(family, str(root / family), seed=3, seq_cls=True,
+                                              vocab_size=256) for family in ("qwen2", "llama2")}
+    # A tokenizer within the 256 embeddings: transformers loads qwen2's as a Qwen2Tokenizer,
+    # which adds <|endoftext|> after the 250 words (a tokenizer with more ids than the model has
+    # embeddings is refused before any model is built).
+    for family in ("qwen2", "llama2"):
+        hf_factory.write_tokenizer(out[family], 250)
     # The same weights with a tokenizer of its own: the actor's ids cannot be reused. (Llama:
     # transformers loads a qwen2 directory's word-level tokenizer as a Qwen2Tokenizer, which
     # tokenises these words to nothing.)
     out["templated"] = hf_factory.save_tiny_model("llama2", str(root / "templated"), seed=3,
-                                                  seq_cls=True)
+                                                  seq_cls=True, vocab_size=256)
+    hf_factory.write_tokenizer(out["templated"], 250)
     tok = AutoTokenizer.from_pretrained(out["templated"])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(out["templated"])

@@ -387,10 +387,16 @@ def _validation_errors(cfg: Config) -> list[str]:
 
 def _reward_errors(cfg: Config) -> list[str]:
     r, errs = cfg.reward, []
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for i, s in enumerate(r.sources):
         if s.type == "reward_model" and not s.path:
             errs.append(f"reward.sources[{i}] ({s.name!r}) is a reward_model: set its path (an HF "
                         "*ForSequenceClassification directory or a dist checkpoint)")
+        if s.type == "reward_model" and s.max_tokens_per_microbatch is not None \
+                and s.max_tokens_per_microbatch < longest:
+            errs.append(f"reward.sources[{i}].max_tokens_per_microbatch={s.max_tokens_per_microbatch}"
+                        f" is smaller than the longest sequence, data.max_prompt_length + "
+                        f"data.max_response_length = {longest}")
     if r.max_memory_mb is not None and r.num_workers == 0:
         errs.append(f"reward.max_memory_mb={r.max_memory_mb} needs reward.num_workers >= 1: the "
                     "cap is set on the scoring worker processes (in the trainer process it would "

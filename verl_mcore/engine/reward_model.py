@@ -97,6 +97,10 @@ class RewardModelScorer:
             logger.warning("reward model %r: %d sequences longer than its %d positions keep their "
                            "last tokens", self.name, self.truncated, self.max_positions)
         sequences = [s[-self.max_positions:] for s in sequences]
+        short = next((i for i, s in enumerate(sequences) if len(s) < 2), None)
+        if short is not None:
+            raise ValueError(f"reward model {self.name!r}: its tokenizer turned sample {short} into "
+                             f"{len(sequences[short])} token(s)")
         # The split into prompt and response does not matter to a reward model (only the last
         # position is read); TrainBatch needs one response token.
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

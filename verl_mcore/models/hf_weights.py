@@ -81,11 +81,12 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-def check_weight_files(hf_dir: str | os.PathLike) -> None:
+def check_weight_files(hf_dir: str | os.PathLike, key: str = "model.path") -> set:
     """Every safetensors file of an HF directory complete and consistent, from its header alone
     (reads no tensor data): a truncated download or a cut copy fails here naming the file and
     what is missing, before any model is built, instead of safetensors' `incomplete metadata`
-    without a file name minutes later. Raises ConfigError."""
+    without a file name minutes later. Raises ConfigError naming `key`, the config key that
+    names the directory. Returns the names of the tensors the files hold."""
     hf_dir = os.fspath(hf_dir)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -97,30 +98,34 @@ def check_weight_files(hf_dir: str | os.PathLike) -> None:
                 listed.setdefault(file, set()).add(name)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); "
-                              "repair or re-download it (model.path)") from None
+                              f"repair or re-download it ({key})") from None
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         listed = {"model.safetensors": set()}
     else:
-        raise ConfigError(f"model.path={hf_dir}: no model.safetensors or "
+        raise ConfigError(f"{key}={hf_dir}: no model.safetensors or "
                           "model.safetensors.index.json (only safetensors are supported; or give "
                           "the weights as a dist checkpoint in model.checkpoint)")
+    names_found: set = set()
     for file, names in sorted(listed.items()):
         path = os.path.join(hf_dir, file)
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: listed in {index} but missing: the download or copy is "
-                              "incomplete (model.path)")
-        missing = names - _check_safetensors_header(path)
+                              f"incomplete ({key})")
+        found = _check_safetensors_header(path, key)
+        names_found |= found
+        missing = names - found
         if missing:
             raise ConfigError(f"{path}: {len(missing)} tensors listed in {index} are not in the "
-                              f"file, e.g. {sorted(missing)[0]!r} (model.path)")
+                              f"file, e.g. {sorted(missing)[0]!r} ({key})")
+    return names_found
 
 
-def _check_safetensors_header(path: str) -> set:
+def _check_safetensors_header(path: str, key: str = "model.path") -> set:
     """The tensor names of one safetensors file whose header is whole, parses, and describes
     tensors that fit the file exactly; raises ConfigError naming the file otherwise."""
     def damaged(detail: str) -> ConfigError:
         return ConfigError(f"{path}: the safetensors file is incomplete or damaged: {detail}; "
-                           "re-download or re-convert it (model.path)")
+                           f"re-download or re-convert it ({key})")
 
     size = os.path.getsize(path)
     with open(path, "rb") as f:
