@@ -75,6 +75,9 @@ def main(argv=None) -> dict:
         "reward.sources=[{name: rm, type: reward_model, path: " + rm_dir + ", dtype: bf16, "
         f"max_tokens_per_microbatch: {args.max_tokens}}}]"])
     groups = build_groups(cfg)
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # as the trainer seeds (its weights' init)
     info = build.load_model_info(cfg)
     scorer = build.build_reward_models(cfg, groups, info)["rm"]
     assert not scorer.retokenize
