@@ -106,6 +106,8 @@ class DataConfig:
     val_batch_size: Optional[int] = None  # default: all validation prompts in one batch
     shuffle: bool = True
     seed: int = 1
+    # A subclass of verl_mcore.data.RLHFDataset overriding read_file or verl's
+    # _read_files_and_tokenize (data/dataset.py).
     custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
     # Seconds data.custom_cls's file may take to import. It is imported first in a fresh
     # interpreter (user_code.py: check_import), so a file that blocks at import (a sleep, a

@@ -5,7 +5,8 @@
     loader = PromptLoader(ds, cfg.data.train_batch_size, rank=dp_rank, world_size=dp_size,
                           seed=cfg.data.seed, shuffle=cfg.data.shuffle)
 
-`RLHFDataset` is the class a custom dataset subclasses (override `read_file`).
+`RLHFDataset` is the class a custom dataset subclasses (override `read_file`, or verl's
+`_read_files_and_tokenize` setting `self.dataframe`; see dataset.py).
 """
 from verl_mcore.data.dataset import DatasetStats, RLHFDataset, build_dataset, load_dataset_class
 from verl_mcore.data.errors import BadRow, DataError

@@ -13,15 +13,24 @@ Memory: the token ids of all prompts live in one flat int32 array; the other col
 the (memory-mapped where the format allows) Arrow tables and become Python objects only for the
 rows of a requested batch.
 
-A custom dataset subclasses RLHFDataset and overrides `read_file` (one file -> rows); it is named
-by `data.custom_cls.path` / `data.custom_cls.name` and built by `build_dataset`.
+A custom dataset subclasses RLHFDataset and overrides one of two hooks; it is named by
+`data.custom_cls.path` / `data.custom_cls.name` and built by `build_dataset`:
+  read_file(path)               one file -> rows (errors then name that file and its rows);
+  _read_files_and_tokenize()    verl's hook: read all of `self.data_files` and set
+                                `self.dataframe` (a pyarrow Table, a `datasets.Dataset`, a pandas
+                                DataFrame or a list of row dicts), optionally through
+                                `self.maybe_filter_out_long_prompts(frame)`.
+Either way the rows are then checked, rendered, tokenised, length-limited and batched exactly as
+the default reader's. A subclass overriding neither, or overriding a verl method this class never
+calls (`__getitem__`, `_build_messages`, ...), is warned about when it is loaded.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +46,13 @@ logger = logging.getLogger(__name__)
 
 _CHUNK_ROWS = 2048  # rows rendered and tokenised together (the fast tokenizer batches in Rust)
 _REPORTED_BAD_ROWS = 5
+
+# The hooks this class calls, for the warning about a subclass that overrides none of them.
+_HOOKS = ("read_file", "_read_files_and_tokenize")
+# Methods verl users override on verl's RLHFDataset that nothing here calls: batches come from
+# `get_batch` over the token ids tokenised up front, so an override of these would be ignored.
+_VERL_METHODS_NOT_CALLED = ("__getitem__", "_build_messages", "_download", "resume_dataset_state")
+_warned_classes: set[type] = set()
 
 
 @dataclass
@@ -64,12 +80,17 @@ class RLHFDataset:
         self.tokenizer = tokenizer
         self.prompt_key = config.prompt_key
         self.files = resolve_files(files, self.extensions)
+        self.data_files = self.files  # verl's name, which _read_files_and_tokenize overrides use
+        self.max_prompt_length = config.max_prompt_length
         self.stats = DatasetStats()
         self.bad_rows: list[BadRow] = []  # the first few skipped rows, for the report
-        self._parts = [self._load(path) for path in self.files]
-        check_same_schema([(p.path, p.table) for p in self._parts])
         self._use_template = bool(config.apply_chat_template
                                   and getattr(tokenizer, "chat_template", None))
+        self._parts: Optional[list[FileRows]] = None
+        self._files_table: Optional[pa.Table] = None  # the default `dataframe`, built on access
+        self._dataframe: Any = None  # what an override set as self.dataframe
+        self._read_files_and_tokenize()
+        self._take_dataframe()
         self._tokenise_all()
         if self.bad_rows:
             shown = "\n  ".join(str(b) for b in self.bad_rows)
@@ -93,6 +114,59 @@ class RLHFDataset:
         file) for a file that cannot be read.
         """
         return read_file_rows(path, self.config.on_bad_row)
+
+    def _read_files_and_tokenize(self) -> None:
+        """Read `self.data_files` (verl's hook, under verl's name; tokenising follows it).
+
+        This one reads each file through `read_file`, keeping each row's file and row number for
+        messages. An override sets `self.dataframe` to all the rows: a pyarrow Table, a
+        `datasets.Dataset`, a pandas DataFrame or a list of row dicts; messages then name rows
+        of that frame. It may call `super()._read_files_and_tokenize()` first and reshape
+        `self.dataframe` (a pyarrow Table of every file's rows).
+        """
+        self._parts = [self._load(path) for path in self.files]
+        check_same_schema([(p.path, p.table) for p in self._parts])
+
+    @property
+    def dataframe(self) -> Any:
+        """The rows: what `_read_files_and_tokenize` set, else a pyarrow Table of every file's rows."""
+        if self._dataframe is not None:
+            return self._dataframe
+        if self._parts is None:
+            raise AttributeError(f"{type(self).__name__}.dataframe is not read yet: call "
+                                 f"super()._read_files_and_tokenize() first, or set it")
+        if self._files_table is None:
+            try:
+                self._files_table = pa.concat_tables([p.table for p in self._parts],
+                                                     promote_options="permissive")
+            except pa.ArrowException as e:
+                raise DataError(", ".join(self.files), f"the files' tables do not concatenate "
+                                                       f"into one dataframe: {e}") from e
+        return self._files_table
+
+    @dataframe.setter
+    def dataframe(self, value: Any) -> None:
+        self._dataframe = value
+
+    def maybe_filter_out_long_prompts(self, dataframe: Any) -> Any:
+        """`dataframe` without the prompts longer than data.max_prompt_length tokens after the
+        chat template, when data.truncation=filter (verl's filter_overlong_prompts); unchanged
+        otherwise, where the data.truncation policy applies when tokenising. Returns the type it
+        got (pyarrow Table, datasets.Dataset, pandas DataFrame, list of dicts).
+
+        Rows with a bad prompt raise, naming their row of `dataframe`, or are left out under
+        data.on_bad_row=skip (here, so that the row named is the one of `dataframe`). Rows left
+        out are counted in `stats` as when tokenising.
+        """
+        if self.config.truncation != "filter":
+            return dataframe
+        part = self._frame_part(dataframe, "maybe_filter_out_long_prompts got")
+        keep = np.zeros(part.table.num_rows, dtype=bool)
+        for rows, encoded in self._encoded_chunks(part):
+            for row, ids in zip(rows, encoded):
+                keep[row] = len(ids) <= self.config.max_prompt_length
+            self.stats.too_long_filtered += sum(not keep[row] for row in rows)
+        return _select_rows(dataframe, keep)
 
     # ---- public access -------------------------------------------------------------------------
 
@@ -152,25 +226,38 @@ class RLHFDataset:
 
     def _load(self, path: str) -> FileRows:
         got = self.read_file(path)
-        if isinstance(got, FileRows):
-            part = got
-        elif isinstance(got, pa.Table):
-            part = FileRows(path, got)
-        elif isinstance(got, list):
-            if not got:
-                raise DataError(path, "the file has no rows")
-            try:
-                part = FileRows(path, pa.Table.from_pylist(got))
-            except (pa.ArrowException, TypeError, ValueError) as e:
-                raise DataError(path, f"the rows read by {type(self).__name__}.read_file do not "
-                                      f"form one table (a column with mixed types?): {e}") from e
-        else:
-            raise TypeError(f"{type(self).__name__}.read_file({path!r}) returned "
-                            f"{type(got).__name__}; return a pyarrow.Table or a list of dicts")
+        part = got if isinstance(got, FileRows) else FileRows(
+            path, _as_table(got, path, f"{type(self).__name__}.read_file returned"))
         for bad in part.bad_rows:
             self._note_bad_row(bad)
         check_columns(path, part.table, self.prompt_key, part.file_row)
         return part
+
+    def _frame_label(self) -> str:
+        """Where a row of a dataframe set by an override is, for messages."""
+        files = self.files[0] + (f" and {len(self.files) - 1} more" if len(self.files) > 1 else "")
+        return f"{type(self).__name__}.dataframe (read from {files})"
+
+    def _take_dataframe(self) -> None:
+        """After `_read_files_and_tokenize`: a dataframe it set becomes the one part to tokenise."""
+        if self._dataframe is None or self._dataframe is self._files_table:
+            if self._parts is None:
+                raise DataError(", ".join(self.files), f"{type(self).__name__}."
+                                f"_read_files_and_tokenize set no self.dataframe; set it to the "
+                                f"rows (a pyarrow Table, datasets.Dataset, pandas DataFrame or "
+                                f"list of dicts)")
+            return
+        self._parts = [self._frame_part(self._dataframe, f"{type(self).__name__}.dataframe is")]
+
+    def _frame_part(self, frame: Any, what: str) -> FileRows:
+        """A dataframe from an override as the part to check and tokenise; `what` is for errors."""
+        label = self._frame_label()
+        table = _as_table(frame, label, what)
+        if table.num_rows == 0:
+            raise DataError(label, "the dataframe has no rows (see the warnings above for rows "
+                                   "left out)")
+        check_columns(label, table, self.prompt_key)
+        return FileRows(label, table)
 
     def _note_bad_row(self, bad: BadRow) -> None:
         self.stats.bad_rows_skipped += 1
@@ -195,31 +282,33 @@ class RLHFDataset:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
+    def _encoded_chunks(self, part: FileRows) -> Iterator[tuple[list[int], list[list[int]]]]:
+        """(table rows, their token ids) chunk by chunk, for the usable prompts of `part`; a bad
+        prompt raises, or is noted and left out under data.on_bad_row=skip."""
+        prompts = part.table.column(self.prompt_key)
+        for start in range(0, part.table.num_rows, _CHUNK_ROWS):
+            texts, rows = [], []
+            for offset, prompt in enumerate(prompts.slice(start, _CHUNK_ROWS).to_pylist()):
+                row = start + offset
+                problem = prompt_problem(prompt)
+                if problem is not None:
+                    bad = BadRow(part.path, part.file_row(row), self.prompt_key, problem)
+                    if self.config.on_bad_row != "skip":
+                        raise DataError(bad.path, problem, bad.row, bad.column)
+                    self._note_bad_row(bad)
+                    continue
+                texts.append(self._render(prompt))
+                rows.append(row)
+            if texts:
+                yield rows, self._encode(texts)
+
     def _tokenise_all(self) -> None:
-        cfg = self.config
-        limit = cfg.max_prompt_length
+        limit = self.config.max_prompt_length
         id_chunks, lengths, part_of, row_of = [], [], [], []
         for part_index, part in enumerate(self._parts):
-            self.stats.rows_read += part.table.num_rows + len(part.bad_rows)
-            prompts = part.table.column(self.prompt_key)
-            for start in range(0, part.table.num_rows, _CHUNK_ROWS):
-                values = prompts.slice(start, _CHUNK_ROWS).to_pylist()
-                texts, rows = [], []
-                for offset, prompt in enumerate(values):
-                    row = start + offset
-                    problem = prompt_problem(prompt)
-                    if problem is not None:
-                        bad = BadRow(part.path, part.file_row(row), self.prompt_key, problem)
-                        if cfg.on_bad_row != "skip":
-                            raise DataError(bad.path, problem, bad.row, bad.column)
-                        self._note_bad_row(bad)
-                        continue
-                    texts.append(self._render(prompt))
-                    rows.append(row)
-                if not texts:
-                    continue
+            for rows, encoded in self._encoded_chunks(part):
                 kept, kept_rows = [], []
-                for row, ids in zip(rows, self._encode(texts)):
+                for row, ids in zip(rows, encoded):
                     if len(ids) > limit:
                         ids = self._too_long(ids, part, row)
                         if ids is None:
@@ -237,6 +326,9 @@ class RLHFDataset:
         np.cumsum(lengths, out=self._offsets[1:])
         self._part_of = np.asarray(part_of, dtype=np.int32)
         self._row_of = np.asarray(row_of, dtype=np.int64)
+        # Every row read is kept, skipped as bad or filtered as too long — also the rows that
+        # maybe_filter_out_long_prompts left out before they reached a part.
+        self.stats.rows_read = len(lengths) + self.stats.bad_rows_skipped + self.stats.too_long_filtered
 
     def _too_long(self, ids: list[int], part: FileRows, row: int) -> Optional[list[int]]:
         """Apply data.truncation to a prompt longer than data.max_prompt_length."""
@@ -257,6 +349,80 @@ class RLHFDataset:
                         part.file_row(row), self.prompt_key)
 
 
+def _loaded(module: str, name: str) -> Optional[type]:
+    """`module.name` if the user's code imported `module`, else None. A frame of that library's
+    type can only exist once it is imported, so checking sys.modules keeps pandas and `datasets`
+    optional and never imports them here."""
+    return getattr(sys.modules.get(module), name, None)
+
+
+def _as_table(frame: Any, where: str, what: str) -> pa.Table:
+    """A pyarrow Table of `frame`'s rows; `where` and `what` ("X.dataframe is") go into errors."""
+    kinds = "a pyarrow Table, a datasets.Dataset, a pandas DataFrame or a list of row dicts"
+    if isinstance(frame, pa.Table):
+        return frame
+    if isinstance(frame, list):
+        if not frame:
+            raise DataError(where, "there are no rows (an empty list)")
+        for row, item in enumerate(frame):
+            if not isinstance(item, dict):
+                raise DataError(where, f"a row must be a dict (one key per column), got "
+                                       f"{type(item).__name__} {str(item)[:60]!r}", row)
+        try:
+            return pa.Table.from_pylist(frame)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise DataError(where, f"the rows do not form one table (a column with mixed "
+                                   f"types?): {e}") from e
+    dataset, dataset_dict = _loaded("datasets", "Dataset"), _loaded("datasets", "DatasetDict")
+    if dataset is not None and isinstance(frame, dataset):
+        # The arrow format gives the rows as one Table, zero-copy when no select/filter
+        # left an indices mapping; the frame's own format setting is not changed.
+        return frame.with_format("arrow")[:]
+    if dataset_dict is not None and isinstance(frame, dataset_dict):
+        raise DataError(where, f"{what} a datasets.DatasetDict (splits {sorted(frame)}); use one "
+                               f"split, e.g. frame['train']")
+    pandas_frame = _loaded("pandas", "DataFrame")
+    if pandas_frame is not None and isinstance(frame, pandas_frame):
+        try:
+            return pa.Table.from_pandas(frame, preserve_index=False)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise DataError(where, f"the pandas DataFrame does not convert to Arrow (a column "
+                                   f"with mixed types?): {e}") from e
+    raise DataError(where, f"{what} {type(frame).__module__}.{type(frame).__name__}; it must be "
+                           f"{kinds}")
+
+
+def _select_rows(frame: Any, keep: np.ndarray) -> Any:
+    """The rows of `frame` where `keep` [rows] bool is set, as the same type as `frame`."""
+    if isinstance(frame, pa.Table):
+        return frame.filter(pa.array(keep))
+    if isinstance(frame, list):
+        return [row for row, kept in zip(frame, keep.tolist()) if kept]
+    dataset = _loaded("datasets", "Dataset")
+    if dataset is not None and isinstance(frame, dataset):
+        return frame.select(np.flatnonzero(keep))
+    # A pandas DataFrame (_as_table accepted nothing else): renumbered as datasets' filter does.
+    return frame[keep].reset_index(drop=True)
+
+
+def _warn_about_hooks(cls: type, where: str) -> None:
+    """Warn (once per class) when `cls` overrides no hook this class calls, or overrides a verl
+    method nothing here calls: its rows would silently be the default reader's."""
+    if cls in _warned_classes:
+        return
+    own = set().union(*(vars(k) for k in cls.__mro__[:cls.__mro__.index(RLHFDataset)]))
+    ignored = [name for name in _VERL_METHODS_NOT_CALLED if name in own]
+    if ignored or not own.intersection(_HOOKS):
+        _warned_classes.add(cls)
+        why = (f"it defines {', '.join(ignored)}, which verl_mcore never calls" if ignored else
+               f"it overrides neither {' nor '.join(_HOOKS)}")
+        logger.warning("%s: %s is read exactly as RLHFDataset reads files: %s. The methods "
+                       "called are read_file(path) -> rows of one file, or "
+                       "_read_files_and_tokenize() setting self.dataframe (optionally through "
+                       "self.maybe_filter_out_long_prompts(frame)); batches are always built "
+                       "from those rows.", where, cls.__name__, why)
+
+
 def load_dataset_class(config: DataConfig) -> type:
     """RLHFDataset, or the subclass named by data.custom_cls.path / data.custom_cls.name."""
     custom = config.custom_cls
@@ -267,7 +433,9 @@ def load_dataset_class(config: DataConfig) -> type:
     cls = load_user_object(custom.path, custom.name, "data.custom_cls")
     if not (isinstance(cls, type) and issubclass(cls, RLHFDataset)):
         raise ValueError(f"data.custom_cls: {custom.name} in {custom.path} must be a subclass of "
-                         f"verl_mcore.data.RLHFDataset (override read_file), got {cls!r}")
+                         f"verl_mcore.data.RLHFDataset (override read_file or "
+                         f"_read_files_and_tokenize), got {cls!r}")
+    _warn_about_hooks(cls, f"data.custom_cls ({custom.path})")
     return cls
 
 
