@@ -23,7 +23,7 @@ EXTRAS = {
     "gpu": ["vllm", "transformer-engine[pytorch]", "flash-attn"],
     "mpi": ["mpi4py>=3.1"],
     "track": ["tensorboard", "wandb"],
-    "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7"],
+    "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "rouge-score>=0.1.2", "sacrebleu>=2.0"],
 }
 
 

@@ -33,6 +33,7 @@ from verl_mcore.config import Config
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import build_generation_phase
 from verl_mcore.reward.manager import RewardFailureError
+from verl_mcore.val_metrics import ValMetricError, ValMetrics, ValSamples
 
 log = logging.getLogger("verl_mcore.trainer")
 
@@ -158,6 +159,7 @@ class Trainer:
         self.run.close()
 
     def _build(self, cfg: Config) -> None:
+        from verl_mcore.distributed.agree import all_ranks_agree
         from verl_mcore.distributed.groups import build_groups
         from verl_mcore.distributed.preemption import PreemptionGuard
         from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
@@ -179,6 +181,10 @@ class Trainer:
             self.rewards = inputs.rewards
             offload, why = build.resolve_offload(cfg, inputs.info, self.world,
                                                  self.launch.local_world_size)
+            # Before the models too; a failure on any rank (only rank 0 loads the user's metric
+            # function) stops every rank.
+            self.val_metrics = all_ranks_agree(lambda: ValMetrics.from_config(cfg, self.rank),
+                                               "checking the validation metrics")
         self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
         with self.watchdog.phase("build models"):
             self.actor = build.build_actor(cfg, self.groups, self.info)
@@ -236,7 +242,7 @@ class Trainer:
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
         except BaseException as e:
-            if isinstance(e, (NonFiniteError, RewardFailureError)):
+            if isinstance(e, (NonFiniteError, RewardFailureError, ValMetricError)):
                 # Raised on every rank alike (from reduced or gathered values): commit the
                 # pending async saves, which hold good steps, before stopping.
                 self.checkpoints.close()
@@ -266,7 +272,7 @@ class Trainer:
         rollout = rollout.to(self.device)
         batch = rollout.train
         with phase("reward"):
-            scores, reward_metrics = self.score(rollout)
+            scores, reward_metrics, _ = self.score(rollout)
             if baseline is not None:  # ReMax: the greedy response's score, for each sample
                 baseline = self.score(baseline)[0].repeat_interleave(cfg.rollout.n)
         entropy = None
@@ -369,10 +375,11 @@ class Trainer:
         batch = gather_rollout(mine, self.groups, vocab)
         return rollout_from_part(batch, batch.prompt_of, self.info)
 
-    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
         """Rule / custom / model scores [B] on the training device: the reward models score the
         whole batch on every rank together; each rank scores a slice with the other sources,
-        then all-gather."""
+        then all-gather. Also the metrics, and the scorers' extras of the whole batch
+        ("source/key" -> [B] float or None, RewardOutput.extras) on every rank."""
         from verl_mcore.tracking import MetricAccumulator
 
         n = len(rollout.responses)
@@ -382,22 +389,24 @@ class Trainer:
         token_ids = _token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
-            ids, lens = rollout.train.input_ids[mine].tolist(), rollout.train.prompt_lens[mine].tolist()
-            prompts = self.info.tokenizer.batch_decode([p[:k] for p, k in zip(ids, lens)],
-                                                       skip_special_tokens=True)
+            prompts = _prompt_texts(self.info.tokenizer, rollout.train, mine)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
                                  *token_ids, indices=mine, prompts=prompts,
                                  model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
-        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes)
+        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
+                out.extras)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, part)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
-        failed, firsts, routes = 0, [], [None] * n
-        for idx, s, sources, f, first, r in gathered:
+        failed, firsts, routes, extras = 0, [], [None] * n, {}
+        for idx, s, sources, f, first, r, extra in gathered:
             scores[idx] = torch.tensor(s, dtype=torch.float32)
             for i, value in zip(idx, r):
                 routes[i] = value
+            for name, values in extra.items():
+                for i, value in zip(idx, values):
+                    extras.setdefault(name, [None] * n)[i] = value
             for name, values in sources.items():
                 per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
             failed += sum(f)
@@ -419,7 +428,7 @@ class Trainer:
         metrics["reward/failed"] = float(failed)
         # From the gathered per-sample values: exact over the whole batch, however it was split.
         metrics.update(self.rewards.route_metrics(routes, scores.tolist()))
-        return scores.to(self.device), metrics
+        return scores.to(self.device), metrics, extras
 
     def token_rewards(self, batch, scores) -> tuple[torch.Tensor, dict[str, float]]:
         from verl_mcore.algo.kl import apply_kl_penalty
@@ -533,7 +542,9 @@ class Trainer:
     # ------------------------------------------------------------------ validation
 
     def validate(self, step: int) -> dict[str, float]:
-        """val/<data_source>/score/mean@n and pass@n over the whole validation set."""
+        """val/<data_source>/<metric> over the whole validation set (val_metrics.py): each
+        replica generates for its share of each batch, which generate() and score() gather onto
+        every rank; rank 0 keeps the samples and computes, and every rank logs its result."""
         from verl_mcore.data import PromptLoader
 
         r = self.cfg.rollout
@@ -541,27 +552,17 @@ class Trainer:
                               else self.cfg.data.val_batch_size, rank=self.groups.gen_dp_rank,
                               world_size=self.groups.layout.dp_gen, shuffle=False, drop_last=False,
                               num_epochs=1)
-        by_source: dict[str, list[list[float]]] = {}
+        samples = ValSamples(keep_prompts=self.cfg.trainer.log_val_generations) if self.rank == 0 else None
         self.offload_training_state()
         self.rollout.begin(step)
         for prompts in loader:
             rollout = self.generate(prompts, self.sampling(r.val_n, r.val_temperature, seed_offset=7))
-            scores, _ = self.score(rollout)
-            per_prompt: dict[int, tuple[str, list[float]]] = {}
-            for g, row, s in zip(rollout.group_ids.tolist(), rollout.rows, scores.tolist()):
-                per_prompt.setdefault(g, (row.get("data_source", "unknown"), []))[1].append(s)
-            for source, values in per_prompt.values():
-                by_source.setdefault(source, []).append(values)
+            scores, _, extras = self.score(rollout)
+            if samples is not None:
+                samples.add(rollout, scores.tolist(), extras,
+                            lambda k, b=rollout.train: _prompt_texts(self.info.tokenizer, b, range(k)))
         self.rollout.end()  # the state stays on the host until the next update needs it
-        out = {}
-        n = r.val_n
-        for source, groups in by_source.items():
-            if not groups:
-                continue
-            flat = [s for g in groups for s in g]
-            out[f"val/{source}/score/mean@{n}"] = sum(flat) / len(flat)
-            out[f"val/{source}/pass@{n}"] = sum(1.0 for g in groups if max(g) >= 1.0) / len(groups)
-        return out
+        return self.val_metrics.report(samples, step, self.run_dir)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -633,6 +634,13 @@ def _token_ids(batch, rows) -> tuple[list[list[int]], list[list[int]]]:
     responses = [[] if empty[i] and seq[i] - prompt[i] == 1 else ids[i, prompt[i]:seq[i]].tolist()
                  for i in rows]
     return prompts, responses
+
+
+def _prompt_texts(tokenizer, batch, rows) -> list[str]:
+    """The decoded prompts of `rows` of a TrainBatch, as the model saw them (chat template
+    included, special tokens left out)."""
+    ids, lens = batch.input_ids[list(rows)].tolist(), batch.prompt_lens[list(rows)].tolist()
+    return tokenizer.batch_decode([p[:k] for p, k in zip(ids, lens)], skip_special_tokens=True)
 
 
 def make_rollout(samples, group_ids, info) -> Rollout:

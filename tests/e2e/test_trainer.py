@@ -2,6 +2,7 @@
 generation TP=2; GRPO and PPO (with a critic), a few steps each, every metric present and finite."""
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,84 @@ def test_a_diverged_step_or_endless_skips_stop_the_run_and_save_nothing(tiny_mod
     assert "max_consecutive_skips=3" in message
     assert "at step 1" in message
     assert not list((tmp_path / "b" / "checkpoints" / "actor").glob("step_*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation metrics (issue 20): text metrics, a user metric, scorer extras, the generations file.
+
+VAL_METRIC_FN = '''
+def response_chars(responses, references, rows):
+    assert len(responses) == len(references) == len(rows)
+    return {"custom/chars": sum(len(r) for r in responses) / len(responses),
+            "custom/rows": float(len(rows))}
+'''
+
+
+def _val_overrides(tiny_model, run_dir, fn_path, fn_name="response_chars"):
+    return _overrides(tiny_model, run_dir, "grpo", (1, 1, 1)) + CRITIC_ONE_STEP + [
+        "trainer.val_metrics=[exact_match, rouge, bleu]", "trainer.val_pass_threshold=0.5",
+        f"trainer.val_metric_fn.path={fn_path}", f"trainer.val_metric_fn.name={fn_name}",
+        "trainer.log_val_generations=10", "checkpoint.save_every=0", "actor.ppo_epochs=1"]
+
+
+@pytest.mark.slow
+def test_validation_metrics_and_generations_file(tiny_model, tmp_path):
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    (tmp_path / "metric.py").write_text(VAL_METRIC_FN)
+    run_dir = tmp_path / "run"
+    overrides = _val_overrides(tiny_model, run_dir, tmp_path / "metric.py")
+    assert run_on_ranks(_train, 1, args=(overrides,), timeout=600, fresh=True) == [0]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = {k[len("val/quickstart/repeat_digit/"):]: v for k, v in rows[1].items()
+           if k.startswith("val/quickstart/repeat_digit/")}
+    assert not any(k.startswith("val/") for k in rows[0]) and not any(k.startswith("val/") for k in rows[2])
+    # The whole validation set (10 prompts, val_n=1), every response with its reference: the
+    # logged metrics recomputed from the file equal them.
+    gens_file = run_dir / "val_generations" / "step_2.jsonl"
+    gens = [json.loads(line) for line in gens_file.read_text().splitlines()]
+    assert len(gens) == 10 and sorted(os.listdir(run_dir / "val_generations")) == ["step_2.jsonl"]
+    assert [g["reference"] for g in gens] == [str(d) for d in range(10)]
+    assert all(g["data_source"] == "quickstart/repeat_digit" and "repeat the digit" in g["prompt"]
+               for g in gens)
+    responses, refs = [g["response"] for g in gens], [g["reference"] for g in gens]
+    scores = [g["score"] for g in gens]
+    assert val["score/mean@1"] == pytest.approx(sum(scores) / 10)
+    assert val["pass@1"] == pytest.approx(sum(s >= 0.5 for s in scores) / 10)
+    assert val["exact_match"] == pytest.approx(sum(r.strip() == t for r, t in zip(responses, refs)) / 10)
+    assert val["bleu"] == pytest.approx(sacrebleu.corpus_bleu(responses, [refs]).score)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"])
+    for k in ("rouge1", "rouge2", "rougeL"):
+        direct = [scorer.score(t, r)[k].fmeasure for r, t in zip(responses, refs)]
+        assert val[k] == pytest.approx(sum(direct) / 10)
+    assert val["no_reference"] == 0.0
+    assert val["custom/chars"] == pytest.approx(sum(map(len, responses)) / 10)
+    assert val["custom/rows"] == 10.0
+    # the quickstart scorer's extra key ("exact": the response is the digit four times)
+    assert val["reward/rule/exact/mean"] == pytest.approx(
+        sum(r.strip() == t * 4 for r, t in zip(responses, refs)) / 10)
+
+
+def _start_with_bad_metric_fn(rank, world_size, overrides):
+    from verl_mcore import build
+    from verl_mcore.config import Config
+    from verl_mcore.trainer import Trainer
+
+    def no_models(*a, **k):
+        raise AssertionError("a model was built before the metric function was checked")
+
+    build.build_actor = no_models
+    try:
+        Trainer(Config.load(str(ROOT / "configs/quickstart.yaml"), overrides))
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        return f"{type(e).__name__}: {e}"
+    return "started"
+
+
+def test_validation_metric_fn_of_the_wrong_signature_fails_before_any_model(tiny_model, tmp_path):
+    (tmp_path / "metric.py").write_text("def two(responses, references):\n    return {}\n")
+    overrides = _val_overrides(tiny_model, tmp_path / "run", tmp_path / "metric.py", "two")
+    [msg] = run_on_ranks(_start_with_bad_metric_fn, 1, args=(overrides,), timeout=300, fresh=True)
+    assert "trainer.val_metric_fn.name: two(responses, references) cannot be called as " \
+           "fn(responses, references, rows)" in msg, msg

@@ -85,8 +85,8 @@ def _trainer_score_body(rank, world_size, fns, classes):
         trainer = SimpleNamespace(rank=rank, world=world_size, rewards=manager, reward_models={},
                                   device=torch.device("cpu"),
                                   info=SimpleNamespace(tokenizer=_CharTokenizer()))
-        scores, metrics = Trainer.score(trainer, rollout)
-    return scores.tolist(), metrics
+        scores, metrics, extras = Trainer.score(trainer, rollout)
+    return scores.tolist(), metrics, extras
 
 
 def test_trainer_route_metrics_on_two_ranks_equal_one_unsharded_batch(tmp_path):
@@ -96,8 +96,10 @@ def test_trainer_route_metrics_on_two_ranks_equal_one_unsharded_batch(tmp_path):
     with RewardManager.from_config(_config(fns, classes)) as m:
         whole = m.score(RESPONSES, _rows(), prompts=prompts)
     expected = route_metrics(whole.routes, whole.scores)
-    for scores, metrics in results:  # rank 0 has 4 samples of the 7, rank 1 has 3
+    for scores, metrics, extras in results:  # rank 0 has 4 samples of the 7, rank 1 has 3
         assert scores == whole.scores
+        # the scorers' extras of every sample, in batch order (validation reduces them per source)
+        assert extras == whole.extras and extras["rule/chars"] == [float(len(r)) for r in RESPONSES]
         assert {k: v for k, v in metrics.items() if k.startswith("reward/route/")} == expected
         assert metrics["reward/prompt_len/mean"] == pytest.approx(sum(PROMPT_LENS) / 7)
 

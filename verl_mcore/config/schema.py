@@ -278,6 +278,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class ValMetricFnConfig(CustomClassConfig):
+    # Seconds the file may take to import (in a fresh interpreter first: user_code.check_import).
+    import_timeout_s: float = 60.0
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 1
     run_dir: str = "runs/default"
@@ -286,6 +292,18 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     val_every: int = 0  # steps; 0: no validation
     val_before_train: bool = False
+    # What validation logs besides score/mean@n and pass@n (val_metrics.py has the details):
+    # text metrics against each row's reward_model.ground_truth, by name: exact_match, rouge,
+    # bleu, or any metric of the HF `evaluate` library; keyword arguments per metric name; a
+    # function fn(responses, references, rows) -> {name: float} from a Python file.
+    val_metrics: list[str] = field(default_factory=list)
+    val_metric_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    val_metric_fn: ValMetricFnConfig = field(default_factory=ValMetricFnConfig)
+    # pass@n counts a prompt whose best sample scores at least this.
+    val_pass_threshold: float = 1.0
+    # Write this many prompt / response / score / reference rows of each validation to
+    # RUN_DIR/val_generations/step_<step>.jsonl; 0: none.
+    log_val_generations: int = 0
     seed: int = 42
     on_nonfinite: Literal["stop", "skip"] = "stop"
     # on_nonfinite=skip: this many optimizer steps of one role skipped in a row for a non-finite

@@ -93,6 +93,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "trainer.total_steps": ("[1, inf)", ""),
     "trainer.max_consecutive_skips": ("[1, inf)", ""),
     "trainer.val_every": ("[0, inf)", "0: no validation"),
+    "trainer.val_metric_fn.import_timeout_s": ("(0, inf)", "seconds"),
+    "trainer.val_pass_threshold": ("(-inf, inf)", "a score; pass@n counts best >= it"),
+    "trainer.log_val_generations": ("[0, inf)", "0: no generations file"),
     "trainer.seed": ("[0, 4294967295]", "torch, numpy and Python generators take it"),
     "trainer.collective_timeout_s": ("(0, inf)", "seconds"),
 }
@@ -382,7 +385,9 @@ def _validation_errors(cfg: Config) -> list[str]:
         asked = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
         errs.append(f"{asked} but data.val_files is empty: give validation files or turn "
                     "validation off (trainer.val_every=0, trainer.val_before_train=false)")
-    return errs
+    from verl_mcore.val_metrics import config_errors
+
+    return errs + config_errors(t)
 
 
 def _reward_errors(cfg: Config) -> list[str]:
