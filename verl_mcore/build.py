@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
+from verl_mcore.models.hub import local_dir
 
 log = logging.getLogger("verl_mcore.build")
 
@@ -49,30 +50,35 @@ def load_model_info(cfg: Config) -> ModelInfo:
     if cfg.model.path is None:
         raise ConfigError("model.path must name a Hugging Face directory (its config.json and "
                           "tokenizer are needed even when model.checkpoint gives the weights)")
-    arch = read_hf_arch(cfg.model.path)
-    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    tokenizer = _load_tokenizer(cfg.model.tokenizer or cfg.model.path, key,
-                                cfg.model.trust_remote_code)
-    return ModelInfo(arch, tokenizer, cfg.model.path, cfg.model.checkpoint)
+    hf_dir = model_dir(cfg)
+    arch = read_hf_arch(hf_dir)
+    if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.path:
+        tokenizer = _load_tokenizer(local_dir(cfg.model.tokenizer, None, "model.tokenizer"),
+                                    "model.tokenizer", cfg.model.trust_remote_code)
+    else:
+        tokenizer = _load_tokenizer(hf_dir, "model.path", cfg.model.trust_remote_code)
+    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint)
+
+
+def model_dir(cfg: Config) -> Optional[str]:
+    """The local directory of model.path: itself, or a Hub id's snapshot (models/hub.py)."""
+    return local_dir(cfg.model.path, cfg.model.revision, "model.path")
 
 
 def _load_tokenizer(where: str, key: str, trust_remote_code: bool, instead: str = "model.tokenizer"):
-    """AutoTokenizer from a directory (or a hub id), failing with the config key and the reason
-    (transformers says `Repo id must be ...` for a directory that does not exist); `instead`:
-    the key that names another tokenizer directory."""
+    """AutoTokenizer from a directory (a Hub id is resolved to its snapshot by the caller),
+    failing with the config key and the reason (transformers says `Repo id must be ...` for a
+    directory that does not exist); `instead`: the key that names another tokenizer directory."""
     from transformers import AutoTokenizer
 
-    looks_like_path = (os.path.isabs(where) or where.startswith((".", "~"))
-                       or where.count("/") != 1)
-    if not os.path.isdir(where) and looks_like_path:
+    if not os.path.isdir(where):
         raise ConfigError(f"{key}={where}: no such directory (the tokenizer is read from there; "
                           f"set {instead} to the directory that has tokenizer.json / "
                           "tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot"
-        what = "directory" if os.path.isdir(where) else "Hugging Face hub id (not a local directory)"
-        raise ConfigError(f"{key}={where}: the tokenizer of this {what} does not load "
+        raise ConfigError(f"{key}={where}: the tokenizer of this directory does not load "
                           f"({type(e).__name__}: {e}); it needs tokenizer.json or "
                           f"tokenizer_config.json with its vocabulary files, or set {instead}") from e
 
@@ -102,13 +108,19 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
     from verl_mcore.config import ModelShape, validate
     from verl_mcore.distributed.agree import all_ranks_agree
     from verl_mcore.models.hf_weights import check_weight_files
+    from verl_mcore.models.hub import fetch_for_run
+
+    # Hub ids: downloaded once per node and pinned for the run; from here on every reader
+    # gets the same snapshot directory (models/hub.py).
+    fetch_for_run(cfg)
 
     def check() -> Inputs:
         try:
-            shape = ModelShape.from_hf_dir(cfg.model.path) if cfg.model.path else None
+            hf_dir = model_dir(cfg)
+            shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
             validate(cfg, world, shape)
-            if cfg.model.checkpoint is None and cfg.model.path and os.path.isdir(cfg.model.path):
-                check_weight_files(cfg.model.path)
+            if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
+                check_weight_files(hf_dir)
             info = load_model_info(cfg)
             for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
                 check_reward_model_tokens(cfg, info, key, reward_model_info(cfg, key, source))
@@ -294,8 +306,8 @@ def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
     from verl_mcore.models.hf_weights import check_weight_files
     from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR
 
-    path = source.path
-    where = f"{key}.path={path}"
+    where = f"{key}.path={source.path}"
+    path = local_dir(source.path, source.revision, f"{key}.path")
     if not path or not os.path.isdir(path):
         raise ConfigError(f"{where}: no such directory (a reward model is an HF "
                           "*ForSequenceClassification directory or a dist checkpoint)")
@@ -322,7 +334,10 @@ def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
     if checkpoint is None and "score.weight" not in check_weight_files(hf_dir, f"{key}.path"):
         raise ConfigError(f"{where}: its safetensors hold no `score.weight`: config.json says "
                           "*ForSequenceClassification but these are not a reward model's weights")
-    tokenizer = _load_tokenizer(source.tokenizer or hf_dir, f"{key}.tokenizer",
+    own = not source.tokenizer or source.tokenizer == source.path
+    tokenizer = _load_tokenizer(hf_dir if own else local_dir(source.tokenizer, None,
+                                                            f"{key}.tokenizer"),
+                                f"{key}.tokenizer",
                                 cfg.model.trust_remote_code, instead=f"{key}.tokenizer")
     if len(tokenizer) > arch.vocab_size:
         raise ConfigError(f"{key}: its tokenizer has {len(tokenizer)} ids but the model only "

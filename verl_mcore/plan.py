@@ -8,7 +8,8 @@ which global ranks form each TP / PP / DP / generation group and on which node t
 estimates the peak GPU memory of each phase of a step. Exit status: 0 fits, 2 invalid config
 (a size does not divide, ...), 3 a phase does not fit (the message names single knob changes
 that would make it fit, found by re-planning with each). Runs in seconds: it reads the model
-shape from `model.path`'s config.json, or from KNOWN_SHAPES when the path is a hub id.
+shape from `model.path`'s config.json (a Hub id's from the Hugging Face cache, never downloaded),
+or from KNOWN_SHAPES for a hub id not in the cache.
 
 Memory model (bytes per GPU; P = parameters held by this rank; T = tokens of one micro-batch on
 this rank; t = TP, p = PP, d = DP, c = CP; b = bytes of the model dtype: 2 for bf16/fp16, 4 fp32).
@@ -97,6 +98,7 @@ from typing import Optional
 
 from verl_mcore.config import Config, ConfigError, ModelShape, data_parallel_size, validate
 from verl_mcore.config.validate import load_config_json
+from verl_mcore.models.hub import local_dir
 
 GiB = 1024 ** 3
 RUNTIME_OVERHEAD_GIB = 2.0
@@ -164,14 +166,21 @@ KNOWN_SHAPES["llama-3.1-8b"] = KNOWN_SHAPES["meta-llama-3.1-8b"] = KNOWN_SHAPES[
 KNOWN_SHAPES["llama-3.1-70b"] = KNOWN_SHAPES["meta-llama-3.1-70b"] = KNOWN_SHAPES["meta-llama-3-70b"]
 
 
-def resolve_dims(model_path: Optional[str]) -> ModelDims:
-    """config.json of a local HF directory, else the KNOWN_SHAPES entry for a hub id."""
+def resolve_dims(model_path: Optional[str], revision: Optional[str] = None) -> ModelDims:
+    """config.json of a local HF directory or of a Hub id's snapshot in the Hugging Face cache,
+    else the KNOWN_SHAPES entry for a hub id. The planner never downloads: it runs in seconds
+    on a login node, and a model's weights are the trainer's to fetch."""
     if not model_path:
         raise ConfigError("the planner needs model.path (an HF directory or a known hub id)")
+    key = os.path.basename(model_path.rstrip("/")).lower().removesuffix("-instruct")
+    try:
+        model_path = local_dir(model_path, revision, "model.path", download=False)
+    except ConfigError:
+        if key not in KNOWN_SHAPES:
+            raise
     cfg_file = os.path.join(model_path, "config.json")
     if os.path.isfile(cfg_file):
         return ModelDims.from_hf_config(load_config_json(cfg_file), cfg_file)
-    key = os.path.basename(model_path.rstrip("/")).lower().removesuffix("-instruct")
     if key in KNOWN_SHAPES:
         return KNOWN_SHAPES[key]
     raise ConfigError(f"model.path={model_path!r}: no config.json there and not a known shape "
@@ -339,8 +348,9 @@ def reward_model_dims(cfg: Config) -> dict[str, ModelDims]:
     out = {}
     for i, s in enumerate(cfg.reward.sources):
         if s.type == "reward_model" and s.path:
-            hf = s.path if os.path.isfile(os.path.join(s.path, "config.json")) \
-                else os.path.join(s.path, "hf_config")
+            path = local_dir(s.path, s.revision, f"reward.sources[{i}].path", download=False)
+            hf = path if os.path.isfile(os.path.join(path, "config.json")) \
+                else os.path.join(path, "hf_config")
             cfg_file = os.path.join(hf, "config.json")
             if not os.path.isfile(cfg_file):
                 raise ConfigError(f"reward.sources[{i}].path={s.path}: neither an HF directory (no "
@@ -798,7 +808,7 @@ def main(argv=None) -> int:
     world = nodes * gpn
     try:
         cfg = Config.load(args.config, args.overrides)
-        dims = resolve_dims(cfg.model.path)
+        dims = resolve_dims(cfg.model.path, cfg.model.revision)
         validate(cfg, world, dims.shape())
         reward_model_dims(cfg)
     except ConfigError as e:

@@ -20,7 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("hf-to-mcore", help="HF directory -> megatron dist checkpoint")
-    p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)"
+                   " or a Hugging Face Hub id org/name (from the HF cache, downloaded when not there)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hub id given as --hf (default: main)")
     p.add_argument("--out", required=True, help="output dist checkpoint directory")
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="cast weights (default: keep the HF dtype)")
@@ -34,14 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output HF directory")
     p.add_argument("--hf-template", default=None,
                    help="HF directory to take config.json and tokenizer files from (default: the "
-                        "copy hf-to-mcore stored in the checkpoint)")
+                        "copy hf-to-mcore stored in the checkpoint) or a Hugging Face Hub id org/name (from the HF cache, downloaded when not there)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hub id given as --hf-template (default: main)")
     p.add_argument("--max-shard-size", type=_parse_size, default="5GB",
                    help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser("verify", help="compare megatron (dist checkpoint) with transformers logits")
-    p.add_argument("--hf", required=True)
+    p.add_argument("--hf", required=True, help="HF model directory or a Hugging Face Hub id org/name (from the HF cache, downloaded when not there)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hub id given as --hf (default: main)")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -51,7 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_mcore.config import ConfigError
+    from verl_mcore.models.hub import is_hub_id, local_dir
+
     args = build_parser().parse_args(argv)
+    # A Hub id becomes its snapshot directory here, before verify spawns its ranks (which would
+    # otherwise each resolve it).
+    given = getattr(args, "hf", None) or getattr(args, "hf_template", None)
+    if getattr(args, "revision", None) and not is_hub_id(given):
+        print(f"error: --revision {args.revision} selects a snapshot of a Hugging Face Hub id, "
+              f"but {given} is not one (a local directory has one version)", file=sys.stderr)
+        return 2
+    try:
+        if getattr(args, "hf", None):
+            args.hf = local_dir(args.hf, args.revision, "--hf")
+        if getattr(args, "hf_template", None):
+            args.hf_template = local_dir(args.hf_template, args.revision, "--hf-template")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.command == "hf-to-mcore":
         from tools.convert_hf.convert import convert_hf_to_mcore
 

@@ -21,13 +21,19 @@ Dtype = Literal["bf16", "fp16", "fp32"]
 
 @dataclass
 class ModelConfig:
-    # Hugging Face directory (or hub id when online): converted on the fly and sharded straight
+    # Hugging Face directory, or a Hub id `org/name`: converted on the fly and sharded straight
     # into each rank's TP/PP slice. Exactly one of path / checkpoint is the weight source; with
     # both, `checkpoint` (a dist checkpoint from tools/convert_hf) supplies the weights and
-    # `path` the HF config and tokenizer.
+    # `path` the HF config and tokenizer. A Hub id is read from huggingface_hub's cache
+    # (HF_HOME / HF_HUB_CACHE), downloaded there first by local rank 0 of each node unless
+    # HF_HUB_OFFLINE=1 (models/hub.py); config.yaml keeps the id. Paths (absolute, ./, ../, ~,
+    # or not exactly one '/') are never looked up on the Hub.
     path: Optional[str] = None
     checkpoint: Optional[str] = None
-    tokenizer: Optional[str] = None  # defaults to `path`
+    # Branch, tag or commit hash of a Hub id in `path` (and in `tokenizer` when it is the same
+    # id); None: the default branch. A commit hash pins the run to exact files.
+    revision: Optional[str] = None
+    tokenizer: Optional[str] = None  # defaults to `path`; a directory or a Hub id
     trust_remote_code: bool = False
     # Pad the vocabulary to a multiple of lcm(this, training TP) (Megatron's option of that name,
     # whose own rule is this × TP); the generation model keeps that same padded size.
@@ -122,7 +128,9 @@ class RewardSourceConfig:
     name: str = "rule"
     weight: float = 1.0
     type: Literal["rule", "custom", "reward_model"] = "rule"
-    path: Optional[str] = None  # custom: Python file; reward_model: HF or dist checkpoint
+    # custom: Python file; reward_model: HF directory, Hub id `org/name` (as model.path) or
+    # dist checkpoint
+    path: Optional[str] = None
     # custom: a function (called per sample with `kwargs`) or a class (constructed once per
     # scoring process with `kwargs`; a per-sample `score` / `__call__` or a batch
     # `compute_reward(batch)`: reward/custom.py)
@@ -132,6 +140,9 @@ class RewardSourceConfig:
     # only (engine/reward_model.py); its micro-batches default to the actor's settings.
     dtype: Dtype = "bf16"
     tokenizer: Optional[str] = None  # default: `path` (a dist checkpoint: its hf_config/)
+    # reward_model only: revision of a Hub id in `path` (and `tokenizer` when the same id), as
+    # model.revision
+    revision: Optional[str] = None
     micro_batch_size: Optional[int] = None
     max_tokens_per_microbatch: Optional[int] = None
 

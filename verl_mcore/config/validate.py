@@ -363,6 +363,12 @@ def _length_errors(cfg: Config, shape: Optional[ModelShape]) -> list[str]:
                         f"{d.max_prompt_length + d.max_response_length})")
     if cfg.model.path is None and cfg.model.checkpoint is None:
         errs.append("set model.path (a Hugging Face directory) or model.checkpoint")
+    from verl_mcore.models.hub import is_hub_id  # models/ imports config/: not at the top
+
+    if cfg.model.revision is not None and not is_hub_id(cfg.model.path):
+        errs.append(f"model.revision={cfg.model.revision} selects a snapshot of a Hugging Face "
+                    f"Hub id, but model.path={cfg.model.path} is not one (a local directory has "
+                    "one version); remove model.revision or set model.path to an `org/name` id")
     if not cfg.data.train_files:
         errs.append("data.train_files is empty: give one or more Parquet/Arrow/JSONL files")
     return errs
@@ -391,12 +397,18 @@ def _validation_errors(cfg: Config) -> list[str]:
 
 
 def _reward_errors(cfg: Config) -> list[str]:
+    from verl_mcore.models.hub import is_hub_id  # models/ imports config/: not at the top
+
     r, errs = cfg.reward, []
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for i, s in enumerate(r.sources):
         if s.type == "reward_model" and not s.path:
             errs.append(f"reward.sources[{i}] ({s.name!r}) is a reward_model: set its path (an HF "
                         "*ForSequenceClassification directory or a dist checkpoint)")
+        if s.revision is not None and (s.type != "reward_model" or not is_hub_id(s.path)):
+            errs.append(f"reward.sources[{i}].revision={s.revision} selects a snapshot of a "
+                        f"reward model's Hugging Face Hub id, but its path={s.path} is not one; "
+                        "remove the revision or set the path to an `org/name` id")
         if s.type == "reward_model" and s.max_tokens_per_microbatch is not None \
                 and s.max_tokens_per_microbatch < longest:
             errs.append(f"reward.sources[{i}].max_tokens_per_microbatch={s.max_tokens_per_microbatch}"

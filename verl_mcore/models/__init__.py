@@ -6,6 +6,7 @@
     gpt.py         layer spec choice, ScalarHead, build_gpt_model(arch, config, role=...)
     weight_map.py  pure name/tensor mapping: QKV/gate-up fusion, vocab padding, TP slices, PP stages
     hf_weights.py  safetensors reader; load_hf_weights: this rank's slice straight from HF files
+    hub.py         Hugging Face Hub ids -> the cached snapshot directory (local_dir)
     checkpoint.py  load_dist_checkpoint: a megatron dist checkpoint at any TP/PP
     load.py        build_and_load(role, hf_path=..., checkpoint=...): config fields -> filled model
 

@@ -156,20 +156,6 @@ def _check_safetensors_header(path: str, key: str = "model.path") -> set:
     return set(tensors)
 
 
-def resolve_hf_dir(path_or_id: str) -> str:
-    """A local HF directory as is; otherwise a hub id, downloaded (config, safetensors and
-    tokenizer files only) through huggingface_hub into its cache. Needs network for a hub id."""
-    if os.path.isdir(path_or_id):
-        return path_or_id
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:
-        raise FileNotFoundError(f"{path_or_id}: not a directory, and huggingface_hub is not "
-                                "installed to resolve it as a hub id") from e
-    return snapshot_download(path_or_id, allow_patterns=[
-        "*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"])
-
-
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                        "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}
 

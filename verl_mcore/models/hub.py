@@ -1,0 +1,134 @@
+"""Hugging Face Hub ids in place of local directories: `model.path=Qwen/Qwen2.5-0.5B-Instruct`.
+
+One function, `local_dir`, turns what the user wrote into the directory everything downstream
+reads (config.json, safetensors headers, tokenizer, weights, the planners): a local directory as
+is; a hub id `org/name` through huggingface_hub's cache (snapshot_download with only the config,
+safetensors and tokenizer files), which honours HF_HOME / HF_HUB_CACHE, HF_TOKEN and
+HF_HUB_OFFLINE because huggingface_hub reads them itself. Anything that looks like a path
+(absolute, ./, ../, ~, or not exactly one '/') is never sent to the Hub, so a mistyped directory
+still fails as "no such directory".
+
+Each id is resolved once per process and kept: the run reads one snapshot from start to end
+even if a shared cache's refs/main moves on meanwhile (another job downloading a newer commit).
+In the trainer, `fetch_for_run` first downloads on local rank 0 of each node while the node's
+other ranks wait, then every rank finds the same snapshot in the cache; both steps are agreed
+across ranks (distributed/agree.py), so a failed download stops every rank with its message.
+The config keeps the id (RUN_DIR/config.yaml, checkpoints), so the run stays reproducible.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from verl_mcore.config.loading import ConfigError
+
+log = logging.getLogger("verl_mcore.models.hub")
+
+# What a training run reads from a model repo; other weight formats (.bin, .pt, gguf) and
+# repo extras (images, ONNX exports) are never downloaded.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt",
+                  "*.jinja"]
+
+_resolved: dict[tuple[str, Optional[str]], str] = {}  # (id, revision) -> snapshot directory
+
+
+def is_hub_id(where: Optional[str]) -> bool:
+    """`org/name` that is not a local directory (a local directory of that name wins, as in
+    transformers)."""
+    if not where or os.path.isdir(where):
+        return False
+    looks_like_path = (os.path.isabs(where) or where.startswith((".", "~"))
+                       or where.count("/") != 1)
+    return not looks_like_path
+
+
+def local_dir(where: Optional[str], revision: Optional[str] = None, key: str = "model.path",
+              download: bool = True) -> Optional[str]:
+    """The local directory for `where`: itself unless it is a hub id (callers keep their own
+    "no such directory" check), else the cached snapshot of `revision` (None: the default
+    branch), downloaded when not cached and `download`. Raises ConfigError naming `key`."""
+    if not is_hub_id(where):
+        return where
+    if (where, revision) in _resolved:
+        return _resolved[(where, revision)]
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import errors as hub_errors
+
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        path = snapshot_download(where, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                 local_files_only=not download)
+    except (hub_errors.GatedRepoError, hub_errors.RepositoryNotFoundError) as e:
+        # GatedRepoError is a RepositoryNotFoundError: both mean "not visible with this token".
+        raise ConfigError(f"{key}={where}: no such model on the Hugging Face Hub, or it is gated "
+                          f"or private and needs a token (huggingface_hub says "
+                          f"{type(e).__name__}); check the id, or set HF_TOKEN / run `hf auth "
+                          "login` with an account that may read it") from e
+    except hub_errors.RevisionNotFoundError as e:
+        raise ConfigError(f"{key}={where}: the Hub has no revision {revision!r} of it; set the "
+                          "revision to a branch, tag or commit hash of that repo") from e
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled,
+            hub_errors.IncompleteSnapshotError) as e:
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
+               "the Hub could not be reached" if download else "only the cache is read here")
+        rev = f" --revision {revision}" if revision else ""
+        raise ConfigError(
+            f"{key}={where}: a Hugging Face Hub id{at}, not a local directory, and it is not in "
+            f"the Hugging Face cache {constants.HF_HUB_CACHE} ({why}: {e}). Download it first on "
+            f"a machine with network into the cache this job reads: `hf download {where}{rev}` "
+            f"(`huggingface-cli download` in older huggingface_hub) with the same HF_HOME / "
+            f"HF_HUB_CACHE; or set HF_HOME (or HF_HUB_CACHE) to a cache that has it; or set "
+            f"{key} to a local directory") from e
+    except (hub_errors.HfHubHTTPError, OSError) as e:
+        raise ConfigError(f"{key}={where}: downloading it from the Hugging Face Hub{at} into "
+                          f"{constants.HF_HUB_CACHE} failed ({type(e).__name__}: {e})") from e
+    _resolved[(where, revision)] = path
+    log.info("%s=%s%s: the Hugging Face snapshot %s", key, where, at, path)
+    return path
+
+
+def run_sources(cfg) -> list[tuple[str, str, Optional[str]]]:
+    """(config key, hub id, revision) of every hub id `cfg` names, in the order they are read."""
+    specs = []
+
+    def add(key: str, where: Optional[str], revision: Optional[str]) -> None:
+        if is_hub_id(where):
+            specs.append((key, where, revision))
+
+    add("model.path", cfg.model.path, cfg.model.revision)
+    if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.path:
+        add("model.tokenizer", cfg.model.tokenizer, None)
+    for i, s in enumerate(cfg.reward.sources):
+        if s.type == "reward_model":
+            add(f"reward.sources[{i}].path", s.path, s.revision)
+            if s.tokenizer and s.tokenizer != s.path:
+                add(f"reward.sources[{i}].tokenizer", s.tokenizer, None)
+    return specs
+
+
+def fetch_for_run(cfg) -> None:
+    """Every rank: make each hub id of `cfg` a cached snapshot, downloaded once per node.
+
+    Local rank 0 downloads while the node's other ranks wait in the agreement's all_gather
+    (bounded by trainer.collective_timeout_s: download a very large model beforehand with `hf
+    download`); then every rank finds the snapshot in its node's cache without network. A
+    failure in either step raises on every rank, naming the rank and the key."""
+    from verl_mcore.distributed.agree import all_ranks_agree
+    from verl_mcore.distributed.launch import detect_launch
+
+    specs = run_sources(cfg)
+    if not specs:  # the same config on every rank: all skip both collectives alike
+        return
+    local_rank = detect_launch().local_rank  # from the launcher's environment, as the trainer's
+    names = ", ".join(f"{key}={where}" for key, where, _ in specs)
+
+    def download() -> None:
+        if local_rank == 0:
+            for key, where, revision in specs:
+                local_dir(where, revision, key)
+
+    all_ranks_agree(download, f"downloading {names} from the Hugging Face Hub")
+    all_ranks_agree(lambda: [local_dir(where, revision, key, download=False)
+                             for key, where, revision in specs],
+                    f"finding {names} in the Hugging Face cache")
