@@ -139,6 +139,11 @@ def _cases() -> list[Case]:
         Case("critic-warmup", (GAE, "critic.warmup_steps=2"), expect=("critic/vf_loss",)),
         Case("validation", ("trainer.val_every=2", "trainer.val_before_train=true"),
              expect=("val/*",)),
+        # Text metrics need rouge-score / sacrebleu, which the device image lacks: exact match,
+        # a pass threshold and the generations file.
+        Case("validation-metrics", ("trainer.val_every=2", "trainer.val_metrics=[exact_match]",
+                                    "trainer.val_pass_threshold=0.5", "trainer.log_val_generations=4"),
+             expect=("val/*/exact_match", "val/*/pass@*")),
         Case("resume-grpo", resume=True),
         Case("resume-gae-async-save", (GAE, "checkpoint.async_save=true"), resume=True),
         Case("resume-non-distributed-optimizer", ("parallel.use_distributed_optimizer=false",),
