@@ -141,6 +141,9 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = training_device()
         self.run_dir = build.resolve_run_dir(cfg)
+        from verl_mcore.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model, self.launch.local_rank)  # Trainer(cfg) without train.main
         # Before anything is written into the run directory: a second run there is refused.
         self.run = RunDir.open(cfg, self.run_dir, self.launch.local_rank, self.launch.local_world_size)
         try:
