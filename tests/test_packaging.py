@@ -74,4 +74,7 @@ def test_the_shipped_quickstart_trains_a_step_from_another_directory(installed, 
                 f"trainer.run_dir={tmp_path / 'run'}"], tmp_path, env, timeout=600)
     assert "model.make_tiny_if_missing: wrote the quickstart's tiny model" in out
     assert (tmp_path / "runs/quickstart/tiny_model/config.json").is_file()
+    shipped = f"{bin_dir.parent}/lib/"  # the data were read from the wheel's shipped copies
+    assert f"data train: 1 file ({shipped}" in out and "quickstart_train.parquet): " in out
+    assert "16 prompts per step, " in out and "data val: 1 file" in out
     assert "run finished: 1 steps" in out
