@@ -3,9 +3,17 @@
 The CUDA extension (csrc/) is built only when both a CUDA toolkit and a CUDA build of torch are
 present; otherwise the package installs pure-Python and `verl_mcore.ops` uses its torch reference.
 """
+import glob
 import os
+import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+# Files outside the package that an installed verl_mcore needs: every config, and what the
+# quickstart reads (its data and reward). They are copied into verl_mcore/_shipped/, where
+# verl_mcore/shipped.py finds them (`verl-mcore-train --config quickstart` from any directory).
+SHIPPED = ["configs/*.yaml", "examples/data/quickstart_*.parquet", "examples/quickstart_reward.py"]
 
 CORE = [
     "torch>=2.6",
@@ -55,13 +63,38 @@ def cuda_extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
+class BuildPyWithShipped(build_py):
+    """build_py, plus SHIPPED copied into the built package under verl_mcore/_shipped/."""
+
+    def run(self):
+        super().run()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for pattern in SHIPPED:
+            files = sorted(glob.glob(os.path.join(here, pattern)))
+            if not files:  # a renamed example must not silently ship a broken quickstart
+                raise RuntimeError(f"setup.py SHIPPED: {pattern} matches no file")
+            for src in files:
+                dst = os.path.join(self.build_lib, "verl_mcore", "_shipped", os.path.relpath(src, here))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copy2(src, dst)
+
+
 ext_modules, cmdclass = cuda_extensions()
+cmdclass = {**cmdclass, "build_py": BuildPyWithShipped}
 
 setup(
     name="verl_mcore",
     version="0.1.0",
     description="RL post-training for LLMs on megatron-core, launched by Slurm/torchrun/mpirun",
-    packages=find_packages(include=["verl_mcore", "verl_mcore.*", "tools", "tools.*"]),
+    # tools/ stays a checkout-only package (`python -m tools...`): an installed top-level `tools`
+    # would clash with anything else of that name. What the package needs from it lives in
+    # verl_mcore (tiny_model, convert_hf) and tools/ re-exports it.
+    packages=find_packages(include=["verl_mcore", "verl_mcore.*"]),
+    entry_points={"console_scripts": [
+        "verl-mcore-train = verl_mcore.train:main",
+        "verl-mcore-plan = verl_mcore.plan:main",
+        "verl-mcore-convert-hf = verl_mcore.convert_hf.__main__:main",
+    ]},
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,

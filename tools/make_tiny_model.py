@@ -1,90 +1,11 @@
-"""Write a tiny, randomly initialised Hugging Face model directory (config, safetensors, tokenizer).
+"""`python -m tools.make_tiny_model --out DIR` from a checkout. The code is verl_mcore/tiny_model.py,
+inside the package, because an installed quickstart (model.make_tiny_if_missing) needs it and
+`pip install .` installs no `tools` package."""
+import sys
 
-    python -m tools.make_tiny_model --out runs/quickstart/tiny_model
-
-The quickstart trains this model, so the real path runs end to end on a laptop CPU with no
-downloads: HF config.json + safetensors -> megatron-core GPTModel -> RL -> HF export. See
-`build_tokenizer` for the tokenizer.
-"""
-from __future__ import annotations
-
-import argparse
-import os
-
-# The tokenizer is a byte-level BPE in Qwen2's format (Qwen2's pre-tokenizer regex), trained on the
-# quickstart's phrases: about 36 tokens. It is saved as a `Qwen2Tokenizer` because transformers 5's
-# AutoTokenizer rebuilds a qwen2 model's tokenizer through that class whatever tokenizer.json says.
-CORPUS = [f"repeat the digit {d} : {str(d) * 4}" for d in range(10)]
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-
-def build_tokenizer(vocab_size: int = 40):
-    import json
-
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  show_progress=False)
-    bpe.train_from_iterator(CORPUS * 4, trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, ffn: int = 128, max_positions: int = 128,
-                    reward_model: bool = False) -> str:
-    """reward_model: a Qwen2ForSequenceClassification with one label (a reward model with the
-    quickstart's tokenizer) instead of the causal LM."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, initializer_range=0.02,
-    )
-    torch.manual_seed(seed)
-    if reward_model:
-        config.num_labels = 1
-        model = Qwen2ForSequenceClassification(config).to(torch.float32)
-    else:
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory to write (created)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--reward-model", action="store_true",
-                   help="a sequence classifier with one label (a reward model) instead")
-    args = p.parse_args(argv)
-    if os.path.exists(os.path.join(args.out, "config.json")):
-        print(f"{args.out} already holds a model; leaving it as it is")
-        return 0
-    make_tiny_model(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
-                    reward_model=args.reward_model)
-    kind = "reward model" if args.reward_model else "model"
-    print(f"wrote a tiny random Qwen2-architecture {kind} to {args.out}")
-    return 0
-
+from verl_mcore import tiny_model
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(tiny_model.main())
+# Imported: this name is the module itself, so `tools.make_tiny_model.X` is verl_mcore's X.
+sys.modules[__name__] = tiny_model

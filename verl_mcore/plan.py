@@ -775,7 +775,7 @@ def _env_int(*names: str) -> Optional[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m verl_mcore.plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="verl-mcore-plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="YAML config file")
     ap.add_argument("--nodes", type=int, default=None,
                     help="nodes (default: SLURM_JOB_NUM_NODES, else 1)")
@@ -808,6 +808,9 @@ def main(argv=None) -> int:
     world = nodes * gpn
     try:
         cfg = Config.load(args.config, args.overrides)
+        from verl_mcore.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model, local_rank=0)  # one process: the layout needs its shape
         dims = resolve_dims(cfg.model.path, cfg.model.revision)
         validate(cfg, world, dims.shape())
         reward_model_dims(cfg)

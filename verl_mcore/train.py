@@ -1,4 +1,5 @@
-"""Entry point, run on every rank: `python -m verl_mcore.train --config FILE [a.b=c ...]`.
+"""Entry point, run on every rank: `verl-mcore-train --config FILE [a.b=c ...]`
+(or `python -m verl_mcore.train ...`). FILE may be a shipped config's name: `--config quickstart`.
 
 config -> launch environment -> torch.distributed -> process groups -> Trainer -> fit.
 """
@@ -12,9 +13,10 @@ from verl_mcore.config import Config, ConfigError, ModelShape, validate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m verl_mcore.train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="verl-mcore-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--config", help="YAML config file, or the name of a shipped one "
+                                          "(quickstart, ...)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the fully resolved config as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
     info = detect_launch()
     setup_logging(info.rank)
     try:
+        from verl_mcore.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model, info.local_rank)  # the quickstart's model, on its first run
         shape = ModelShape.from_hf_dir(cfg.model.path) if cfg.model.path else None
         validate(cfg, info.world_size, shape)
     except ConfigError as e:

@@ -142,6 +142,9 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = training_device()
         self.run_dir = build.resolve_run_dir(cfg)
+        from verl_mcore.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(cfg.model, self.launch.local_rank)  # Trainer(cfg) without train.main
         # Before anything is written into the run directory: a second run there is refused.
         self.run = RunDir.open(cfg, self.run_dir, self.launch.local_rank, self.launch.local_world_size)
         try:
@@ -186,13 +189,17 @@ class Trainer:
             self.val_metrics = all_ranks_agree(lambda: ValMetrics.from_config(cfg, self.rank),
                                                "checking the validation metrics")
         self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
+        self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
+        if self.rank == 0:  # what the data stage kept, before minutes of model building
+            from verl_mcore.data.report import log_data_stage
+
+            log_data_stage(self.train_data, self.val_data, cfg.data, self.loader.batches_per_epoch)
         with self.watchdog.phase("build models"):
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
             self.critic = build.build_critic(cfg, self.groups, self.info)
             self.reward_models = build.build_reward_models(cfg, self.groups, self.info)
             self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
-        self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"

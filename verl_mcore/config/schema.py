@@ -35,6 +35,13 @@ class ModelConfig:
     revision: Optional[str] = None
     tokenizer: Optional[str] = None  # defaults to `path`; a directory or a Hub id
     trust_remote_code: bool = False
+    # When `path` holds no model yet, write the quickstart's tiny random model there first
+    # (verl_mcore/tiny_model.py: Qwen2 architecture, 2 layers, a 36-token tokenizer, seed 0; the
+    # very files `python -m tools.make_tiny_model --out PATH` writes), so the quickstart is one
+    # command with no download. Local rank 0 of each node writes it into a temporary directory
+    # renamed at the end (a killed first run leaves no half model); the node's other ranks wait.
+    # A model already at `path` is used as it is.
+    make_tiny_if_missing: bool = False
     # Pad the vocabulary to a multiple of lcm(this, training TP) (Megatron's option of that name,
     # whose own rule is this × TP); the generation model keeps that same padded size.
     make_vocab_size_divisible_by: int = 128
@@ -349,15 +356,21 @@ class Config:
         """YAML file (optional) + `a.b.c=value` overrides -> a type-checked Config.
 
         Cross-field checks that need the world size or the model shape are in
-        `verl_mcore.config.validate`; this only checks keys, types and single fields.
+        `verl_mcore.config.validate`; this only checks keys, types and single fields. `path`
+        may be the bare name of a shipped config (`quickstart`), and the input files it names
+        are found among the shipped ones when they are not in the current directory
+        (verl_mcore/shipped.py has the rule).
         """
+        from verl_mcore import shipped
         from verl_mcore.config.loading import apply_override, from_dict, load_yaml, parse_override
 
-        tree = load_yaml(path) if path else {}
+        tree = load_yaml(shipped.config_file(path)) if path else {}
         for text in overrides or []:
             keys, value = parse_override(text)
             apply_override(tree, keys, value)
-        return from_dict(cls, tree)
+        cfg = from_dict(cls, tree)
+        shipped.resolve_paths(cfg)
+        return cfg
 
     def to_yaml(self) -> str:
         import yaml

@@ -1,0 +1,262 @@
+"""HF directory <-> megatron-core dist checkpoint, streaming one tensor at a time.
+
+Both directions plan every output tensor's shape first (by running the weight map on `meta`
+tensors), then produce and write tensors one at a time: peak host memory is about twice the
+largest tensor plus a fixed overhead, whatever the model size. Output goes to a temporary
+sibling directory that is renamed into place at the end, so an interrupted run never leaves a
+directory that looks complete.
+
+The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
+needs no template for a checkpoint made by hf-to-mcore, and a manifest.json (size and SHA-256 of
+every file, verl_mcore/engine/manifest.py) that every load checks first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from verl_mcore.convert_hf.dist_ckpt import (
+    Chunk,
+    DistCheckpointReader,
+    chunks_for,
+    layer_key,
+    write_dist_checkpoint,
+)
+from verl_mcore.convert_hf.safetensors_stream import write_safetensors
+from verl_mcore.engine.manifest import MANIFEST, build_manifest
+from verl_mcore.models import weight_map as wm
+from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
+from verl_mcore.models.hf_weights import HFCheckpoint
+from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR as HF_CONFIG_SUBDIR
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def release_freed_tensors_to_os() -> None:
+    """Make glibc return each freed tensor buffer to the OS.
+
+    glibc raises its mmap threshold (up to 32 MiB) every time a large block is freed, after which
+    tensor-sized blocks come from the heap and stay there when freed: streaming a checkpoint then
+    grows RSS by several tensors' worth of retained heap. A fixed 1 MiB threshold keeps every
+    tensor buffer in its own mapping, unmapped on free. No-op where mallopt is unavailable.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_mmap_threshold = -3
+        libc.mallopt(m_mmap_threshold, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+def _is_metadata_file(name: str) -> bool:
+    return not name.endswith(_WEIGHT_SUFFIXES) and name not in _WEIGHT_INDEXES
+
+
+def copy_metadata_files(src: str, dst: str) -> None:
+    """config.json, generation_config.json, tokenizer files ...: every non-weight file of src."""
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and _is_metadata_file(name):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+class _Output:
+    """A temporary sibling of `out_dir` that becomes `out_dir` on commit()."""
+
+    def __init__(self, out_dir: str, force: bool):
+        self.out_dir = os.path.abspath(out_dir)
+        if os.path.exists(self.out_dir) and not force:
+            raise FileExistsError(f"{self.out_dir} exists; pass --force to overwrite it")
+        self.tmp = f"{self.out_dir}.tmp-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+
+    def commit(self) -> str:
+        old = None
+        if os.path.exists(self.out_dir):
+            old = f"{self.out_dir}.old-{os.getpid()}"
+            os.rename(self.out_dir, old)
+        os.rename(self.tmp, self.out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _role_of(arch: HFArch) -> str:
+    return "reward" if arch.num_labels is not None else "actor"
+
+
+def _progress(total_bytes: int, enabled: bool, desc: str) -> tqdm:
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not enabled)
+
+
+# --------------------------------------------------------------------------------------------
+# HF -> mcore
+
+def hf_to_mcore_chunks(hf_dir: str, arch: HFArch, dtype: Optional[torch.dtype]) -> list[Chunk]:
+    """Every chunk of the dist checkpoint, each producing its tensor from the HF files."""
+    ckpt = HFCheckpoint(hf_dir)
+    padded = arch.padded_vocab_size(1)
+    chunks: list[Chunk] = []
+    for pm in wm.param_maps(arch, _role_of(arch)):
+        metas = []
+        for name in pm.hf:
+            shape, src_dtype = ckpt.shape_dtype(name)
+            metas.append(torch.empty(shape, dtype=dtype or src_dtype, device="meta"))
+        out_dtype = metas[0].dtype
+        full = wm.hf_to_mcore(pm, arch, metas, padded)  # shape inference only
+
+        def read(name, out_dtype=out_dtype):
+            return ckpt.read(name).to(out_dtype)
+
+        if pm.kind == "gate_up":
+            # Megatron stores gate and up as two chunks: read one HF tensor per chunk.
+            produce = (lambda half, pm=pm, read=read: read(pm.hf[half]))
+        else:
+            produce = (lambda pm=pm, read=read: wm.hf_to_mcore(pm, arch, [read(n) for n in pm.hf],
+                                                               padded))
+        chunks += chunks_for(pm.mcore, full.shape, arch.num_layers, out_dtype, produce,
+                             split_halves=pm.kind == "gate_up")
+    return chunks
+
+
+def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
+                        force: bool = False, progress: bool = True,
+                        max_seq_len: Optional[int] = None) -> str:
+    """Write a megatron dist checkpoint (loadable at any TP/PP) from an HF directory.
+
+    `dtype` "bf16"/"fp32"/"fp16" casts every tensor; None keeps the HF dtype.
+    """
+    arch = read_hf_arch(hf_dir, max_seq_len=max_seq_len)
+    release_freed_tensors_to_os()
+    out = _Output(out_dir, force)
+    try:
+        chunks = hf_to_mcore_chunks(hf_dir, arch, parse_dtype(dtype) if dtype else None)
+        bar = _progress(sum(c.nbytes for c in chunks), progress, "hf-to-mcore")
+        bar.set_postfix_str(f"0/{len(chunks)} tensors")
+        done = [0]
+
+        def on_written(c: Chunk) -> None:
+            done[0] += 1
+            bar.update(c.nbytes)
+            bar.set_postfix_str(f"{done[0]}/{len(chunks)} tensors", refresh=False)
+
+        write_dist_checkpoint(out.tmp, chunks, arch.num_layers, on_written)
+        bar.close()
+        copy_metadata_files(hf_dir, os.path.join(out.tmp, HF_CONFIG_SUBDIR))
+        with open(os.path.join(out.tmp, MANIFEST), "w") as f:  # last: it covers every file
+            json.dump(build_manifest(out.tmp), f, indent=1)
+    except BaseException:
+        out.abort()
+        raise
+    return out.commit()
+
+
+# --------------------------------------------------------------------------------------------
+# mcore -> HF
+
+def _hf_plan(reader: DistCheckpointReader, arch: HFArch, role: str):
+    """[(ParamMap, [(hf_name, shape, dtype), ...])] in output order."""
+    plan = []
+    for pm in wm.param_maps(arch, role):
+        key, layer = layer_key(pm.mcore)
+        md = reader.tensor_meta(key)
+        shape = tuple(md.size)[1:] if layer is not None else tuple(md.size)
+        meta = torch.empty(shape, dtype=md.properties.dtype, device="meta")
+        hf = wm.mcore_to_hf(pm, arch, meta)
+        plan.append((pm, [(name, tuple(t.shape), t.dtype) for name, t in hf.items()]))
+    return plan
+
+
+def _checkpoint_role(reader: DistCheckpointReader, arch: HFArch) -> str:
+    if arch.num_labels is not None:
+        return "reward"
+    if reader.has("output_layer.weight") and \
+            reader.tensor_meta("output_layer.weight").size[0] < arch.vocab_size:
+        raise ValueError(f"{reader.ckpt_dir}: output_layer.weight is a scalar head but the HF "
+                         "config is a causal LM; pass --hf-template of a "
+                         "*ForSequenceClassification model to export a reward model")
+    return "actor"
+
+
+def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] = None,
+                        force: bool = False, progress: bool = True,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Write safetensors shards + index + config/tokenizer files from a dist checkpoint."""
+    meta_src = hf_template or os.path.join(ckpt_dir, HF_CONFIG_SUBDIR)
+    if not os.path.isfile(os.path.join(meta_src, "config.json")):
+        raise FileNotFoundError(f"{meta_src}: no config.json; pass --hf-template PATH (an HF "
+                                "directory of the same architecture)")
+    arch = read_hf_arch(meta_src)
+    release_freed_tensors_to_os()
+    reader = DistCheckpointReader(ckpt_dir)
+    plan = _hf_plan(reader, arch, _checkpoint_role(reader, arch))
+
+    # Shards: consecutive maps, a new shard when the next map would pass max_shard_bytes.
+    shards: list[list] = [[]]
+    size = 0
+    for entry in plan:
+        nbytes = sum(_nbytes(s, d) for _, s, d in entry[1])
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    total = sum(_nbytes(s, d) for _, entries in plan for _, s, d in entries)
+    dtypes = {d for _, entries in plan for _, _, d in entries}
+
+    out = _Output(out_dir, force)
+    try:
+        bar = _progress(total, progress, "mcore-to-hf")
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            entries = [e for _, es in shard for e in es]
+            weight_map.update({name: fname for name, _, _ in entries})
+            groups = [(lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore)))
+                      for pm, _ in shard]
+            write_safetensors(os.path.join(out.tmp, fname), entries, groups, bar.update)
+        bar.close()
+        with open(os.path.join(out.tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        copy_metadata_files(meta_src, out.tmp)
+        _set_config_dtype(os.path.join(out.tmp, "config.json"), dtypes)
+    except BaseException:
+        out.abort()
+        raise
+    return out.commit()
+
+
+def _nbytes(shape, dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _set_config_dtype(path: str, dtypes: set) -> None:
+    """Record the exported weights' dtype in config.json (transformers reads `dtype`)."""
+    if len(dtypes) != 1:
+        return
+    name = str(next(iter(dtypes))).removeprefix("torch.")
+    with open(path) as f:
+        cfg = json.load(f)
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg or key == "dtype":
+            cfg[key] = name
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)

@@ -1,0 +1,160 @@
+"""Write a tiny, randomly initialised Hugging Face model directory (config, safetensors, tokenizer).
+
+    python -m tools.make_tiny_model --out runs/quickstart/tiny_model     # from a checkout
+    python -m verl_mcore.tiny_model --out runs/quickstart/tiny_model     # also when installed
+
+The quickstart trains this model, so the real path runs end to end on a laptop CPU with no
+downloads: HF config.json + safetensors -> megatron-core GPTModel -> RL -> HF export. See
+`build_tokenizer` for the tokenizer. The quickstart config sets `model.make_tiny_if_missing`, so
+its first run writes the model itself (`ensure_tiny_model`); the model is the same either way
+(seed 0, the defaults below).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+# The tokenizer is a byte-level BPE in Qwen2's format (Qwen2's pre-tokenizer regex), trained on the
+# quickstart's phrases: about 36 tokens. It is saved as a `Qwen2Tokenizer` because transformers 5's
+# AutoTokenizer rebuilds a qwen2 model's tokenizer through that class whatever tokenizer.json says.
+CORPUS = [f"repeat the digit {d} : {str(d) * 4}" for d in range(10)]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def build_tokenizer(vocab_size: int = 40):
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  show_progress=False)
+    bpe.train_from_iterator(CORPUS * 4, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2, ffn: int = 128, max_positions: int = 128,
+                    reward_model: bool = False) -> str:
+    """reward_model: a Qwen2ForSequenceClassification with one label (a reward model with the
+    quickstart's tokenizer) instead of the causal LM."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, initializer_range=0.02,
+    )
+    torch.manual_seed(seed)
+    if reward_model:
+        config.num_labels = 1
+        model = Qwen2ForSequenceClassification(config).to(torch.float32)
+    else:
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_tiny_model_atomic(out: str, **kwargs) -> bool:
+    """make_tiny_model(out, **kwargs) into a temporary sibling renamed to `out` at the end, so a
+    killed run never leaves a directory that looks like a model. False: `out` appeared meanwhile
+    (another node of a job on a shared filesystem won the rename; the model is the same)."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    # Hidden, and named by host and pid: writers on several nodes never share a temporary.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-{socket.gethostname()}-{os.getpid()}-",
+                           dir=parent)
+    try:
+        make_tiny_model(tmp, **kwargs)
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            if os.path.isfile(os.path.join(out, "config.json")):
+                return False
+            raise FileExistsError(f"{out} exists and is not empty ({e.strerror}); the tiny model "
+                                  "is written only to a new or empty directory") from e
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
+    """model.make_tiny_if_missing (`model`: the config's ModelConfig): write the tiny model at
+    model.path unless a model is there. Local rank 0 of each node writes it; the node's other
+    ranks wait for the rename (this runs before torch.distributed is initialised, so they poll
+    the filesystem). Raises ConfigError naming the key."""
+    from verl_mcore.config import ConfigError
+
+    if not model.make_tiny_if_missing:
+        return
+    if not model.path:
+        raise ConfigError("model.make_tiny_if_missing=true needs model.path: the directory to "
+                          "write the tiny model to")
+    path, config = model.path, os.path.join(model.path, "config.json")
+    if os.path.isfile(config):
+        return
+    if os.path.exists(path):
+        raise ConfigError(
+            f"model.path={path} exists but holds no config.json; model.make_tiny_if_missing "
+            "writes only a directory that does not exist yet: remove it, or point model.path "
+            "at a Hugging Face model directory")
+    if local_rank == 0:
+        try:
+            wrote = write_tiny_model_atomic(path)
+        except OSError as e:
+            raise ConfigError(f"model.make_tiny_if_missing: writing the tiny model to "
+                              f"model.path={path} failed: {e}") from e
+        if wrote:
+            print(f"model.make_tiny_if_missing: wrote the quickstart's tiny model to {path}",
+                  flush=True)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isfile(config):
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"model.make_tiny_if_missing: local rank 0 of this node did not write the tiny "
+                f"model at model.path={path} within {timeout_s:.0f} s; see that rank's error")
+        time.sleep(0.2)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory to write (created)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--reward-model", action="store_true",
+                   help="a sequence classifier with one label (a reward model) instead")
+    args = p.parse_args(argv)
+    if os.path.exists(os.path.join(args.out, "config.json")):
+        print(f"{args.out} already holds a model; leaving it as it is")
+        return 0
+    write_tiny_model_atomic(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
+                            reward_model=args.reward_model)
+    kind = "reward model" if args.reward_model else "model"
+    print(f"wrote a tiny random Qwen2-architecture {kind} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
