@@ -77,3 +77,15 @@ def test_errors_name_the_key(tmp_path):
         ensure_tiny_model(_model(tmp_path / "empty"), local_rank=0)
     with pytest.raises(ConfigError, match="make_tiny_if_missing=true needs model.path"):
         ensure_tiny_model(Config.load(None, ["model.make_tiny_if_missing=true"]).model, 0)
+
+
+def test_a_hub_id_is_never_written_to(tmp_path, monkeypatch):
+    """model.make_tiny_if_missing with model.path=org/name (the quickstart config with a Hub id
+    override): the id is resolved from the Hub cache, and no ./org/name directory is made."""
+    from types import SimpleNamespace
+
+    from verl_mcore.tiny_model import ensure_tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    ensure_tiny_model(SimpleNamespace(make_tiny_if_missing=True, path="org/tiny"), local_rank=0)
+    assert not (tmp_path / "org").exists()

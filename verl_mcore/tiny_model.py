@@ -110,8 +110,10 @@ def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
     if not model.path:
         raise ConfigError("model.make_tiny_if_missing=true needs model.path: the directory to "
                           "write the tiny model to")
+    from verl_mcore.models.hub import is_hub_id
+
     path, config = model.path, os.path.join(model.path, "config.json")
-    if os.path.isfile(config):
+    if os.path.isfile(config) or is_hub_id(path):  # a Hub id names a model, not a place to write
         return
     if os.path.exists(path):
         raise ConfigError(
