@@ -301,3 +301,25 @@ def test_metric_fn_that_blocks_at_import_fails_within_its_time_limit(tmp_path):
         ValMetrics.from_config(_cfg(f"trainer.val_metric_fn.path={tmp_path / 'slow.py'}",
                                     "trainer.val_metric_fn.name=f",
                                     "trainer.val_metric_fn.import_timeout_s=1"), 0)
+
+
+def test_user_function_may_not_take_a_builtin_name_nor_block():
+    import time
+
+    with pytest.raises(ValueError, match=r"returned \['score/mean@2'\]: the built-in metrics"):
+        _metrics(fn=lambda *a: {"score/mean@2": 123.0}).compute(_samples())
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"trainer.val_metric_fn.timeout_s=0.3"):
+        _metrics(fn=lambda *a: time.sleep(60), fn_timeout_s=0.3).compute(_samples())
+    assert time.monotonic() - t0 < 5
+
+
+def test_rouge_kwargs_and_the_generations_directory_are_checked_at_start(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.val_metric_kwargs.rouge=\{'bogus': 1\}: TypeError"):
+        ValMetrics.from_config(_cfg("trainer.val_metrics=[rouge]",
+                                    "trainer.val_metric_kwargs={rouge: {bogus: 1}}"), 0)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "val_generations").write_text("a file where the directory goes")
+    with pytest.raises(ConfigError, match=r"trainer.log_val_generations: cannot create"):
+        ValMetrics.from_config(_cfg(f"trainer.run_dir={run}", "trainer.log_val_generations=3"), 0)

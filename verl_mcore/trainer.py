@@ -172,7 +172,8 @@ class Trainer:
             cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
         _seed_everything(cfg.trainer.seed, self.rank)
         self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank)
-        self.guard = PreemptionGuard().install()
+        # Unarmed until the loop starts: a signal while building ends the process at once.
+        self.guard = PreemptionGuard(armed=False).install()
         # After the guard's handlers: a rank blocked in a collective still reports a signal.
         self.watchdog.start(watch_signals=True)
 
@@ -229,6 +230,7 @@ class Trainer:
         if cfg.trainer.val_before_train and self.val_data is not None and self.step_index == 0:
             self.tracking.log(0, self.validate(0))
         progress = _progress(total, self.step_index, self.rank)
+        self.guard.arm()  # from here a signal stops the run at the next step boundary, saved
         try:
             while self.step_index < total:
                 step = self.step_index + 1

@@ -34,14 +34,19 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
+import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from verl_mcore.config.loading import ConfigError
+
+log = logging.getLogger(__name__)
 
 # name -> (module to import, pip package): the built-in metrics and what they need.
 BUILTIN = {"exact_match": (None, None), "rouge": ("rouge_score", "rouge-score"),
@@ -99,14 +104,26 @@ def _is_number(v: Any) -> bool:
             or (hasattr(v, "item") and getattr(v, "ndim", 1) == 0))
 
 
+_warned_list_references = False
+
+
 def reference_of(row: dict) -> Optional[str]:
     """The row's reward_model.ground_truth as text; None when it has none a text metric can use
-    (missing, None, or not a string or a number)."""
+    (missing, None, or not a string or a number). A list of references (several acceptable
+    answers, as some verl datasets hold) is not scored by the text metrics: said once in the
+    log, and counted in no_reference."""
+    global _warned_list_references
     truth = (row.get("reward_model") or {}).get("ground_truth")
     if isinstance(truth, str):
         return truth
     if isinstance(truth, (int, float)) and not isinstance(truth, bool):
         return str(truth)
+    if isinstance(truth, (list, tuple)) and not _warned_list_references:
+        _warned_list_references = True
+        log.warning("validation: reward_model.ground_truth is a list (%d items) in some rows; the "
+                    "text metrics (trainer.val_metrics) compare one reference and skip those rows "
+                    "(counted in val/<data_source>/no_reference); trainer.val_metric_fn gets them "
+                    "as None and the rows themselves", len(truth))
     return None
 
 
@@ -215,6 +232,7 @@ class ValMetrics:
     num_generations: int  # trainer.log_val_generations
     fn: Optional[Callable] = None  # trainer.val_metric_fn
     evaluate_modules: dict[str, Any] = field(default_factory=dict)
+    fn_timeout_s: float = 600.0  # trainer.val_metric_fn.timeout_s
 
     @classmethod
     def from_config(cls, cfg, rank: int) -> "ValMetrics":
@@ -231,6 +249,7 @@ class ValMetrics:
         for i, name in enumerate(t.val_metrics):
             if name not in BUILTIN:
                 modules[name] = _load_evaluate(name, f"trainer.val_metrics[{i}]")
+        _check_builtin_kwargs(t)
         fn = None
         f, key = t.val_metric_fn, "trainer.val_metric_fn"
         if f.path or f.name:
@@ -241,8 +260,12 @@ class ValMetrics:
                     fn = load_user_object(f.path, f.name, key)
             except ValueError as e:  # a user's input: reported like the other config errors
                 raise ConfigError(str(e)) from e
+        if t.log_val_generations and rank == 0:
+            _check_writable_dir(os.path.join(cfg.trainer.run_dir, "val_generations"),
+                                "trainer.log_val_generations")
         return cls(list(t.val_metrics), {k: dict(v) for k, v in t.val_metric_kwargs.items()},
-                   float(t.val_pass_threshold), cfg.rollout.val_n, t.log_val_generations, fn, modules)
+                   float(t.val_pass_threshold), cfg.rollout.val_n, t.log_val_generations, fn, modules,
+                   float(f.timeout_s))
 
     def report(self, samples: Optional[ValSamples], step: int, run_dir: str) -> dict[str, float]:
         """Rank 0 (which holds `samples`; the others pass None) computes the metrics and writes
@@ -254,6 +277,9 @@ class ValMetrics:
                 if self.num_generations:
                     write_generations(samples, step, run_dir, self.num_generations)
             except Exception as e:  # noqa: BLE001 - every rank raises it below
+                # The other ranks get the message only: the traceback (the user's file and line)
+                # goes to rank 0's log.
+                log.error("validation at step %d failed:\n%s", step, traceback.format_exc())
                 payload[0] = ("error", f"validation at step {step}: {type(e).__name__}: {e}")
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
@@ -289,9 +315,35 @@ class ValMetrics:
             if have:
                 out.update(self._text_metrics([r for r, _ in have], [ref for _, ref in have]))
         if self.fn is not None:
-            out.update(_checked_user_metrics(
-                self.fn(responses, references, [s.rows[i] for i in idx])))
+            mine = _checked_user_metrics(self._call_fn(responses, references, [s.rows[i] for i in idx]))
+            taken = sorted(set(mine) & set(out))
+            if taken:  # a user's number must not pass for ours
+                raise ValueError(f"trainer.val_metric_fn returned {taken}: the built-in metrics "
+                                 f"of validation have those names; rename them")
+            out.update(mine)
         return out
+
+    def _call_fn(self, responses, references, rows):
+        """The user's function under trainer.val_metric_fn.timeout_s: one that blocks fails the
+        validation naming itself (its thread is left behind: Python cannot stop it) instead of
+        every rank waiting on rank 0 forever."""
+        result: dict = {}
+
+        def run():
+            try:
+                result["value"] = self.fn(responses, references, rows)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                result["error"] = e
+
+        thread = threading.Thread(target=run, name="val_metric_fn", daemon=True)
+        thread.start()
+        thread.join(self.fn_timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"trainer.val_metric_fn did not return within "
+                               f"trainer.val_metric_fn.timeout_s={self.fn_timeout_s} s")
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
 
     def _text_metrics(self, responses: list[str], references: list[str]) -> dict[str, float]:
         out = {}
@@ -308,6 +360,27 @@ class ValMetrics:
                                                              references=references, **kw)
                 out.update(evaluate_numbers(name, result))
         return out
+
+
+def _check_builtin_kwargs(t) -> None:
+    """trainer.val_metric_kwargs of rouge and bleu, tried on one pair now: a keyword the
+    scorer does not take fails before any model is built, not at the first validation."""
+    for name in ("rouge", "bleu"):
+        if name in t.val_metrics and t.val_metric_kwargs.get(name):
+            try:
+                (rouge if name == "rouge" else bleu)(["a b"], ["a b"], **dict(t.val_metric_kwargs[name]))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"trainer.val_metric_kwargs.{name}={dict(t.val_metric_kwargs[name])}"
+                                  f": {type(e).__name__}: {e}") from e
+
+
+def _check_writable_dir(directory: str, key: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot create {directory} ({type(e).__name__}: {e})") from e
+    if not os.access(directory, os.W_OK):
+        raise ConfigError(f"{key}: {directory} is not writable")
 
 
 def _load_evaluate(name: str, key: str):

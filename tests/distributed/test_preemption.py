@@ -84,3 +84,27 @@ def test_single_process_flag_and_marker(tmp_path, monkeypatch):
 def test_exit_code_is_not_a_common_one():
     # 1/2: Python, 3: train.py without trainer, 124: timeout, 126/127: shell, >128: signals.
     assert EXIT_PREEMPTED not in {0, 1, 2, 3, 124, 126, 127, 255} and EXIT_PREEMPTED < 126
+
+
+def test_a_signal_before_the_loop_ends_the_process_at_once(tmp_path):
+    """The trainer's guard is unarmed until its training loop starts: a SIGTERM while user code
+    blocks during the build (a dataset reader that never returns) ends the process with
+    128 + SIGTERM instead of being recorded for a step boundary that never comes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import time\n"
+        "from verl_mcore.distributed.preemption import PreemptionGuard\n"
+        "guard = PreemptionGuard(armed=False).install()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 10

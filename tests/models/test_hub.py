@@ -226,3 +226,16 @@ def test_local_rank_0_downloads_the_others_wait_and_a_failure_stops_every_rank(o
     assert found0 == found1 and found0.endswith(MAIN)
     assert fail0.startswith("ConfigError: model.path=org/absent")
     assert fail1.startswith("AgreedFailure: rank 0 failed while downloading model.path=org/absent")
+
+
+def test_invalid_ids_and_mistyped_directories_are_named(offline, tmp_path, monkeypatch):
+    """`org/ti ny` and `org/` are no id the Hub accepts: a ConfigError naming the key, not
+    huggingface_hub's HFValidationError; `runs/tiny_modle` under an existing `runs/` is a
+    mistyped directory, not an id."""
+    for bad in ("org/ti ny", "org/"):
+        with pytest.raises(ConfigError, match=r"model.path=org/.*neither a local directory nor a "
+                                              r"valid Hugging Face Hub id"):
+            hub.local_dir(bad, key="model.path")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert not hub.is_hub_id("runs/tiny_modle") and hub.is_hub_id("org/tiny")

@@ -299,6 +299,9 @@ class CheckpointConfig:
 class ValMetricFnConfig(CustomClassConfig):
     # Seconds the file may take to import (in a fresh interpreter first: user_code.check_import).
     import_timeout_s: float = 60.0
+    # Seconds one call (one data source of one validation) may take; past it the validation
+    # fails naming the function instead of every rank waiting forever.
+    timeout_s: float = 600.0
 
 
 @dataclass

@@ -94,6 +94,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "trainer.max_consecutive_skips": ("[1, inf)", ""),
     "trainer.val_every": ("[0, inf)", "0: no validation"),
     "trainer.val_metric_fn.import_timeout_s": ("(0, inf)", "seconds"),
+    "trainer.val_metric_fn.timeout_s": ("(0, inf)", ""),
     "trainer.val_pass_threshold": ("(-inf, inf)", "a score; pass@n counts best >= it"),
     "trainer.log_val_generations": ("[0, inf)", "0: no generations file"),
     "trainer.seed": ("[0, 4294967295]", "torch, numpy and Python generators take it"),

@@ -66,8 +66,12 @@ class PreemptionGuard:
     """
 
     def __init__(self, group=None, signals: Iterable[int] = DEFAULT_SIGNALS,
-                 request_file: Optional[str] = None):
+                 request_file: Optional[str] = None, armed: bool = True):
+        """armed=False: until `arm()`, a signal ends the process at once (SystemExit 128 +
+        signal): before the training loop there is no step boundary to stop at, and user code
+        that blocks there (a dataset's reader) would otherwise keep a killed job alive."""
         self.group = group
+        self.armed = armed
         self.signals = tuple(signals)
         # Checked with one stat() per should_stop() call.
         self.request_file = request_file or os.environ.get(REQUEST_ENV) or None
@@ -86,7 +90,13 @@ class PreemptionGuard:
             signal.signal(sig, prev)
         self._previous.clear()
 
+    def arm(self) -> None:
+        """From now on a signal is recorded and acted on at the next step boundary."""
+        self.armed = True
+
     def _handle(self, signum, frame) -> None:
+        if not self.armed:
+            raise SystemExit(128 + signum)
         # Only record: the trainer acts at the next step boundary.
         if self.received is None:
             self.received = signum

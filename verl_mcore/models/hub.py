@@ -40,7 +40,9 @@ def is_hub_id(where: Optional[str]) -> bool:
         return False
     looks_like_path = (os.path.isabs(where) or where.startswith((".", "~"))
                        or where.count("/") != 1)
-    return not looks_like_path
+    # `runs/tiny_modle`: a mistyped directory under one that exists here is a path, so it fails
+    # as "no such directory" instead of going to the Hub.
+    return not looks_like_path and not os.path.isdir(where.split("/", 1)[0])
 
 
 def local_dir(where: Optional[str], revision: Optional[str] = None, key: str = "model.path",
@@ -83,6 +85,9 @@ def local_dir(where: Optional[str], revision: Optional[str] = None, key: str = "
     except (hub_errors.HfHubHTTPError, OSError) as e:
         raise ConfigError(f"{key}={where}: downloading it from the Hugging Face Hub{at} into "
                           f"{constants.HF_HUB_CACHE} failed ({type(e).__name__}: {e})") from e
+    except hub_errors.HFValidationError as e:  # `org/ti ny`, `org/`: not an id the Hub accepts
+        raise ConfigError(f"{key}={where}: neither a local directory nor a valid Hugging Face "
+                          f"Hub id ({e}); give a directory that exists or an `org/name` id") from e
     _resolved[(where, revision)] = path
     log.info("%s=%s%s: the Hugging Face snapshot %s", key, where, at, path)
     return path
