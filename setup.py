@@ -31,7 +31,9 @@ EXTRAS = {
     "gpu": ["vllm", "transformer-engine[pytorch]", "flash-attn"],
     "mpi": ["mpi4py>=3.1"],
     "track": ["tensorboard", "wandb"],
-    "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "rouge-score>=0.1.2", "sacrebleu>=2.0"],
+    # pandas and datasets: the frames verl-style dataset classes build (tests/data/test_verl_dataset.py).
+    "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "pandas>=2", "datasets>=3",
+             "rouge-score>=0.1.2", "sacrebleu>=2.0"],
 }
 
 
