@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
@@ -91,6 +91,7 @@ class Inputs:
     train_data: Any
     val_data: Any
     rewards: Any  # RewardManager, its scoring workers started
+    reward_models: dict = field(default_factory=dict)  # source name -> its checked ModelInfo
 
 
 def build_inputs(cfg: Config, world: int) -> Inputs:
@@ -122,8 +123,10 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
             if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
                 check_weight_files(hf_dir)
             info = load_model_info(cfg)
+            reward_models = {}
             for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
-                check_reward_model_tokens(cfg, info, key, reward_model_info(cfg, key, source))
+                reward_models[source.name] = reward_model_info(cfg, key, source)
+                check_reward_model_tokens(cfg, info, key, reward_models[source.name])
             train, val = build_datasets(cfg, info)
             if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
                 raise ConfigError(
@@ -140,7 +143,7 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
         except ValueError as e:
             rewards.close()
             raise ConfigError(str(e)) from e
-        return Inputs(info, train, val, rewards)
+        return Inputs(info, train, val, rewards, reward_models)
 
     return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
 
@@ -372,13 +375,15 @@ def check_reward_model_tokens(cfg: Config, info: ModelInfo, key: str, rm: ModelI
                           "tokenizer to the reward model's own")
 
 
-def build_reward_models(cfg: Config, groups, info: ModelInfo) -> dict[str, Any]:
-    """name -> RewardModelScorer for every reward_model source, on every rank."""
+def build_reward_models(cfg: Config, groups, info: ModelInfo,
+                        rm_infos: Optional[dict] = None) -> dict[str, Any]:
+    """name -> RewardModelScorer for every reward_model source, on every rank. rm_infos: the
+    sources' ModelInfo as build_inputs read and checked them (read here when not given)."""
     from verl_mcore.engine.reward_model import RewardModelScorer, same_tokenizer
 
     out = {}
     for key, s in reward_model_sources(cfg):
-        rm_info = reward_model_info(cfg, key, s)
+        rm_info = (rm_infos or {}).get(s.name) or reward_model_info(cfg, key, s)
         engine = build_engine(cfg, groups, rm_info, "reward", s.dtype)
         packed = s.max_tokens_per_microbatch or (None if s.micro_batch_size else
                                                  cfg.actor.max_tokens_per_microbatch)

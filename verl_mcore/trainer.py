@@ -190,6 +190,7 @@ class Trainer:
             self.val_metrics = all_ranks_agree(lambda: ValMetrics.from_config(cfg, self.rank),
                                                "checking the validation metrics")
         self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
+        rm_infos = inputs.reward_models
         self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
         if self.rank == 0:  # what the data stage kept, before minutes of model building
             from verl_mcore.data.report import log_data_stage
@@ -199,7 +200,7 @@ class Trainer:
             self.actor = build.build_actor(cfg, self.groups, self.info)
             self.reference = build.build_reference(cfg, self.groups, self.info)
             self.critic = build.build_critic(cfg, self.groups, self.info)
-            self.reward_models = build.build_reward_models(cfg, self.groups, self.info)
+            self.reward_models = build.build_reward_models(cfg, self.groups, self.info, rm_infos)
             self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
         for role in (self.actor, self.critic):
             if role is not None:

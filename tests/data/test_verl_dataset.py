@@ -30,8 +30,8 @@ def as_kind(table: pa.Table, kind: str):
     if kind == "list":
         return table.to_pylist()
     if kind == "datasets":
-        return pytest.importorskip("datasets").Dataset(table)
-    return pytest.importorskip("pandas").DataFrame(table.to_pylist())
+        return pytest.importorskip("datasets", reason="datasets (in the test extra) is not installed: this frame type cannot be built").Dataset(table)
+    return pytest.importorskip("pandas", reason="pandas (in the test extra) is not installed: this frame type cannot be built").DataFrame(table.to_pylist())
 
 
 def kind_of(frame) -> str:
@@ -137,7 +137,7 @@ def test_a_frame_that_cannot_be_used_is_named(tmp_path, tok, cls, problem):
 
 
 def test_dataset_dict_asks_for_a_split(tmp_path, tok):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="datasets (in the test extra) is not installed: this frame type cannot be built")
 
     class SplitsFrame(RLHFDataset):
         def _read_files_and_tokenize(self):
@@ -249,7 +249,7 @@ def test_warning_for_overrides_nothing_calls(tmp_path, tok, caplog, name, warned
 
 def test_verl_code_reading_with_datasets(tmp_path, tok):
     """What verl users write: datasets.Dataset.from_file on the raw export, map, then the filter."""
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="datasets (in the test extra) is not installed: this frame type cannot be built")
 
     class FromFile(RLHFDataset):
         def _read_files_and_tokenize(self):
