@@ -94,7 +94,7 @@ class Inputs:
     reward_models: dict = field(default_factory=dict)  # source name -> its checked ModelInfo
 
 
-def build_inputs(cfg: Config, world: int) -> Inputs:
+def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None) -> Inputs:
     """Read and check everything the user supplies before any model is built (minutes at 70B):
 
       the config      every numeric range and cross-field rule (config/validate.py), the
@@ -119,7 +119,7 @@ def build_inputs(cfg: Config, world: int) -> Inputs:
         try:
             hf_dir = model_dir(cfg)
             shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
-            validate(cfg, world, shape)
+            validate(cfg, world, shape, gpus_per_node)
             if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
                 check_weight_files(hf_dir)
             info = load_model_info(cfg)
@@ -408,13 +408,20 @@ def resolve_run_dir(cfg: Config) -> str:
     return os.path.abspath(cfg.trainer.run_dir)
 
 
+def prompt_shard(groups) -> tuple[int, int]:
+    """(this rank's share, shares) of each prompt batch: its generation replica's among DP_g
+    (all ranks of a TP_g group share one); off the actor set (groups None: placement) the whole
+    batch, in the order the actor set's gathered rollout has it (distributed/placement.py)."""
+    return (groups.gen_dp_rank, groups.layout.dp_gen) if groups is not None else (0, 1)
+
+
 def build_prompt_loader(cfg: Config, dataset, groups):
-    """Training prompts for this rank's generation replica (all ranks of a TP_g group share)."""
+    """Training prompts for this rank's share (prompt_shard)."""
     from verl_mcore.data import PromptLoader
 
-    return PromptLoader(dataset, cfg.data.train_batch_size, rank=groups.gen_dp_rank,
-                        world_size=groups.layout.dp_gen, shuffle=cfg.data.shuffle,
-                        seed=cfg.data.seed)
+    rank, shares = prompt_shard(groups)
+    return PromptLoader(dataset, cfg.data.train_batch_size, rank=rank, world_size=shares,
+                        shuffle=cfg.data.shuffle, seed=cfg.data.seed)
 
 
 def build_kl_controller(cfg: Config):

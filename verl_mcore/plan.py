@@ -380,14 +380,17 @@ def reward_model_bytes(cfg: Config, stage: int) -> int:
 
 
 def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str],
-                     reference_pass: bool = False) -> dict[str, int]:
+                     reference_pass: bool = False, here=None) -> dict[str, int]:
     """Parameters of other models on the GPU during a phase (the reference's, with
-    reference.offload_params, only during its own pass); the reward models' always."""
+    reference.offload_params, only during its own pass); the reward models' always. `here`: the
+    roles on this GPU (placement), None for all."""
     out = {}
-    rm = reward_model_bytes(cfg, stage)
+    rm = reward_model_bytes(cfg, stage) if here is None or "reward_model" in here else 0
     if rm:
         out["reward model parameters"] = rm
     for role in roles:
+        if here is not None and role not in here:
+            continue
         if role == "reference" and (not _uses_reference(cfg)
                                     or (cfg.reference.offload_params and not reference_pass)):
             continue
@@ -397,7 +400,7 @@ def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str],
     return out
 
 
-def _reward_pass(cfg: Config, dims: ModelDims, actor_params, idle_state, batch):
+def _reward_pass(cfg: Config, dims: ModelDims, actor_params, idle_state, batch, here=None):
     """The reward models' scoring: one reward model's forward over a micro-batch at a time (the
     actor's micro-batch settings unless the source sets its own), the other models resident."""
     p = cfg.parallel
@@ -415,7 +418,7 @@ def _reward_pass(cfg: Config, dims: ModelDims, actor_params, idle_state, batch):
                 tokens = cfg.actor.max_tokens_per_microbatch or cfg.actor.micro_batch_size_per_gpu * seq
             per_layer = max(per_layer, tokens * activation_bytes_per_token_layer(
                 rm_dims, p.tensor_model_parallel_size, p.sequence_parallel))
-        return {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"]),
+        return {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"], here=here),
                 **idle_state(stage), **batch, "reward model activations": per_layer}
     return f
 
@@ -456,12 +459,19 @@ def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> 
     return {"generation weights": weights, "KV cache": kv_cache, "engine overhead": sampling + prefill}
 
 
-def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
+def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs, here=None) -> dict:
     """Per-GPU bytes per component for each phase, at the stage where the phase peaks.
 
     Returns {phase: {"stage": int, "components": {name: bytes}, "total": bytes}} plus "host"
     ({"per_gpu": {name: bytes}, "per_node": bytes}). The lead compares these with measured peaks.
+    `here`: the roles on these GPUs (a placement's set: `plan_memory_by_set`), None for every
+    role; only their models and their phases count.
     """
+    roles_here = set(here) if here is not None else None
+
+    def on(role: str) -> bool:
+        return roles_here is None or role in roles_here
+
     p = cfg.parallel
     pp = p.pipeline_model_parallel_size
     runtime = int(RUNTIME_OVERHEAD_GIB * GiB)
@@ -476,9 +486,11 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
         total, stage, comps = max(candidates, key=lambda c: c[0])
         phases[name] = {"stage": stage, "components": comps, "total": total}
 
-    trained = ["actor"] + (["critic"] if cfg.uses_critic else [])
+    trained = [r for r in ["actor"] + (["critic"] if cfg.uses_critic else []) if on(r)]
 
     def actor_params(stage):
+        if not on("actor"):
+            return {}
         t = training_bytes(cfg, dims, world, "actor", stage, knobs)
         return {"actor parameters": t["parameters"]}
 
@@ -493,8 +505,9 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
                 out[f"{role} gradients"], out[f"{role} optimizer"] = t["gradients"], t["optimizer"]
         return out
 
-    best("generate", lambda s: {**actor_params(s), **_resident_params(cfg, dims, s, ["reference", "critic"]),
-                                **idle_state(s), **generation_bytes(cfg, dims, world, knobs)})
+    if on("actor"):
+        best("generate", lambda s: {**actor_params(s), **_resident_params(cfg, dims, s, ["reference", "critic"], here=here),
+                                    **idle_state(s), **generation_bytes(cfg, dims, world, knobs)})
 
     batch = {"rollout batch": rollout_batch_bytes(cfg)}
 
@@ -507,7 +520,7 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
             per_layer = activation_bytes_per_token_layer(dims, p.tensor_model_parallel_size,
                                                          p.sequence_parallel) * tokens
             comps = {**actor_params(stage), **_resident_params(cfg, dims, stage, ["reference", "critic"],
-                                                               reference_pass=role == "reference"),
+                                                               reference_pass=role == "reference", here=here),
                      **idle_state(stage), **batch, "forward activations": per_layer}
             t = training_bytes(cfg, dims, world, "actor", stage, knobs)
             if role != "critic" and "logits" in t:
@@ -517,21 +530,23 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
 
     # score: the log-prob passes (old log-probs of the actor, the reference's); the reference's
     # weights are on the GPU for it even when offloaded between uses.
-    best("score", forward_pass("reference" if _uses_reference(cfg) else "actor"))
-    if cfg.critic_values_pass:
+    if on("actor") or (_uses_reference(cfg) and on("reference")):
+        best("score", forward_pass("reference" if _uses_reference(cfg) and on("reference") else "actor"))
+    if cfg.critic_values_pass and on("critic"):
         best("values", forward_pass("critic"))
-    if reward_model_dims(cfg):
-        best("reward", _reward_pass(cfg, dims, actor_params, idle_state, batch))
+    if reward_model_dims(cfg) and on("reward_model"):
+        best("reward", _reward_pass(cfg, dims, actor_params, idle_state, batch, here=here))
 
     def update(role, others):
         def f(stage):
             t = training_bytes(cfg, dims, world, role, stage, knobs)
-            return ({f"{role} {k}": v for k, v in t.items()} | _resident_params(cfg, dims, stage, others)
+            return ({f"{role} {k}": v for k, v in t.items()} | _resident_params(cfg, dims, stage, others, here=here)
                     | idle_state(stage, busy=role) | batch)
         return f
 
-    best("actor_update", update("actor", ["reference", "critic"]))
-    if cfg.uses_critic:
+    if on("actor"):
+        best("actor_update", update("actor", ["reference", "critic"]))
+    if cfg.uses_critic and on("critic"):
         best("critic_update", lambda s: {**update("critic", ["reference"])(s), **actor_params(s)})
 
     host = {}
@@ -541,13 +556,49 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
             t = training_bytes(cfg, dims, world, role, stage, knobs)
             per[f"{role} gradients"] = t["gradients"]
             per[f"{role} optimizer"] = t["optimizer"]
-        if cfg.reference.offload_params and _uses_reference(cfg):
+        if cfg.reference.offload_params and _uses_reference(cfg) and on("reference"):
             per["reference parameters"] = (_dtype_bytes(cfg.reference.dtype)
                                            * role_params(cfg, dims, "reference", stage))
         if not host or sum(per.values()) > sum(host.values()):
             host = per
     phases["host"] = {"per_gpu": host, "per_node": sum(host.values()) * knobs.gpus_per_node}
     return phases
+
+
+def plan_memory_by_set(cfg: Config, dims: ModelDims, world: int, knobs: Knobs,
+                       gpus_per_node: Optional[int] = None) -> dict[str, dict]:
+    """plan_memory for each role set of placement.* ({"actor+reference": plan, "critic": ...}):
+    each set at its own layout and size, counting only its roles' models and phases. Colocated:
+    one entry, "all", the plan of every role on every GPU."""
+    from verl_mcore.distributed.placement import Placement
+
+    placement = Placement.resolve(cfg, world, gpus_per_node)
+    if placement.colocated:
+        return {"all": plan_memory(cfg, dims, world, knobs)}
+    out = {}
+    for s in placement.distinct_sets():
+        roles = [r for r, t in placement.sets.items() if t == s]
+        p = replace(cfg.parallel, tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp,
+                    virtual_pipeline_model_parallel_size=s.vpp)
+        out["+".join(roles)] = plan_memory(replace(cfg, parallel=p), dims, len(s.ranks), knobs, here=roles)
+    return out
+
+
+def plan_job_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict:
+    """plan_memory of the job: colocated, the plan itself; placed, every set's phases as
+    "<set>/<phase>" in one plan, its "host" the largest set's per GPU (for misfits and the
+    offload choice, which then hold for every set)."""
+    plans = plan_memory_by_set(cfg, dims, world, knobs, knobs.gpus_per_node)
+    if list(plans) == ["all"]:
+        return plans["all"]
+    out: dict = {}
+    host = {"per_gpu": {}, "per_node": 0}
+    for name, plan in plans.items():
+        out.update({f"{name}/{phase}": ph for phase, ph in plan.items() if phase != "host"})
+        if plan["host"]["per_node"] > host["per_node"]:
+            host = plan["host"]
+    out["host"] = host
+    return out
 
 
 def misfits(memory: dict, knobs: Knobs) -> list[str]:
@@ -571,7 +622,7 @@ def choose_offload(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> tu
     if setting != "auto":
         return bool(setting), f"trainer.offload_between_phases={str(setting).lower()}"
     kept = replace(knobs, offload=False, host_memory_gib=None)
-    memory = plan_memory(cfg, dims, world, kept)
+    memory = plan_job_memory(cfg, dims, world, kept)
     usable = knobs.gpu_memory_gib * USABLE_FRACTION
     bad = misfits(memory, kept)
     peak = max((n for n in memory if n != "host"), key=lambda n: memory[n]["total"])
@@ -588,7 +639,7 @@ def plan_with_offload_choice(cfg: Config, dims: ModelDims, world: int,
     """(offload?, why, memory plan with that choice): what the trainer (build.resolve_offload),
     this CLI and the benchmarks report."""
     offload, why = choose_offload(cfg, dims, world, knobs)
-    return offload, why, plan_memory(cfg, dims, world, replace(knobs, offload=offload))
+    return offload, why, plan_job_memory(cfg, dims, world, replace(knobs, offload=offload))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,7 +693,7 @@ def suggest(cfg: Config, overrides: list[str], config_path: Optional[str], dims:
     """Re-plan with changed knobs. Returns {"fixes": single changes after which everything fits,
     "pairs": (only when no single change is enough) pairs that fit, "helps": single changes that
     reduce a failing phase, with the GiB they save, largest first}."""
-    base = plan_memory(cfg, dims, world, knobs)
+    base = plan_job_memory(cfg, dims, world, knobs)
 
     def trial(changes):
         extra = [o for _, ovr, _ in changes for o in ovr]
@@ -652,7 +703,7 @@ def suggest(cfg: Config, overrides: list[str], config_path: Optional[str], dims:
             validate(t, w, dims.shape())
         except ConfigError:
             return None  # this change breaks a divisibility rule here
-        return plan_memory(t, dims, w, replace(knobs, offload=choose_offload(t, dims, w, knobs)[0]))
+        return plan_job_memory(t, dims, w, replace(knobs, offload=choose_offload(t, dims, w, knobs)[0]))
 
     cands = _candidates(cfg, world, nodes, knobs.gpus_per_node)
     fixes, helps, useful = [], [], []
@@ -699,7 +750,21 @@ def _groups_line(name: str, groups: list[list[int]], limit: int) -> str:
 def layout_report(cfg: Config, world: int, nodes: int, gpus_per_node: int,
                   node_names: Optional[list[str]] = None, limit: int = 8) -> str:
     from verl_mcore.distributed.groups import GroupLayout
+    from verl_mcore.distributed.placement import Placement, format_ranks
 
+    placement = Placement.resolve(cfg, world, gpus_per_node)
+    if not placement.colocated:  # each set's own layout inside its ranks
+        lines = [f"Layout: {world} ranks = {nodes} node(s) × {gpus_per_node} GPU(s), roles placed:"]
+        tp_g = cfg.rollout.tensor_parallel_size
+        for s in placement.distinct_sets():
+            roles = [r for r, t in placement.sets.items() if t == s]
+            gen = (f"; generation TP_g={tp_g} × DP_g={len(s.ranks) // tp_g}"
+                   if "actor" in roles else "")
+            nodes_of = sorted({r // gpus_per_node for r in s.ranks})
+            lines.append(f"  {' + '.join(roles)}: ranks {format_ranks(s.ranks)} (node(s) "
+                         f"{format_ranks(nodes_of)}), TP={s.tp} × PP={s.pp} × CP={s.cp} × "
+                         f"DP={s.dp}{gen}")
+        return "\n".join(lines)
     p = cfg.parallel
     lay = GroupLayout(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, cfg.rollout.tensor_parallel_size)
@@ -812,7 +877,7 @@ def main(argv=None) -> int:
 
         ensure_tiny_model(cfg.model, local_rank=0)  # one process: the layout needs its shape
         dims = resolve_dims(cfg.model.path, cfg.model.revision)
-        validate(cfg, world, dims.shape())
+        validate(cfg, world, dims.shape(), gpn)
         reward_model_dims(cfg)
     except ConfigError as e:
         print(f"plan: config error: {e}", file=sys.stderr)

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
         ensure_tiny_model(cfg.model, info.local_rank)  # the quickstart's model, on its first run
         shape = ModelShape.from_hf_dir(cfg.model.path) if cfg.model.path else None
-        validate(cfg, info.world_size, shape)
+        validate(cfg, info.world_size, shape, info.local_world_size)
     except ConfigError as e:
         # Every rank reaches the same verdict from the same inputs; rank 0 says it once.
         if info.rank == 0:

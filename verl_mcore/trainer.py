@@ -12,6 +12,12 @@ that samples responses for its share of the step's prompts (data.train_batch_siz
 responses are then gathered so that every rank holds the same global rollout batch; scoring is
 split over all ranks; the training roles (actor, reference, critic) take the global batch and
 decide themselves which data-parallel rank computes which samples (engine/batch.py).
+
+Where the roles run (placement.*, distributed/placement.py). Colocated, every rank runs every
+role. Placed on their own sets, a phase runs on its role's ranks and what other sets read of it
+(the rollout batch, reward-model scores, values, log-probs for an in-reward KL) is broadcast as
+tensors; `self.place` decides that inside the phase methods, so the step below is the same
+program either way, and the sets' phases overlap between those exchanges.
 """
 from __future__ import annotations
 
@@ -163,13 +169,18 @@ class Trainer:
 
     def _build(self, cfg: Config) -> None:
         from verl_mcore.distributed.agree import all_ranks_agree
-        from verl_mcore.distributed.groups import build_groups
+        from verl_mcore.distributed.placement import Placement, RolePlacement
         from verl_mcore.distributed.preemption import PreemptionGuard
         from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
         from verl_mcore.tracking import Tracking
 
-        self.groups = build_groups(
-            cfg, int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
+        # The placement is checked before any group is built (a bad one is a ConfigError
+        # naming the role and the ranks, alike on every rank); then each set's groups.
+        placement = Placement.resolve(cfg, self.world, self.launch.local_world_size)
+        self.place = RolePlacement.build(
+            placement, cfg.rollout.tensor_parallel_size,
+            int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
+        self.groups = self.place.groups["actor"]  # the actor set's (None on the other ranks)
         _seed_everything(cfg.trainer.seed, self.rank)
         self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank)
         # Unarmed until the loop starts: a signal while building ends the process at once.
@@ -181,7 +192,7 @@ class Trainer:
         # checked before minutes of model building, and "auto" offload refuses a run whose
         # phases would not fit; a problem on any rank stops every rank.
         with self.watchdog.phase("check inputs"):
-            inputs = build.build_inputs(cfg, self.world)
+            inputs = build.build_inputs(cfg, self.world, self.launch.local_world_size)
             self.rewards = inputs.rewards
             offload, why = build.resolve_offload(cfg, inputs.info, self.world,
                                                  self.launch.local_world_size)
@@ -196,12 +207,20 @@ class Trainer:
             from verl_mcore.data.report import log_data_stage
 
             log_data_stage(self.train_data, self.val_data, cfg.data, self.loader.batches_per_epoch)
+        if self.rank == 0 and not placement.colocated:
+            log.info("placement: %s", placement.describe())
+        # Each rank builds its own roles' models only (None / {} for the others').
         with self.watchdog.phase("build models"):
-            self.actor = build.build_actor(cfg, self.groups, self.info)
-            self.reference = build.build_reference(cfg, self.groups, self.info)
-            self.critic = build.build_critic(cfg, self.groups, self.info)
-            self.reward_models = build.build_reward_models(cfg, self.groups, self.info, rm_infos)
-            self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
+            groups, runs = self.place.groups, self.place.runs
+            self.actor = build.build_actor(cfg, groups["actor"], self.info) if runs("actor") else None
+            self.reference = (build.build_reference(cfg, groups["reference"], self.info)
+                              if runs("reference") else None)
+            self.critic = build.build_critic(cfg, groups["critic"], self.info) if runs("critic") else None
+            self.reward_models = (build.build_reward_models(cfg, groups["reward_model"], self.info, rm_infos)
+                                  if runs("reward_model") else {})
+            self.rollout = (build_generation_phase(cfg, self.groups, self.info, self.actor)
+                            if runs("actor") else None)
+        self.reward_model_names = list(rm_infos)
         for role in (self.actor, self.critic):
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
@@ -215,6 +234,7 @@ class Trainer:
         self.step_index = 0  # steps completed
         self.last_good_step = 0
         self.skipped_updates = 0
+        self.skipped_now: dict[str, int] = {}  # role -> optimizer steps skipped in this step
         self.consecutive_skips: dict[str, int] = {}  # role -> skipped in a row (on_nonfinite=skip)
         self.memory_peak_bytes = 0  # CUDA: carried from step to step (StageTimer resets peaks)
         self._resume()
@@ -271,41 +291,40 @@ class Trainer:
         prompts = next(self.loader)  # this generation replica's prompts
         offload_metrics = self.offload_training_state()  # generation gets the memory
         with phase("sync"):
-            sync_metrics = self.rollout.begin(step, prompts.input_ids)  # weights + sync check
+            sync_metrics = self.begin_generation(step, prompts)  # weights + sync check
         with phase("gen"):
             rollout = self.generate(prompts, self.sampling(cfg.rollout.n, cfg.rollout.temperature))
             baseline = None
             if cfg.algorithm.adv_estimator == "remax":
                 baseline = self.generate(prompts, self.sampling(1, 0.0, seed_offset=1))
-            self.rollout.end()  # release the KV cache (and the weight buffer) before training
+            self.end_generation()  # release the KV cache (and the weight buffer) before training
         # The step's tensors live on the training device from here on (engine/batch.py).
         rollout = rollout.to(self.device)
         batch = rollout.train
+        # The log-prob passes first: placed, the actor set runs them while the reward set scores.
+        entropy = None
+        if self.needs_old_log_probs(batch):
+            with phase("old_logp"):
+                batch.old_log_probs, entropy = self.old_log_probs(batch)
+        if self.place.has("reference"):
+            with phase("ref"):
+                batch.ref_log_probs = self.ref_log_probs(batch)
         with phase("reward"):
             scores, reward_metrics, _ = self.score(rollout)
             if baseline is not None:  # ReMax: the greedy response's score, for each sample
                 baseline = self.score(baseline)[0].repeat_interleave(cfg.rollout.n)
-        entropy = None
-        if self.needs_old_log_probs(batch):
-            with phase("old_logp"):
-                batch.old_log_probs, entropy = self.actor.compute_log_prob(batch, compute_entropy=True)
-        if self.reference is not None:
-            with phase("ref"):
-                batch.ref_log_probs = self.reference.compute_ref_log_prob(batch)
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
         metrics: dict[str, float] = {}
-        if self.critic is not None:  # leaves the values before its update in batch.values
+        if self.place.has("critic"):  # leaves the values before its update in batch.values
             metrics.update(self.fit_critic(step, batch, token_rewards, phase))
         with phase("adv"):
             batch.advantages, batch.returns = self.advantages(batch, token_rewards, scores,
                                                               rollout.group_ids, baseline)
-        if step > cfg.critic.warmup_steps or self.critic is None:
-            with phase("actor"):
-                self.onload_training_state("actor")
+        if step > cfg.critic.warmup_steps or not self.place.has("critic"):
+            with phase("actor"):  # placed, alongside the critic set's update
                 actor_metrics = self.update(step, "actor", batch)
             metrics.update(actor_metrics)
-            metrics["train/skipped_updates"] = float(self.skipped_updates)
         metrics.update(sync_metrics)
         metrics.update(offload_metrics)
         metrics.update(reward_metrics)
@@ -322,7 +341,15 @@ class Trainer:
             self.memory_peak_bytes / 2**30 if timer.cuda else _rss_gb())
         if "actor/mfu" in metrics:
             metrics["perf/mfu/actor"] = metrics.pop("actor/mfu")
+        metrics.update({f"train/skipped_now/{r}": float(n) for r, n in self.skipped_now.items()})
+        self.skipped_now = {}
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        # Placed: each set's metrics on every rank, and a failure of one set's update stops all.
+        metrics = self.place.gather_metrics(metrics, step)
+        self.skipped_updates += int(sum(metrics.pop(k) for k in list(metrics)
+                                        if k.startswith("train/skipped_now/")))
+        if step > cfg.critic.warmup_steps or not self.place.has("critic"):
+            metrics["train/skipped_updates"] = float(self.skipped_updates)
         if self.rank == 0:
             stages = " | ".join(f"{k} {v:.2f}s" for k, v in timer.seconds.items())
             log.info("[step %d/%d] %s", step, cfg.trainer.total_steps, stages)
@@ -353,8 +380,44 @@ class Trainer:
         """The old-log-prob forward pass, unless the actor update is one on-policy step that can
         use its own log-probs and no in-reward KL reads them (actor.recompute_old_log_probs)."""
         cfg = self.cfg
+        # Actor.is_on_policy_step, from the config: every set decides alike, the actor set or not.
+        on_policy = (cfg.actor.ppo_epochs == 1
+                     and cfg.actor.ppo_mini_batch_size * cfg.rollout.n == batch.num_samples)
         return (cfg.actor.recompute_old_log_probs == "always" or cfg.algorithm.use_kl_in_reward
-                or not self.actor.is_on_policy_step(batch.num_samples))
+                or not on_policy)
+
+    def begin_generation(self, step: int, prompts=None) -> dict[str, float]:
+        """The actor's weights into the generation layout, and the weight-sync check on the
+        step's prompts (on the actor set; nothing elsewhere)."""
+        if self.rollout is None:
+            return {}
+        return self.rollout.begin(step, prompts.input_ids) if prompts is not None else self.rollout.begin(step)
+
+    def end_generation(self) -> None:
+        if self.rollout is not None:
+            self.rollout.end()
+
+    def old_log_probs(self, batch):
+        """(old log-probs [B, R], entropies [B, R]) of the actor's current weights, on the actor
+        set; on every rank when an in-reward KL needs them there, else None elsewhere."""
+        out = {}
+
+        def compute():
+            out["logp"], out["entropy"] = self.actor.compute_log_prob(batch, compute_entropy=True)
+            return out["logp"]
+
+        logp = self.place.on("actor", compute, batch.response_mask.shape,
+                             share=self.cfg.algorithm.use_kl_in_reward)
+        return logp, out.get("entropy")
+
+    def ref_log_probs(self, batch):
+        """Reference log-probs [B, R] on the reference's set, and where the actor (the KL loss) or
+        an in-reward KL reads them."""
+        sets = self.place.placement.sets
+        share = self.cfg.algorithm.use_kl_in_reward or (
+            self.cfg.actor.use_kl_loss and sets["reference"].ranks != sets["actor"].ranks)
+        return self.place.on("reference", lambda: self.reference.compute_ref_log_prob(batch),
+                             batch.response_mask.shape, share=share)
 
     def sampling(self, n: int, temperature: float, seed_offset: int = 0):
         from verl_mcore.rollout.base import SamplingParams
@@ -365,7 +428,7 @@ class Trainer:
             n=n, temperature=temperature, top_p=1.0 if greedy else r.top_p,
             top_k=-1 if greedy else r.top_k, max_new_tokens=self.cfg.data.max_response_length,
             stop_token_ids=self.info.eos_token_ids,
-            seed=r.seed + 1000003 * (self.step_index + seed_offset) + self.groups.gen_dp_rank,
+            seed=r.seed + 1000003 * (self.step_index + seed_offset) + self._gen_replica(),
         )
 
     def generate(self, prompts, sampling) -> Rollout:
@@ -377,13 +440,20 @@ class Trainer:
         """
         from verl_mcore.rollout.gather import RolloutPart, gather_rollout
 
-        outputs = self.rollout.generate(prompts.input_ids, sampling)
         vocab = self.info.arch.vocab_size
-        mine = None
-        if self.groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
-            mine = RolloutPart.from_outputs(prompts, outputs, vocab)
-        batch = gather_rollout(mine, self.groups, vocab)
+        batch = None
+        if self.rollout is not None:  # the actor set samples; placed, the others receive it
+            outputs = self.rollout.generate(prompts.input_ids, sampling)
+            mine = None
+            if self.groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
+                mine = RolloutPart.from_outputs(prompts, outputs, vocab)
+            batch = gather_rollout(mine, self.groups, vocab)
+        batch = self.place.share_rollout(batch, prompts, vocab)
         return rollout_from_part(batch, batch.prompt_of, self.info)
+
+    def _gen_replica(self) -> int:
+        """This rank's generation replica (0 off the actor set, which samples nothing)."""
+        return self.groups.gen_dp_rank if self.groups is not None else 0
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
         """Rule / custom / model scores [B] on the training device: the reward models score the
@@ -394,8 +464,10 @@ class Trainer:
 
         n = len(rollout.responses)
         mine = list(range(self.rank, n, self.world))
-        model_scores = {name: rm.score(rollout.train, rollout.rows, rollout.responses).cpu()
-                        for name, rm in self.reward_models.items()}
+        model_scores = {  # on the reward models' set, then on every rank
+            name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
+                rollout.train, rollout.rows, rollout.responses), [n]).cpu()
+            for name in self.reward_model_names}
         token_ids = _token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
@@ -500,19 +572,25 @@ class Trainer:
             return ops.gae(rewards, values, mask, a.gamma, a.lam)[1]
 
         batch.token_rewards = token_rewards
-        if self.cfg.critic_values_pass:
+        if self.cfg.critic_values_pass:  # always for a critic placed on its own set
             with phase("values"):
-                batch.values = self.critic.compute_values(batch)
+                batch.values = self.place.on("critic", lambda: self.critic.compute_values(batch),
+                                             batch.response_mask.shape)
                 batch.returns = returns_of(token_rewards, batch.values, batch.response_mask)
         with phase("critic"):
-            self.onload_training_state("critic")
             return self.update(step, "critic", batch, returns_of)
 
     def update(self, step: int, role: str, batch, *args) -> dict[str, float]:
-        """`role`'s (actor or critic) PPO update of this step, checked (check_finite); a step
-        that diverged the weights stops the run naming the update and the last good step."""
+        """`role`'s (actor or critic) PPO update of this step on its set ({} elsewhere; placed,
+        a failure there stops every rank at the step's end: RolePlacement.gather_metrics),
+        checked (check_finite); a step that diverged the weights stops the run naming the
+        update and the last good step."""
+        return self.place.run(role, lambda: self._update(step, role, batch, *args))
+
+    def _update(self, step: int, role: str, batch, *args) -> dict[str, float]:
         from verl_mcore.engine.engine import DivergedStepError
 
+        self.onload_training_state(role)
         try:
             summary, per_step = getattr(self, role).update(batch, *args)
         except DivergedStepError as e:
@@ -529,7 +607,7 @@ class Trainer:
         together), and trainer.max_consecutive_skips of one role in a row stop the run."""
         if self.cfg.trainer.on_nonfinite == "skip":
             for s in per_step:
-                self.skipped_updates += int(s.get("skipped", 0.0))
+                self.skipped_now[role] = self.skipped_now.get(role, 0) + int(s.get("skipped", 0.0))
                 self.consecutive_skips[role] = (self.consecutive_skips.get(role, 0) + 1
                                                 if s.get("skipped_nonfinite") else 0)
             limit = self.cfg.trainer.max_consecutive_skips
@@ -558,20 +636,20 @@ class Trainer:
         from verl_mcore.data import PromptLoader
 
         r = self.cfg.rollout
+        rank, replicas = build.prompt_shard(self.groups)
         loader = PromptLoader(self.val_data, len(self.val_data) if self.cfg.data.val_batch_size is None
-                              else self.cfg.data.val_batch_size, rank=self.groups.gen_dp_rank,
-                              world_size=self.groups.layout.dp_gen, shuffle=False, drop_last=False,
-                              num_epochs=1)
+                              else self.cfg.data.val_batch_size, rank=rank, world_size=replicas,
+                              shuffle=False, drop_last=False, num_epochs=1)
         samples = ValSamples(keep_prompts=self.cfg.trainer.log_val_generations) if self.rank == 0 else None
         self.offload_training_state()
-        self.rollout.begin(step)
+        self.begin_generation(step)
         for prompts in loader:
             rollout = self.generate(prompts, self.sampling(r.val_n, r.val_temperature, seed_offset=7))
             scores, _, extras = self.score(rollout)
             if samples is not None:
                 samples.add(rollout, scores.tolist(), extras,
                             lambda k, b=rollout.train: _prompt_texts(self.info.tokenizer, b, range(k)))
-        self.rollout.end()  # the state stays on the host until the next update needs it
+        self.end_generation()  # the state stays on the host until the next update needs it
         return self.val_metrics.report(samples, step, self.run_dir)
 
     # ------------------------------------------------------------------ checkpoints

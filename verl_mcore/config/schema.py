@@ -143,8 +143,9 @@ class RewardSourceConfig:
     # `compute_reward(batch)`: reward/custom.py)
     function: Optional[str] = None
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # reward_model only. The model runs at the run's parallel.* layout on every rank, forward
-    # only (engine/reward_model.py); its micro-batches default to the actor's settings.
+    # reward_model only. The model runs forward only (engine/reward_model.py) where
+    # placement.reward_model puts it (default: with the actor, at parallel.*'s layout); its
+    # micro-batches default to the actor's settings.
     dtype: Dtype = "bf16"
     tokenizer: Optional[str] = None  # default: `path` (a dist checkpoint: its hf_config/)
     # reward_model only: revision of a Hub id in `path` (and `tokenizer` when the same id), as
@@ -341,9 +342,41 @@ class TrainerConfig:
 
 
 @dataclass
+class RoleSetConfig:
+    """The ranks one role runs on, and its layout there (placement.<role>).
+
+    A bare list or string is `ranks`: `critic: [4, 5]` or `critic: "4-5"`. Ranks are global
+    (node n's GPU g is rank n × GPUs per node + g), so on one node they are the GPU indices;
+    `nodes` names whole nodes instead (`nodes: "2-3"`: every GPU of nodes 2 and 3)."""
+
+    ranks: Union[list[int], str, None] = None
+    nodes: Union[list[int], str, None] = None
+    # The role's layout inside its set (DP = set size / (TP × PP × CP)); null: parallel.*'s.
+    # The actor's layout is always parallel.* (set it there).
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
+
+
+RoleSet = Union[RoleSetConfig, list[int], str, None]
+
+
+@dataclass
+class PlacementConfig:
+    """Which ranks run each role (distributed/placement.py). Left out, a role runs where the
+    actor runs; with nothing set every role runs on every rank (colocated, time-shared). Sets
+    are disjoint or identical; every rank runs some role."""
+
+    actor: RoleSet = None  # with its rollout engine; null: every rank
+    reference: RoleSet = None
+    critic: RoleSet = None
+    reward_model: RoleSet = None  # every reward model of reward.sources
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -390,8 +423,11 @@ class Config:
     def critic_values_pass(self) -> bool:
         """Whether the critic's forward-only values pass runs before its update: unless the
         update is one optimizer step, whose own forward passes give the values
-        (critic.recompute_values, engine/critic.py)."""
+        (critic.recompute_values, engine/critic.py). A critic placed on ranks of its own
+        (placement.critic) always runs it: the actor set then takes the values and updates the
+        actor while the critic set updates the critic."""
         c, a = self.critic, self.actor
         one_step = ((c.ppo_epochs or a.ppo_epochs) == 1
                     and (c.ppo_mini_batch_size or a.ppo_mini_batch_size) == self.data.train_batch_size)
-        return self.uses_critic and (c.recompute_values == "always" or not one_step)
+        placed = self.placement.critic is not None and self.placement.critic != self.placement.actor
+        return self.uses_critic and (c.recompute_values == "always" or not one_step or placed)

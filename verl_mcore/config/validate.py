@@ -39,6 +39,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "parallel.context_parallel_size": ("[1, inf)", ""),
     "parallel.expert_model_parallel_size": ("[1, inf)", ""),
     "rollout.tensor_parallel_size": ("[1, inf)", ""),
+    **{f"placement.{role}.{k}": ("[1, inf)", "null: parallel.*'s")
+       for role in ("actor", "reference", "critic", "reward_model")
+       for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")},
     "rollout.n": ("[1, inf)", ""),
     "rollout.temperature": ("[0, inf)", "0: greedy"),
     "rollout.top_p": ("(0, 1]", "1: off"),
@@ -141,6 +144,8 @@ def numeric_fields(cls: type = Config, prefix: str = "") -> Iterator[str]:
             continue
         if typing.get_origin(tp) is typing.Union and len(args) == 1:
             tp = args[0]  # Optional[X]
+        elif typing.get_origin(tp) is typing.Union:  # e.g. placement's RoleSetConfig | list | str
+            tp = next((a for a in args if dataclasses.is_dataclass(a)), tp)
         if dataclasses.is_dataclass(tp):
             yield from numeric_fields(tp, key + ".")
         elif tp in (int, float):
@@ -228,14 +233,23 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
                            * p.context_parallel_size)
 
 
-def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None) -> None:
+def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
+             gpus_per_node: Optional[int] = None) -> None:
     """Raise ConfigError listing every problem of this config for this world size and model.
     The config alone: the files it names (model, data, reward code) are read and checked by
-    build.build_inputs, which calls this first."""
+    build.build_inputs, which calls this first. With placement.*, the layout and batch rules
+    apply to each role inside its own set of ranks."""
+    from verl_mcore.distributed.placement import Placement, placement_errors
+
     # The cross-field rules assume values in range (no zero divisors, no NaN).
     errors = range_errors(cfg)
     if not errors:
-        errors = _layout_errors(cfg, world_size, shape) + _batch_errors(cfg, world_size)
+        errors = placement_errors(cfg, world_size, gpus_per_node)
+    if not errors:
+        sets = Placement.resolve(cfg, world_size, gpus_per_node).sets
+        actor_world = len(sets["actor"].ranks)
+        errors = _layout_errors(cfg, actor_world, shape) + _role_layout_errors(sets, shape)
+        errors += _batch_errors(cfg, actor_world, sets.get("critic"))
         errors += _length_errors(cfg, shape) + _optim_errors(cfg) + _validation_errors(cfg)
         errors += _reward_errors(cfg) + _dependency_errors(cfg)
     if errors:
@@ -307,7 +321,25 @@ def _rollout_batch_fits(cfg: Config) -> list[str]:
             f"{have / GiB:.1f} GiB: lower them"]
 
 
-def _batch_errors(cfg: Config, world: int) -> list[str]:
+def _role_layout_errors(sets: dict, shape: Optional[ModelShape]) -> list[str]:
+    """The model's shape against the layouts placement.* gives roles other than the actor."""
+    errs = []
+    for role, s in sets.items():
+        if role == "actor" or shape is None:
+            continue
+        if shape.num_attention_heads % s.tp or (shape.num_key_value_heads % s.tp
+                                                and s.tp % shape.num_key_value_heads):
+            errs.append(f"placement.{role}.tensor_model_parallel_size={s.tp} does not divide the "
+                        f"model's {shape.num_attention_heads} attention / "
+                        f"{shape.num_key_value_heads} KV heads")
+        if shape.num_layers % (s.pp * (s.vpp or 1)):
+            errs.append(f"placement.{role}.pipeline_model_parallel_size={s.pp} does not divide the "
+                        f"model's {shape.num_layers} layers")
+    return errs
+
+
+def _batch_errors(cfg: Config, world: int, critic_set=None) -> list[str]:
+    """`world`: the actor's ranks; `critic_set`: the critic's RoleSet (placement)."""
     errs = []
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if world % max(1, cfg.parallel.tensor_model_parallel_size
@@ -333,6 +365,7 @@ def _batch_errors(cfg: Config, world: int) -> list[str]:
                     f"{dp_g} generation groups (world / rollout.tensor_parallel_size)")
     if cfg.uses_critic:
         c = cfg.critic
+        dp = critic_set.dp if critic_set is not None else dp
         c_mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size)
         if d.train_batch_size % c_mini:
             errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
