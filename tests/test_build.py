@@ -43,7 +43,8 @@ def test_generation_model_pads_the_vocabulary_as_the_training_model(monkeypatch)
     monkeypatch.setattr(megatron_gpt, "GPTModel", gpt_model)
     monkeypatch.setattr(engine_mod, "MegatronEngine",
                         lambda provider, config, *a, **k: provider(config, True, True, None))
-    groups = SimpleNamespace(train=None, gen=None)
+    from verl_mcore.distributed.groups import GroupLayout
+
     wrong, old_rule_differs = [], 0
     for vocab in VOCABS:
         info = build.ModelInfo(_arch(vocab), tokenizer=None, hf_dir=None, checkpoint=None)
@@ -53,6 +54,8 @@ def test_generation_model_pads_the_vocabulary_as_the_training_model(monkeypatch)
                                          "parallel.pipeline_model_parallel_size=2",
                                          f"rollout.tensor_parallel_size={tp_g}",
                                          f"model.make_vocab_size_divisible_by={divisible_by}"])
+                groups = SimpleNamespace(train=None, gen=None,
+                                         layout=GroupLayout(2 * tp, tp, 2, tp_gen=tp_g))
                 train = _vocab_built_by(lambda: build.build_engine(cfg, groups, info, "actor", "fp32"))
                 gen = _vocab_built_by(lambda: build.build_generation_model(cfg, groups, info, None))
                 if not (gen == train == padded_vocab_size(vocab, tp, divisible_by)):
@@ -60,3 +63,15 @@ def test_generation_model_pads_the_vocabulary_as_the_training_model(monkeypatch)
                 old_rule_differs += padded_vocab_size(vocab, tp_g, divisible_by * tp // tp_g) != train
     assert wrong == [], f"(vocab, divisible_by, TP_t, TP_g, training, generation): {wrong[:10]}"
     assert old_rule_differs > 50  # the grid holds many cases Megatron's divisible × TP rule gets wrong
+
+
+def test_a_role_tp_that_does_not_divide_the_run_vocabulary_is_refused():
+    """The run pads the vocabulary once, for the actor's TP; a role set at another TP shares
+    that size, so its TP must divide it (36 ids at TP_t=1, divisor 1: 36 rows; TP=8 cannot)."""
+    from verl_mcore import build
+
+    cfg = Config.load(None, ["model.make_vocab_size_divisible_by=1"])
+    assert build.role_padded_vocab(cfg, _arch(36), "critic", 2) == 36
+    with pytest.raises(ValueError, match=r"critic's TP=8 does not divide the run's padded "
+                                         r"vocabulary of 36 rows"):
+        build.role_padded_vocab(cfg, _arch(36), "critic", 8)

@@ -185,24 +185,41 @@ def padded_vocab(cfg: Config, arch) -> int:
                                   cfg.model.make_vocab_size_divisible_by)
 
 
+def role_padded_vocab(cfg: Config, arch, role: str, tp: int) -> int:
+    """padded_vocab for a role whose set runs at TP = `tp`: the run's one size, which that TP
+    must divide (its vocabulary shards are then whole rows). A role set's TP that does not is
+    refused, naming the sizes: checkpoints and the repartition need one vocabulary size."""
+    vocab = padded_vocab(cfg, arch)
+    if vocab % tp:
+        raise ValueError(
+            f"the {role}'s TP={tp} does not divide the run's padded vocabulary of {vocab} rows "
+            f"(padded for the actor's parallel.tensor_model_parallel_size="
+            f"{cfg.parallel.tensor_model_parallel_size} and model.make_vocab_size_divisible_by="
+            f"{cfg.model.make_vocab_size_divisible_by}); give the {role} a TP that divides "
+            f"{vocab}, or raise model.make_vocab_size_divisible_by to a multiple of {tp}")
+    return vocab
+
+
 def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, optim=None,
                  recompute: bool = False, lr_decay_steps: int = 1):
+    """The role's MegatronEngine on its set: TP / PP / VPP from `groups.layout` (the role's
+    set, which the placement gives its own layout), every group from `groups.train`."""
     from verl_mcore.engine.engine import MegatronEngine
     from verl_mcore.models.gpt import build_gpt_model
 
-    p = cfg.parallel
-    config = _transformer_config(cfg, info, dtype, p.tensor_model_parallel_size,
-                                 p.pipeline_model_parallel_size,
-                                 p.virtual_pipeline_model_parallel_size)
-    arch, vocab = info.arch, padded_vocab(cfg, info.arch)
+    lay = groups.layout
+    config = _transformer_config(cfg, info, dtype, lay.tp, lay.pp, lay.vpp)
+    arch, vocab = info.arch, role_padded_vocab(cfg, info.arch, role, lay.tp)
+    pg = groups.train
 
     def provider(config, pre_process, post_process, vp_stage):
         return build_gpt_model(arch, config, role=role, pre_process=pre_process,
-                               post_process=post_process, vp_stage=vp_stage, padded_vocab=vocab)
+                               post_process=post_process, vp_stage=vp_stage, padded_vocab=vocab,
+                               pg_collection=pg)
 
-    return MegatronEngine(provider, config, groups.train, dtype=dtype, optim=optim,
+    return MegatronEngine(provider, config, pg, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
-                          use_distributed_optimizer=p.use_distributed_optimizer,
+                          use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                           load_weights=_weight_loader(info, role if role in ("critic", "reward") else "actor"),
                           vocab_size=info.arch.vocab_size)
 
@@ -268,10 +285,9 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
     from verl_mcore.models.gpt import build_gpt_model
     from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
 
-    p, tp_g = cfg.parallel, cfg.rollout.tensor_parallel_size
-    if generation_model_is_training_model(p.tensor_model_parallel_size,
-                                          p.pipeline_model_parallel_size, tp_g,
-                                          p.virtual_pipeline_model_parallel_size):
+    lay = groups.layout  # the actor's set
+    tp_g = lay.tp_gen
+    if generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
         return unwrap(actor.engine.model[0]), None
     config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
     config.perform_initialization = False  # the repartition writes every weight

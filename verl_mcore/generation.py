@@ -45,7 +45,7 @@ class GenerationPhase:
                                       logprobs=True)
             metrics.update(check_weight_sync(self.engine, self.actor_logprobs,
                                              list(prompts)[:check.num_sequences], sampling,
-                                             check.max_abs_diff))
+                                             check.max_abs_diff, group=self._set_group()))
         return metrics
 
     def generate(self, prompt_ids, sampling: SamplingParams):
@@ -56,6 +56,11 @@ class GenerationPhase:
         self.engine.sleep()
         self.awake = False
 
+    def _set_group(self):
+        """The actor set's ranks (the world when colocated): the check's collectives stay there,
+        while ranks of other roles run their own phases."""
+        return getattr(self.groups, "whole", None)
+
     def actor_logprobs(self, prompts, responses, temperature):
         """The trainer side of the sync check: every replica's sequences go through the actor
         together (its roles take the global batch), and each replica gets its own rows back."""
@@ -63,8 +68,9 @@ class GenerationPhase:
 
         lead = self.groups.gen_tp_rank == 0
         mine = list(zip(map(list, prompts), map(list, responses))) if lead else None
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.groups.gen_dp_rank, mine))
+        group = self._set_group()
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (self.groups.gen_dp_rank, mine), group=group)
         parts = sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0])
         seqs = [pr for _, part in parts for pr in part]
         if not seqs:

@@ -70,3 +70,34 @@ def test_build_groups_matches_layout_on_4_ranks():
         assert r["micro_dp"] in lay.micro_dp_groups() and len(r["micro_dp"]) == 2
         assert r["micro_dp"] == lay.tp_groups()[rank // 2]
         assert r["gen_tp_sum"] == rank
+
+
+def test_layout_on_an_offset_set_returns_global_ranks():
+    """A role set [4..7] at TP=2 × PP=2: the same groups as ranks 0..3, shifted by 4."""
+    base = GroupLayout(4, tp=2, pp=2, tp_gen=1)
+    lay = GroupLayout(4, tp=2, pp=2, tp_gen=1, ranks=(4, 5, 6, 7))
+    shift = lambda groups: [[r + 4 for r in g] for g in groups]  # noqa: E731
+    for name in ("tp_groups", "pp_groups", "dp_groups", "gen_tp_groups", "gen_dp_groups",
+                 "micro_dp_groups", "mp_groups", "dp_cp_groups", "embedding_groups"):
+        assert getattr(lay, name)() == shift(getattr(base, name)()), name
+    assert lay.coords(lay.index(6)) == base.coords(2)
+    assert lay.embedding_groups() == [[4, 6], [5, 7]]
+    with pytest.raises(ValueError, match="rank 1 is not in this layout's set"):
+        lay.index(1)
+
+
+def test_layout_on_a_non_contiguous_set():
+    """Ranks (1, 3, 6, 7) at TP=2, DP=2, TP_g=1: local index i is global rank ranks[i]."""
+    lay = GroupLayout(4, tp=2, pp=1, tp_gen=1, ranks=(1, 3, 6, 7))
+    assert lay.tp_groups() == [[1, 3], [6, 7]]
+    assert lay.dp_groups() == [[1, 6], [3, 7]]
+    assert lay.pp_groups() == [[1], [3], [6], [7]]
+    assert lay.micro_dp_groups() == [[1, 3], [6, 7]]
+    assert lay.gen_tp_groups() == [[1], [3], [6], [7]]
+    assert lay.gen_dp_groups() == [[1, 3, 6, 7]]
+    assert lay.embedding_groups() == [[1], [3], [6], [7]]
+    assert lay.coords(lay.index(7)) == {"tp": 1, "cp": 0, "dp": 1, "pp": 0, "tp_gen": 0,
+                                        "micro_dp": 1, "dp_gen": 3}
+    with pytest.raises(ValueError, match="world_size=3 but 4 ranks"):
+        GroupLayout(3, tp=1, pp=1, ranks=(1, 3, 6, 7))
+    assert GroupLayout(4, 2, 1).key() == GroupLayout(4, 2, 1, ranks=(0, 1, 2, 3)).key()

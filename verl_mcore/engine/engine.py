@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Callable, Optional
 
@@ -138,6 +139,7 @@ class MegatronEngine:
         from megatron.core.transformer.module import Float16Module
 
         self.pg = pg_collection
+        self._p2p = None  # the pipeline schedule's communicator, made on first use
         self.vocab_size = vocab_size
         self.skip_nonfinite = False  # trainer.on_nonfinite=skip sets it (see optimizer_step)
         self.param_norm: Optional[float] = None  # of the weights the optimizer updates, last step
@@ -195,11 +197,15 @@ class MegatronEngine:
             )
             for i, m in enumerate(chunks)
         ]
-        self.optimizer = _build_optimizer(optim, self.model, dtype, use_distributed_optimizer)
+        self.optimizer = _build_optimizer(optim, self.model, dtype, use_distributed_optimizer,
+                                          self.pg)
         self.scheduler = _build_scheduler(optim, self.optimizer, lr_decay_steps)
         # Hooks megatron's schedule calls: DP grad reduction (and tied-embedding sync) after the
-        # last backward, and the fp16 loss scale before each backward.
-        self.config.finalize_model_grads_func = finalize_model_grads
+        # last backward, and the fp16 loss scale before each backward. Every group from the
+        # role's own collection (the schedule passes it too): the default would read
+        # parallel_state, which a role set of its own does not initialise.
+        self.config.finalize_model_grads_func = functools.partial(finalize_model_grads,
+                                                                  pg_collection=self.pg)
         self.config.grad_scale_func = self.optimizer.scale_loss
         no_sync = [m.no_sync for m in self.model]
         self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
@@ -247,8 +253,6 @@ class MegatronEngine:
         an empty list on the other stages. With forward_only=False the gradients are accumulated
         into the DDP buffers (and reduced over DP) but the optimizer is not stepped.
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if not forward_only and not self.trainable:
             raise RuntimeError("forward_backward(forward_only=False) on a forward-only engine (no optimizer)")
         n_micro = len(micro_batches)
@@ -286,7 +290,7 @@ class MegatronEngine:
         for m in self.model:
             m.train(not forward_only)
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            out = get_forward_backward_func()(
+            out = self._schedule()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.model,
@@ -294,8 +298,28 @@ class MegatronEngine:
                 seq_length=seq,  # p2p activations are [seq, rows, hidden] ([T, 1, hidden] packed)
                 micro_batch_size=rows,
                 forward_only=forward_only,
+                **self._schedule_groups(),
             )
         return list(out) if self.is_last_stage else []
+
+    def _schedule(self):
+        """megatron's schedule for this engine's layout (not parallel_state's, which a role set
+        of its own leaves uninitialised): no pipeline, 1F1B, or interleaved."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func(pp_size=self.pp_size,
+                                         vp_size=self.vpp_size if self.vpp_size > 1 else None)
+
+    def _schedule_groups(self) -> dict:
+        """The schedule's process groups: the role's collection, and with PP a p2p communicator
+        over its pipeline group (megatron takes both or neither)."""
+        if self.pp_size == 1:
+            return {"pg_collection": self.pg}
+        if self._p2p is None:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self._p2p = P2PCommunicator(pp_group=self.pg.pp, config=self.config)
+        return {"pg_collection": self.pg, "p2p_communicator": self._p2p}
 
     def optimizer_step(self) -> dict[str, float]:
         """Step the optimizer and (when the step was taken) the LR schedule.
@@ -431,7 +455,7 @@ def training_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _build_optimizer(optim, model, dtype: str, use_distributed_optimizer: bool):
+def _build_optimizer(optim, model, dtype: str, use_distributed_optimizer: bool, pg_collection):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
@@ -451,9 +475,41 @@ def _build_optimizer(optim, model, dtype: str, use_distributed_optimizer: bool):
         initial_loss_scale=2.0**16,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(config, model)
+    # The role's groups (megatron refuses gloo groups beside a collection; only its legacy
+    # dp_zero checkpoint format and the memory-efficient fully_reshardable exchange use them,
+    # and neither is used here).
+    with _optimizer_world(getattr(pg_collection, "intra_dist_opt", None)):
+        optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False,
+                                           pg_collection=pg_collection)
     optim_step.prefer_fused_adam(optimizer)
     return optimizer
+
+
+@contextlib.contextmanager
+def _optimizer_world(group):
+    """While megatron builds an optimizer, the default group means `group` (the role's set).
+
+    megatron-core 0.16.1's get_megatron_optimizer aligns the parameter groups of all ranks with
+    an all_gather_object over the default group (optimizer/__init__.py, _get_param_groups), so
+    a role on a subset of the ranks would wait there for ranks that never build it. Its
+    optimizer instance is the set (`intra_dist_opt`); the world-wide calls are pointed there
+    for the duration of the build. Colocated (the set is the world) nothing is replaced."""
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        yield
+        return
+    get_world_size, all_gather_object = dist.get_world_size, dist.all_gather_object
+
+    def set_size(group_=None):
+        return get_world_size(group if group_ is None else group_)
+
+    def set_gather(object_list, obj, group_=None):
+        return all_gather_object(object_list, obj, group=group if group_ is None else group_)
+
+    dist.get_world_size, dist.all_gather_object = set_size, set_gather
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = get_world_size, all_gather_object
 
 
 def _build_scheduler(optim, optimizer, lr_decay_steps: int):

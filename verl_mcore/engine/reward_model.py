@@ -8,9 +8,10 @@ the response has one). That is the position verl's reward-model worker reads
 (argmax of position_ids * attention_mask) and the one transformers' sequence classifier pools
 when the padding token is not the sequence's last token.
 
-Scoring is collective: every rank of the run calls `score` with the same global batch; the
-engine splits the sequences over its data-parallel ranks (forward only, packed or padded
-micro-batches) and every rank gets all B scores back, as with the critic's values.
+Scoring is collective over the reward model's role set (every rank of the run when colocated):
+each of its ranks calls `score` with the same global batch; the engine splits the sequences
+over its data-parallel ranks (forward only, packed or padded micro-batches) and every rank of
+the set gets all B scores back, as with the critic's values.
 
 Tokens. When the reward model's tokenizer is the actor's (same vocabulary and chat template) the
 rollout's token ids are scored as they are. Otherwise each sample is re-tokenised with the reward

@@ -147,8 +147,8 @@ class Repartitioner:
         self.gen_params = global_param_names(gen_model)
         self.buffer = FlatParameterBuffer(gen_model)
         self.gen_params = global_param_names(gen_model)  # now views into the buffer
-        self.rank = dist.get_rank()
-        coords = self.layout.coords(self.rank)
+        self.rank = groups.rank  # global; the groups below are in global ranks
+        coords = self.layout.coords(groups.index)  # coordinates inside the actor's set
         self.pp_ranks = next(g for g in self.layout.pp_groups() if self.rank in g)
         self.micro_ranks = next(g for g in self.layout.micro_dp_groups() if self.rank in g)
         self.pp_group = groups.train.pp
