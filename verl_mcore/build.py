@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
-from verl_mcore.models.hub import local_dir
+from verl_mcore.models.hub import cache_advice, local_dir
 
 log = logging.getLogger("verl_mcore.build")
 
@@ -80,7 +80,8 @@ def _load_tokenizer(where: str, key: str, trust_remote_code: bool, instead: str 
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot"
         raise ConfigError(f"{key}={where}: the tokenizer of this directory does not load "
                           f"({type(e).__name__}: {e}); it needs tokenizer.json or "
-                          f"tokenizer_config.json with its vocabulary files, or set {instead}") from e
+                          f"tokenizer_config.json with its vocabulary files, or set "
+                          f"{instead}{cache_advice(where)}") from e
 
 
 @dataclass
@@ -320,7 +321,8 @@ def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
         hf_dir = os.path.join(path, CKPT_HF_CONFIG_SUBDIR)
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise ConfigError(f"{where}: neither an HF directory (no config.json) nor a dist "
-                              f"checkpoint (no {CKPT_HF_CONFIG_SUBDIR}/config.json)")
+                              f"checkpoint (no {CKPT_HF_CONFIG_SUBDIR}/config.json)"
+                              f"{cache_advice(path)}")
         checkpoint = path
     try:
         arch = read_hf_arch(hf_dir)

@@ -174,17 +174,20 @@ def range_errors(cfg: Config) -> list[str]:
 
 
 def load_config_json(cfg_file: str) -> dict:
-    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks."""
+    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks
+    (and, in the Hugging Face cache, how to download it again)."""
+    from verl_mcore.models.hub import cache_advice  # models/ imports config/: not at the top
+
     try:
         with open(cfg_file, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
         raise ConfigError(f"{cfg_file} is not valid JSON{where}: repair or replace the model "
-                          "directory's config.json (model.path)") from None
+                          f"directory's config.json (model.path){cache_advice(cfg_file)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got "
-                          f"{type(data).__name__} (model.path)")
+                          f"{type(data).__name__} (model.path){cache_advice(cfg_file)}")
     return data
 
 
