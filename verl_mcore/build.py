@@ -398,12 +398,43 @@ def build_reward_models(cfg: Config, groups, info: ModelInfo,
     return out
 
 
-def build_datasets(cfg: Config, info: ModelInfo):
-    from verl_mcore.data import build_dataset
+def read_time_limit(cfg: Config) -> float:
+    """data.read_timeout_s; null: 3/4 of trainer.collective_timeout_s, which bounds how long the
+    ranks done reading wait for the others (config/schema.py)."""
+    d = cfg.data
+    return d.read_timeout_s if d.read_timeout_s is not None else 0.75 * cfg.trainer.collective_timeout_s
 
-    train = build_dataset(cfg.data.train_files, info.tokenizer, cfg.data)
-    val = build_dataset(cfg.data.val_files, info.tokenizer, cfg.data) if cfg.data.val_files else None
-    return train, val
+
+def build_datasets(cfg: Config, info: ModelInfo):
+    """(train, val or None), both built within data.read_timeout_s: a reader that blocks (a
+    data.custom_cls waiting on the network, a lock, input()) fails naming its class, its file
+    and where it was, and build_inputs' agreement then stops every rank."""
+    from verl_mcore.data import RLHFDataset, load_dataset_class
+    from verl_mcore.user_code import call_with_time_limit
+
+    d = cfg.data
+    cls = load_dataset_class(d)  # imported under data.import_timeout_s first
+    limit = read_time_limit(cfg)
+    reading: list = []  # the split being read, for the message
+
+    def build(split: str, files):
+        reading[:] = [split, files]
+        return cls(files, info.tokenizer, d)
+
+    def late(where: str) -> str:
+        split, files = reading
+        who = ("RLHFDataset (the default reader)" if cls is RLHFDataset else
+               f"data.custom_cls {cls.__name__} ({os.path.abspath(d.custom_cls.path)})")
+        return (f"{who} did not finish building the {split} dataset ({', '.join(map(str, files))})"
+                f" within data.read_timeout_s={limit:g} s (train and val together); it was here "
+                f"(most recent call last):\n{where}\nA read that blocks (a network call, a lock, "
+                f"a sleep, input()) would hang every rank: fix it, or raise data.read_timeout_s "
+                f"(below trainer.collective_timeout_s={cfg.trainer.collective_timeout_s:g}) if "
+                f"the reading is only slow")
+
+    return call_with_time_limit(
+        lambda: (build("train", d.train_files), build("val", d.val_files) if d.val_files else None),
+        limit, late, "dataset reader")
 
 
 def resolve_run_dir(cfg: Config) -> str:

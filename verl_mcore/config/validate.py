@@ -57,6 +57,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.val_batch_size": ("[1, inf)", "null: all validation prompts in one batch"),
     "data.seed": ("[0, inf)", ""),
     "data.import_timeout_s": ("(0, inf)", "seconds"),
+    "data.read_timeout_s": ("(0, inf)", "seconds; null: 3/4 of trainer.collective_timeout_s"),
     "reward.sources[].weight": ("(-inf, inf)", "negative: a penalty"),
     "reward.sources[].micro_batch_size": ("[1, inf)", "null: the actor's"),
     "reward.sources[].max_tokens_per_microbatch": ("[1, inf)", "null: the actor's"),
@@ -375,6 +376,11 @@ def _length_errors(cfg: Config, shape: Optional[ModelShape]) -> list[str]:
                     "one version); remove model.revision or set model.path to an `org/name` id")
     if not cfg.data.train_files:
         errs.append("data.train_files is empty: give one or more Parquet/Arrow/JSONL files")
+    read, wait = cfg.data.read_timeout_s, cfg.trainer.collective_timeout_s
+    if read is not None and read >= wait:
+        errs.append(f"data.read_timeout_s={read:g} must be below trainer.collective_timeout_s="
+                    f"{wait:g}: the ranks that finished reading the data wait for the others in a "
+                    "collective that gives up after that; raise trainer.collective_timeout_s too")
     return errs
 
 
