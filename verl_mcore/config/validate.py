@@ -395,12 +395,29 @@ def _optim_errors(cfg: Config) -> list[str]:
 
 
 def _validation_errors(cfg: Config) -> list[str]:
-    """Validation asked for without data (it would silently never run), or a batch of none."""
+    """Validation asked for without data (it would silently never run), what only validation
+    reads set while it is off (nothing would compute or write it), or a batch of none."""
     t, d, errs = cfg.trainer, cfg.data, []
-    if (t.val_every > 0 or t.val_before_train) and not d.val_files:
-        asked = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
-        errs.append(f"{asked} but data.val_files is empty: give validation files or turn "
+    asked = t.val_every > 0 or t.val_before_train
+    if asked and not d.val_files:
+        by = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
+        errs.append(f"{by} but data.val_files is empty: give validation files or turn "
                     "validation off (trainer.val_every=0, trainer.val_before_train=false)")
+    fn = t.val_metric_fn
+    keys = [  # (key, value, the override that removes it); a value that is set is not the default
+        ("trainer.val_metrics", t.val_metrics, "[]"),
+        ("trainer.val_metric_kwargs", dict(t.val_metric_kwargs), "{}"),
+        ("trainer.val_metric_fn.path", fn.path, "null"),
+        ("trainer.val_metric_fn.name", fn.name, "null"),
+        ("trainer.log_val_generations", t.log_val_generations, "0")]
+    unread = [(key, value, off) for key, value, off in keys if value]
+    if unread and not asked:
+        files = "" if d.val_files else " and data.val_files is empty"
+        errs.append(f"{', '.join(f'{k}={v}' for k, v, _ in unread)} configure validation, which "
+                    f"is off (trainer.val_every=0 and trainer.val_before_train=false{files}): "
+                    "nothing would compute or write them. Validate (trainer.val_every > 0 or "
+                    "trainer.val_before_train=true, with data.val_files), or remove them: "
+                    + " ".join(f"{k}={off}" for k, _, off in unread))
     from verl_mcore.val_metrics import config_errors
 
     return errs + config_errors(t)
