@@ -5,6 +5,7 @@ import importlib.machinery
 import json
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -197,6 +198,46 @@ def _cfg(*overrides):
     return Config.load(None, list(overrides))
 
 
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs/quickstart.yaml")
+
+
+@pytest.mark.parametrize("off", [["trainer.val_every=0"], ["trainer.val_every=0", "data.val_files=[]"]],
+                         ids=["val_every=0", "no val files"])
+@pytest.mark.parametrize("keys, named, removed", [
+    (["trainer.val_metrics=[exact_match, bleu]"], "trainer.val_metrics=['exact_match', 'bleu']",
+     "trainer.val_metrics=[]"),
+    (["trainer.val_metrics=[rouge]", "trainer.val_metric_kwargs={rouge: {use_stemmer: true}}"],
+     "trainer.val_metrics=['rouge'], trainer.val_metric_kwargs={'rouge': {'use_stemmer': True}}",
+     "trainer.val_metrics=[] trainer.val_metric_kwargs={}"),
+    (["trainer.val_metric_fn.path=m.py", "trainer.val_metric_fn.name=f"],
+     "trainer.val_metric_fn.path=m.py, trainer.val_metric_fn.name=f",
+     "trainer.val_metric_fn.path=null trainer.val_metric_fn.name=null"),
+    (["trainer.log_val_generations=5"], "trainer.log_val_generations=5",
+     "trainer.log_val_generations=0"),
+], ids=["val_metrics", "val_metric_kwargs", "val_metric_fn", "log_val_generations"])
+def test_validation_settings_while_validation_is_off_are_refused(off, keys, named, removed):
+    with pytest.raises(ConfigError) as e:
+        validate(Config.load(QUICKSTART, [*off, *keys]), 1)
+    msg = str(e.value)
+    assert f"{named} configure validation, which is off (trainer.val_every=0 and " \
+           "trainer.val_before_train=false" in msg, msg
+    assert ("and data.val_files is empty)" in msg) == ("data.val_files=[]" in off)
+    assert msg.endswith(f"or remove them: {removed}"), msg
+
+
+def test_validation_settings_pass_when_validation_runs_and_defaults_never_trip():
+    metrics = ["trainer.val_metrics=[exact_match]", "trainer.log_val_generations=5"]
+    validate(Config.load(QUICKSTART, metrics), 1)  # the quickstart validates every 25 steps
+    validate(Config.load(QUICKSTART, [*metrics, "trainer.val_every=0",
+                                      "trainer.val_before_train=true"]), 1)
+    validate(Config.load(QUICKSTART, ["trainer.val_every=0", "data.val_files=[]"]), 1)
+    # asked for without files: the one error says to give files or turn it off, not both
+    with pytest.raises(ConfigError) as e:
+        validate(Config.load(QUICKSTART, [*metrics, "data.val_files=[]"]), 1)
+    assert "trainer.val_every=25 but data.val_files is empty" in str(e.value)
+    assert "configure validation" not in str(e.value)
+
+
 def test_unknown_metric_without_evaluate_names_the_key_and_the_options():
     if "evaluate" in sys.modules or __import__("importlib").util.find_spec("evaluate"):
         pytest.skip("evaluate is installed here")
@@ -309,7 +350,8 @@ def test_user_function_may_not_take_a_builtin_name_nor_block():
     with pytest.raises(ValueError, match=r"returned \['score/mean@2'\]: the built-in metrics"):
         _metrics(fn=lambda *a: {"score/mean@2": 123.0}).compute(_samples())
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"trainer.val_metric_fn.timeout_s=0.3"):
+    with pytest.raises(TimeoutError, match=r"trainer.val_metric_fn.timeout_s=0.3 s; it was here "
+                                           r"\(most recent call last\):\n  File .*test_val_metrics.py"):
         _metrics(fn=lambda *a: time.sleep(60), fn_timeout_s=0.3).compute(_samples())
     assert time.monotonic() - t0 < 5
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
-from verl_mcore.models.hub import local_dir
+from verl_mcore.models.hub import cache_advice, local_dir
 
 log = logging.getLogger("verl_mcore.build")
 
@@ -80,7 +80,8 @@ def _load_tokenizer(where: str, key: str, trust_remote_code: bool, instead: str 
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot"
         raise ConfigError(f"{key}={where}: the tokenizer of this directory does not load "
                           f"({type(e).__name__}: {e}); it needs tokenizer.json or "
-                          f"tokenizer_config.json with its vocabulary files, or set {instead}") from e
+                          f"tokenizer_config.json with its vocabulary files, or set "
+                          f"{instead}{cache_advice(where)}") from e
 
 
 @dataclass
@@ -336,7 +337,8 @@ def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
         hf_dir = os.path.join(path, CKPT_HF_CONFIG_SUBDIR)
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise ConfigError(f"{where}: neither an HF directory (no config.json) nor a dist "
-                              f"checkpoint (no {CKPT_HF_CONFIG_SUBDIR}/config.json)")
+                              f"checkpoint (no {CKPT_HF_CONFIG_SUBDIR}/config.json)"
+                              f"{cache_advice(path)}")
         checkpoint = path
     try:
         arch = read_hf_arch(hf_dir)
@@ -412,12 +414,43 @@ def build_reward_models(cfg: Config, groups, info: ModelInfo,
     return out
 
 
-def build_datasets(cfg: Config, info: ModelInfo):
-    from verl_mcore.data import build_dataset
+def read_time_limit(cfg: Config) -> float:
+    """data.read_timeout_s; null: 3/4 of trainer.collective_timeout_s, which bounds how long the
+    ranks done reading wait for the others (config/schema.py)."""
+    d = cfg.data
+    return d.read_timeout_s if d.read_timeout_s is not None else 0.75 * cfg.trainer.collective_timeout_s
 
-    train = build_dataset(cfg.data.train_files, info.tokenizer, cfg.data)
-    val = build_dataset(cfg.data.val_files, info.tokenizer, cfg.data) if cfg.data.val_files else None
-    return train, val
+
+def build_datasets(cfg: Config, info: ModelInfo):
+    """(train, val or None), both built within data.read_timeout_s: a reader that blocks (a
+    data.custom_cls waiting on the network, a lock, input()) fails naming its class, its file
+    and where it was, and build_inputs' agreement then stops every rank."""
+    from verl_mcore.data import RLHFDataset, load_dataset_class
+    from verl_mcore.user_code import call_with_time_limit
+
+    d = cfg.data
+    cls = load_dataset_class(d)  # imported under data.import_timeout_s first
+    limit = read_time_limit(cfg)
+    reading: list = []  # the split being read, for the message
+
+    def build(split: str, files):
+        reading[:] = [split, files]
+        return cls(files, info.tokenizer, d)
+
+    def late(where: str) -> str:
+        split, files = reading
+        who = ("RLHFDataset (the default reader)" if cls is RLHFDataset else
+               f"data.custom_cls {cls.__name__} ({os.path.abspath(d.custom_cls.path)})")
+        return (f"{who} did not finish building the {split} dataset ({', '.join(map(str, files))})"
+                f" within data.read_timeout_s={limit:g} s (train and val together); it was here "
+                f"(most recent call last):\n{where}\nA read that blocks (a network call, a lock, "
+                f"a sleep, input()) would hang every rank: fix it, or raise data.read_timeout_s "
+                f"(below trainer.collective_timeout_s={cfg.trainer.collective_timeout_s:g}) if "
+                f"the reading is only slow")
+
+    return call_with_time_limit(
+        lambda: (build("train", d.train_files), build("val", d.val_files) if d.val_files else None),
+        limit, late, "dataset reader")
 
 
 def resolve_run_dir(cfg: Config) -> str:

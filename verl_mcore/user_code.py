@@ -15,6 +15,12 @@ that backtracks forever is one C call) the timeout could not even fire. A probe 
 killed, leaves nothing behind in the trainer, turns an `os._exit` or a segfault into an exit
 code, and prints where it was stuck (faulthandler). It costs a second import of the file, once
 at start-up.
+
+What the user's code does after the import (trainer.val_metric_fn's calls, a dataset class
+reading its files) works on the trainer's own objects, so it runs in the trainer, in a thread
+under a time limit (`call_with_time_limit`): one that blocks fails naming itself, where it was
+stuck and the key to raise, instead of every rank waiting forever. The thread is left behind
+(Python cannot stop it) and the run stops.
 """
 from __future__ import annotations
 
@@ -27,7 +33,11 @@ import pickle
 import signal
 import subprocess
 import sys
-from typing import Any, Callable, Optional
+import threading
+import traceback
+from typing import Any, Callable, Optional, TypeVar
+
+T = TypeVar("T")
 
 # Seconds the probe may take beyond the limit (interpreter start-up, the faulthandler report)
 # before it is killed from outside.
@@ -166,6 +176,34 @@ def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: 
     raise UserCodeError(f"{where}: {exit_description(run.returncode)} while importing the file "
                         f"(a module-level os._exit, or a crash in native code); its output ends "
                         f"with:\n{_tail(run.stdout + run.stderr)}")
+
+
+def call_with_time_limit(fn: Callable[[], T], timeout_s: float, late: Callable[[str], str],
+                         thread_name: str) -> T:
+    """fn() in a daemon thread named `thread_name`, waited for at most `timeout_s` seconds; what
+    it raises is raised here. Past the limit raise TimeoutError(late(where)), `where` being the
+    thread's stack from `fn` down, most recent call last (the line it is stuck on). The thread
+    is left running: the caller stops the run."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident)
+        frames = traceback.extract_stack(frame) if frame is not None else []
+        ours = [i for i, f in enumerate(frames) if f.filename == __file__ and f.name == "run"]
+        frames = frames[ours[-1] + 1:] if ours else frames
+        raise TimeoutError(late("".join(traceback.format_list(frames[-12:])).rstrip()))
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _report(stdout: str, kind: str) -> Optional[dict]:

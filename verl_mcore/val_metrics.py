@@ -31,13 +31,13 @@ failure there is broadcast too and raised on every rank alike (ValMetricError).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
 import logging
 import math
 import os
-import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -325,25 +325,15 @@ class ValMetrics:
 
     def _call_fn(self, responses, references, rows):
         """The user's function under trainer.val_metric_fn.timeout_s: one that blocks fails the
-        validation naming itself (its thread is left behind: Python cannot stop it) instead of
-        every rank waiting on rank 0 forever."""
-        result: dict = {}
+        validation naming itself and where it was (its thread is left behind: Python cannot stop
+        it) instead of every rank waiting on rank 0 forever."""
+        from verl_mcore.user_code import call_with_time_limit
 
-        def run():
-            try:
-                result["value"] = self.fn(responses, references, rows)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                result["error"] = e
-
-        thread = threading.Thread(target=run, name="val_metric_fn", daemon=True)
-        thread.start()
-        thread.join(self.fn_timeout_s)
-        if thread.is_alive():
-            raise TimeoutError(f"trainer.val_metric_fn did not return within "
-                               f"trainer.val_metric_fn.timeout_s={self.fn_timeout_s} s")
-        if "error" in result:
-            raise result["error"]
-        return result["value"]
+        return call_with_time_limit(
+            functools.partial(self.fn, responses, references, rows), self.fn_timeout_s,
+            lambda where: (f"trainer.val_metric_fn did not return within "
+                           f"trainer.val_metric_fn.timeout_s={self.fn_timeout_s} s; it was here "
+                           f"(most recent call last):\n{where}"), "val_metric_fn")
 
     def _text_metrics(self, responses: list[str], references: list[str]) -> dict[str, float]:
         out = {}

@@ -59,6 +59,9 @@ ROW_CASES = [
     ("jsonl int among strings", lambda: with_prompt([dict(r, prompt="q") for r in gsm8k_rows(4)],
                                                     2, 7),
      "jsonl", 2, "prompt", "a number (line 3) where the other rows have a string"),
+    ("jsonl string among messages", lambda: with_prompt(gsm8k_rows(4), 1, "plain"), "jsonl", 1,
+     "prompt", "a string (line 2) where the other rows have a list (data.prompt_key='prompt'): the "
+               "prompts of a dataset are all strings or all lists of {role, content} messages"),
     ("jsonl dict prompt", lambda: with_prompt(gsm8k_rows(4), 3, {"role": "user"}), "jsonl", 3,
      "prompt", "an object (line 4) where the other rows have a list"),
     ("jsonl content not a string", lambda: with_prompt(gsm8k_rows(3), 0,
@@ -212,4 +215,28 @@ def test_skip_does_not_hide_column_problems(tmp_path, tok):
     expect_error(path, tok, 0, "data_source", "expected string", on_bad_row="skip")
     path = write_rows(str(tmp_path / "b.parquet"), [dict(r, prompt=3) for r in gsm8k_rows(2)],
                       "parquet")
-    expect_error(path, tok, None, None, "no usable prompt is left", on_bad_row="skip")
+    expect_error(path, tok, None, None, "no prompt is left: data.on_bad_row=skip skipped 2 of the "
+                                        "2 rows as bad, e.g. ", on_bad_row="skip")
+
+
+def test_a_filter_that_leaves_no_prompt_names_the_setting_and_the_length_needed(tmp_path, tok):
+    rows = gsm8k_rows(100)
+    rows[7]["prompt"] = [{"role": "user", "content": "hello " * 30}]
+    path = write_rows(str(tmp_path / "a.parquet"), rows, "parquet")
+    lengths = [len(RLHFDataset(path, tok, DataConfig(max_prompt_length=100)).prompt_ids(i))
+               for i in range(100)]
+    err = expect_error(path, tok, None, None, "no prompt is left: data.max_prompt_length=8 "
+                       "(data.truncation=filter) left out 100 of the 100 rows: their prompts have "
+                       f"{min(lengths)} to {max(lengths)} tokens after the chat template",
+                       max_prompt_length=8, truncation="filter")
+    assert f"raise data.max_prompt_length to at least {min(lengths)} ({max(lengths)} keeps every " \
+           "prompt), or set data.truncation=truncate_left" in str(err)
+    # a too-long row and bad rows together: both settings are named
+    rows = [dict(r, prompt=None) for r in gsm8k_rows(3)] + gsm8k_rows(1)
+    path = write_rows(str(tmp_path / "b.parquet"), rows, "parquet")
+    expect_error(path, tok, None, None, "left out 1 of the 4 rows: their prompts have "
+                 f"{min(lengths)} tokens after the chat template; data.on_bad_row=skip skipped 3 of "
+                 "the 4 rows as bad", max_prompt_length=8, truncation="filter", on_bad_row="skip")
+    (tmp_path / "c.jsonl").write_text('{"prompt": "cut\n[1]\n{"prompt": "cut too\n')
+    expect_error(str(tmp_path / "c.jsonl"), tok, None, None, "data.on_bad_row=skip skipped every "
+                 "row of the file as bad (3 rows), e.g. ", on_bad_row="skip")

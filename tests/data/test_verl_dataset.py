@@ -108,6 +108,67 @@ def test_bad_rows_are_named_by_their_row_of_the_frame(tmp_path, tok):
         frame_class("list")(raw, tok, DataConfig(max_prompt_length=100))
 
 
+class KeepsCode(RLHFDataset):
+    """A user's own filter, which here keeps nothing."""
+
+    def _read_files_and_tokenize(self):
+        super()._read_files_and_tokenize()
+        self.dataframe = self.dataframe.filter(pc.equal(self.dataframe["category"], "code"))
+
+
+class ReadsNothing(RLHFDataset):
+    def read_file(self, path):
+        return []
+
+
+def test_a_filter_that_leaves_no_row_is_named(tmp_path, tok):
+    raw = write_raw_arrow_export(str(tmp_path / "raw.arrow"), eurus_rows(QUICK))
+    # maybe_filter_out_long_prompts: the setting, how many, and the length that would keep some
+    with pytest.raises(DataError) as e:
+        frame_class("list", use_filter=True)(raw, tok, DataConfig(max_prompt_length=8,
+                                                                  truncation="filter"))
+    msg = str(e.value)
+    assert msg.startswith(f"ListDataset.dataframe (read from {raw}): no prompt is left: "
+                          "maybe_filter_out_long_prompts with data.max_prompt_length=8 "
+                          "(data.truncation=filter) left out 10 of the 10 rows"), msg
+    assert "raise data.max_prompt_length to at least " in msg
+    # the user's own filter: the class and its file
+    path = write_rows(str(tmp_path / "a.parquet"), gsm8k_rows(3), "parquet")
+    with pytest.raises(DataError, match=r"the dataframe has no rows: KeepsCode."
+                                        r"_read_files_and_tokenize \(.*test_verl_dataset.py\) "
+                                        r"kept none of the rows of 1 file"):
+        KeepsCode(path, tok, DataConfig())
+    with pytest.raises(DataError, match=rf"{path}: ReadsNothing.read_file \(.*test_verl_dataset"
+                                        r".py\) returned no rows for this file"):
+        ReadsNothing(path, tok, DataConfig())
+
+
+@pytest.mark.parametrize("kind", ["list", "pandas", "pandas from arrow"])
+def test_a_prompt_column_of_strings_and_messages_names_the_row(tmp_path, tok, kind):
+    rows = gsm8k_rows(6)
+    if kind != "list":
+        pd = pytest.importorskip("pandas", reason="pandas (in the test extra) is not installed: "
+                                                  "this frame type cannot be built")
+    if kind == "pandas from arrow":  # list columns come back as numpy arrays
+        frame = pa.Table.from_pylist(rows).to_pandas()
+        frame.at[3, "prompt"] = "a plain string"
+    else:
+        rows[3]["prompt"] = "a plain string"
+        frame = rows if kind == "list" else pd.DataFrame(rows)
+
+    class Mixed(RLHFDataset):
+        def _read_files_and_tokenize(self):
+            self.dataframe = frame
+
+    path = write_rows(str(tmp_path / "a.parquet"), gsm8k_rows(1), "parquet")
+    with pytest.raises(DataError) as e:
+        Mixed(path, tok, DataConfig())
+    assert str(e.value).startswith(
+        f"Mixed.dataframe (read from {path}), row 3, column 'prompt': a string where the other "
+        "rows have a list (data.prompt_key='prompt'): the prompts of a dataset are all strings "
+        "or all lists of {role, content} messages"), str(e.value)
+
+
 class NoFrame(RLHFDataset):
     def _read_files_and_tokenize(self):
         self.rows_i_read = []
@@ -197,7 +258,9 @@ def test_custom_cls_trains_on_the_subclass_rows(tmp_path, tok):
     assert [ds.prompt_ids(i) for i in range(len(ds))] == [reference.prompt_ids(i)
                                                           for i in range(len(reference))]
     # The default reader keeps none of these rows: the system prompt makes each one too long.
-    with pytest.raises(DataError, match="no usable prompt is left"):
+    with pytest.raises(DataError, match=r"no prompt is left: data.max_prompt_length=16 \(data."
+                                        r"truncation=filter\) left out 13 of the 13 rows: their "
+                                        r"prompts have \d+ to \d+ tokens"):
         RLHFDataset(raw, tok, DataConfig(max_prompt_length=16, truncation="filter"))
 
 

@@ -169,7 +169,7 @@ def test_max_memory_mb_caps_the_workers(crashy, caplog):
 
 # ------------------------------------------------------------------ every rank together
 
-def _agree_body(rank, world_size, model_dir, reward_files):
+def _agree_body(rank, world_size, model_dir, reward_files, extra=()):
     from verl_mcore import build
     from verl_mcore.config import Config
 
@@ -177,7 +177,7 @@ def _agree_body(rank, world_size, model_dir, reward_files):
         f"model.path={model_dir}", f"reward.custom_fn.path={reward_files[rank]}",
         "reward.custom_fn.name=score", "reward.num_workers=0", "data.train_batch_size=16",
         f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
-        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]"])
+        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]", *extra])
     try:
         build.build_inputs(cfg, world_size).rewards.close()
     except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
@@ -197,3 +197,74 @@ def test_a_file_missing_on_one_rank_stops_every_rank(tmp_path):
     assert kind == "AgreedFailure"
     assert msg.startswith("rank 1 failed while checking the inputs: ConfigError: "
                           f"reward.custom_fn.path='{missing}': no such file")
+
+
+# A verl-style dataset class whose reading never answers on some ranks (a download, a lock).
+BLOCKING_DATASET = """
+import os, time
+from verl_mcore.data import RLHFDataset
+
+
+class WaitsForTheNetwork(RLHFDataset):
+    def _read_files_and_tokenize(self):
+        if os.environ.get("RANK", "0") in {ranks!r}:
+            time.sleep({seconds})  # the read that blocks
+        super()._read_files_and_tokenize()
+"""
+
+
+def _blocking_dataset(tmp_path, ranks, seconds):
+    path = tmp_path / "blocking_data.py"
+    path.write_text(BLOCKING_DATASET.format(ranks=set(ranks), seconds=seconds))
+    return ["data.custom_cls.path=" + str(path), "data.custom_cls.name=WaitsForTheNetwork"], str(path)
+
+
+def test_a_dataset_class_that_blocks_while_reading_fails_in_time(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.data.tiny_tokenizer import make_tiny_tokenizer
+    from verl_mcore import build
+    from verl_mcore.config import Config
+
+    keys, path = _blocking_dataset(tmp_path, ["0"], 30)
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [*keys, "data.read_timeout_s=1",
+        f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]"])
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as e:
+        build.build_datasets(cfg, SimpleNamespace(tokenizer=make_tiny_tokenizer()))
+    assert time.monotonic() - start < 15
+    msg = str(e.value)
+    assert msg.startswith(f"data.custom_cls WaitsForTheNetwork ({path}) did not finish building "
+                          f"the train dataset ({ROOT}/examples/data/quickstart_train.parquet) within "
+                          "data.read_timeout_s=1 s (train and val together); it was here (most "
+                          "recent call last):"), msg
+    assert f'File "{path}", line 9, in _read_files_and_tokenize' in msg and "time.sleep(30)" in msg
+    assert "raise data.read_timeout_s (below trainer.collective_timeout_s=1800)" in msg
+
+
+def test_the_read_time_limit_defaults_below_the_collective_timeout():
+    from verl_mcore import build
+    from verl_mcore.config import Config
+
+    assert build.read_time_limit(Config.load(None, [])) == 1350
+    assert build.read_time_limit(Config.load(None, ["trainer.collective_timeout_s=900"])) == 675
+    assert build.read_time_limit(Config.load(None, ["data.read_timeout_s=30"])) == 30
+
+
+def test_a_dataset_blocking_on_one_rank_stops_every_rank(tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    good = _file(tmp_path, "")
+    keys, path = _blocking_dataset(tmp_path, ["1"], 60)
+    start = time.monotonic()
+    results = run_on_ranks(_agree_body, 2, args=(model, [good, good],
+                                                 [*keys, "data.read_timeout_s=2"]), timeout=300)
+    assert time.monotonic() - start < 50
+    assert results[1][0] == "ConfigError", results
+    assert results[1][1].startswith(f"data.custom_cls WaitsForTheNetwork ({path}) did not finish "
+                                    "building the train dataset"), results[1][1]
+    kind, msg = results[0]
+    assert kind == "AgreedFailure"
+    assert msg.startswith("rank 1 failed while checking the inputs: ConfigError: data.custom_cls "
+                          f"WaitsForTheNetwork ({path}) did not finish"), msg

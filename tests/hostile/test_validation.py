@@ -84,6 +84,9 @@ def test_all_range_problems_are_listed_at_once():
      "actor.optim.min_lr=1e-05 is above actor.optim.lr=1e-06"),
     (["reward.num_workers=0", "reward.max_memory_mb=512"],
      "reward.max_memory_mb=512 needs reward.num_workers >= 1"),
+    (["trainer.collective_timeout_s=900", "data.read_timeout_s=900"],
+     "data.read_timeout_s=900 must be below trainer.collective_timeout_s=900: the ranks that "
+     "finished reading the data wait for the others"),
 ])
 def test_cross_field_rules(overrides, message):
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)

@@ -140,6 +140,65 @@ def test_offline_without_a_copy_names_the_id_the_cache_and_what_to_do(offline):
         build.reward_model_info(cfg, key, source)
 
 
+@pytest.fixture
+def own_cache(offline, tmp_path, monkeypatch):
+    """An empty cache of this test's own (offline as `offline`), for copies it damages."""
+    from huggingface_hub import constants
+
+    cache = str(tmp_path / "hub")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    return cache
+
+
+def _cut(path, keep=10):
+    """Truncate the blob a snapshot file links to (what an interrupted download leaves)."""
+    blob = os.path.realpath(path)
+    with open(blob, "rb") as f:
+        data = f.read()
+    with open(blob, "wb") as f:
+        f.write(data[:keep])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda snap: _cut(os.path.join(snap, "config.json")),
+    lambda snap: os.remove(os.path.realpath(os.path.join(snap, "config.json"))),  # blob gone
+    lambda snap: _cut(os.path.join(snap, "model.safetensors"), keep=100),
+    lambda snap: os.remove(os.path.join(snap, "model.safetensors")),
+    lambda snap: _cut(os.path.join(snap, "tokenizer.json")),
+], ids=["config.json cut", "config.json blob missing", "safetensors cut", "safetensors missing",
+        "tokenizer.json cut"])
+def test_a_damaged_cached_copy_says_how_to_download_it_again(own_cache, tmp_path, damage):
+    from tools.make_tiny_model import make_tiny_model
+
+    snapshot = add_snapshot(own_cache, "org/damaged", MAIN, make_tiny_model(str(tmp_path / "m")))
+    damage(snapshot)
+    with pytest.raises(ConfigError) as e:
+        build.build_inputs(_config("model.path=org/damaged", "reward.num_workers=0"), 1)
+    message = str(e.value)
+    assert snapshot in message, message  # the cached path
+    assert (f"It is in the Hugging Face cache (snapshot {MAIN} of org/damaged), so the copy is "
+            f"damaged or incomplete") in message, message
+    assert f"hf download org/damaged --revision {MAIN} --force-download" in message
+    assert f"or delete {os.path.join(own_cache, 'models--org--damaged')} and start again" in message
+    assert "HF_HUB_OFFLINE unset" in message
+
+
+def test_a_damaged_cached_reward_model_and_other_paths(own_cache, tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    snapshot = add_snapshot(own_cache, "org/damaged-rm", MAIN,
+                            make_tiny_model(str(tmp_path / "rm"), seed=1, reward_model=True))
+    _cut(os.path.join(snapshot, "config.json"))
+    cfg = _config("reward.sources=[{name: rm, type: reward_model, path: org/damaged-rm}]")
+    key, source = build.reward_model_sources(cfg)[0]
+    with pytest.raises(ConfigError, match=r"reward.sources\[0\].path=org/damaged-rm: .*config.json "
+                                          r"is not valid JSON.*hf download org/damaged-rm "):
+        build.reward_model_info(cfg, key, source)
+    # a directory outside the cache gets no such advice
+    assert hub.cache_advice(str(tmp_path / "rm" / "config.json")) == ""
+    assert hub.cache_advice(None) == ""
+
+
 def test_a_missing_local_directory_is_still_no_such_directory(offline):
     with pytest.raises(ConfigError, match="model.tokenizer=./no/tok: no such directory"):
         build.load_model_info(_config("model.path=org/tiny", "model.tokenizer=./no/tok"))

@@ -128,6 +128,13 @@ class DataConfig:
     # hanging every rank. Its own key, not reward.import_timeout_s: the two files are different
     # code with different imports, each tuned where it is configured.
     import_timeout_s: float = 60.0
+    # Seconds building the datasets may take, train and val together: reading, checking and
+    # tokenising, a data.custom_cls's read_file / _read_files_and_tokenize included. Past it the
+    # run fails naming the class, its file and where it was stuck, instead of hanging before
+    # step 1. Every rank reads, and the ranks done first wait for the others in a collective
+    # that gives up after trainer.collective_timeout_s, so it must be below that; null: 3/4 of
+    # trainer.collective_timeout_s (1350 s at its default).
+    read_timeout_s: Optional[float] = None
 
 
 @dataclass

@@ -60,6 +60,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.val_batch_size": ("[1, inf)", "null: all validation prompts in one batch"),
     "data.seed": ("[0, inf)", ""),
     "data.import_timeout_s": ("(0, inf)", "seconds"),
+    "data.read_timeout_s": ("(0, inf)", "seconds; null: 3/4 of trainer.collective_timeout_s"),
     "reward.sources[].weight": ("(-inf, inf)", "negative: a penalty"),
     "reward.sources[].micro_batch_size": ("[1, inf)", "null: the actor's"),
     "reward.sources[].max_tokens_per_microbatch": ("[1, inf)", "null: the actor's"),
@@ -179,17 +180,20 @@ def range_errors(cfg: Config) -> list[str]:
 
 
 def load_config_json(cfg_file: str) -> dict:
-    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks."""
+    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks
+    (and, in the Hugging Face cache, how to download it again)."""
+    from verl_mcore.models.hub import cache_advice  # models/ imports config/: not at the top
+
     try:
         with open(cfg_file, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
         raise ConfigError(f"{cfg_file} is not valid JSON{where}: repair or replace the model "
-                          "directory's config.json (model.path)") from None
+                          f"directory's config.json (model.path){cache_advice(cfg_file)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got "
-                          f"{type(data).__name__} (model.path)")
+                          f"{type(data).__name__} (model.path){cache_advice(cfg_file)}")
     return data
 
 
@@ -405,6 +409,11 @@ def _length_errors(cfg: Config, shape: Optional[ModelShape]) -> list[str]:
                     "one version); remove model.revision or set model.path to an `org/name` id")
     if not cfg.data.train_files:
         errs.append("data.train_files is empty: give one or more Parquet/Arrow/JSONL files")
+    read, wait = cfg.data.read_timeout_s, cfg.trainer.collective_timeout_s
+    if read is not None and read >= wait:
+        errs.append(f"data.read_timeout_s={read:g} must be below trainer.collective_timeout_s="
+                    f"{wait:g}: the ranks that finished reading the data wait for the others in a "
+                    "collective that gives up after that; raise trainer.collective_timeout_s too")
     return errs
 
 
@@ -419,12 +428,29 @@ def _optim_errors(cfg: Config) -> list[str]:
 
 
 def _validation_errors(cfg: Config) -> list[str]:
-    """Validation asked for without data (it would silently never run), or a batch of none."""
+    """Validation asked for without data (it would silently never run), what only validation
+    reads set while it is off (nothing would compute or write it), or a batch of none."""
     t, d, errs = cfg.trainer, cfg.data, []
-    if (t.val_every > 0 or t.val_before_train) and not d.val_files:
-        asked = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
-        errs.append(f"{asked} but data.val_files is empty: give validation files or turn "
+    asked = t.val_every > 0 or t.val_before_train
+    if asked and not d.val_files:
+        by = f"trainer.val_every={t.val_every}" if t.val_every > 0 else "trainer.val_before_train=true"
+        errs.append(f"{by} but data.val_files is empty: give validation files or turn "
                     "validation off (trainer.val_every=0, trainer.val_before_train=false)")
+    fn = t.val_metric_fn
+    keys = [  # (key, value, the override that removes it); a value that is set is not the default
+        ("trainer.val_metrics", t.val_metrics, "[]"),
+        ("trainer.val_metric_kwargs", dict(t.val_metric_kwargs), "{}"),
+        ("trainer.val_metric_fn.path", fn.path, "null"),
+        ("trainer.val_metric_fn.name", fn.name, "null"),
+        ("trainer.log_val_generations", t.log_val_generations, "0")]
+    unread = [(key, value, off) for key, value, off in keys if value]
+    if unread and not asked:
+        files = "" if d.val_files else " and data.val_files is empty"
+        errs.append(f"{', '.join(f'{k}={v}' for k, v, _ in unread)} configure validation, which "
+                    f"is off (trainer.val_every=0 and trainer.val_before_train=false{files}): "
+                    "nothing would compute or write them. Validate (trainer.val_every > 0 or "
+                    "trainer.val_before_train=true, with data.val_files), or remove them: "
+                    + " ".join(f"{k}={off}" for k, _, off in unread))
     from verl_mcore.val_metrics import config_errors
 
     return errs + config_errors(t)

@@ -39,7 +39,8 @@ from verl_mcore.config.schema import DataConfig
 from verl_mcore.data.checks import check_columns, check_same_schema, prompt_problem
 from verl_mcore.data.errors import BadRow, DataError
 from verl_mcore.data.loader import PromptBatch
-from verl_mcore.data.readers import DEFAULT_EXTENSIONS, FileRows, read_file_rows, resolve_files
+from verl_mcore.data.readers import (DEFAULT_EXTENSIONS, FileRows, kind_mismatches,
+                                     mismatch_problem, read_file_rows, resolve_files)
 from verl_mcore.user_code import check_import, load_user_object
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class RLHFDataset:
         self._parts: Optional[list[FileRows]] = None
         self._files_table: Optional[pa.Table] = None  # the default `dataframe`, built on access
         self._dataframe: Any = None  # what an override set as self.dataframe
+        self._too_long_tokens: Optional[tuple[int, int]] = None  # (shortest, longest) filtered
+        self._filtered_by_override = False  # maybe_filter_out_long_prompts left some out
         self._read_files_and_tokenize()
         self._take_dataframe()
         self._tokenise_all()
@@ -101,8 +104,7 @@ class RLHFDataset:
                            "(data.truncation=filter)", self.stats.too_long_filtered,
                            config.max_prompt_length)
         if len(self) == 0:
-            raise DataError(", ".join(self.files), "no usable prompt is left (all rows were bad "
-                                                   "or too long); see the warnings above")
+            raise DataError(", ".join(self.files), self._nothing_left())
 
     # ---- the override point ------------------------------------------------------------------
 
@@ -113,7 +115,7 @@ class RLHFDataset:
         rendering, tokenising, filtering and batching are inherited. Raise DataError (naming the
         file) for a file that cannot be read.
         """
-        return read_file_rows(path, self.config.on_bad_row)
+        return read_file_rows(path, self.config.on_bad_row, self.prompt_key)
 
     def _read_files_and_tokenize(self) -> None:
         """Read `self.data_files` (verl's hook, under verl's name; tokenising follows it).
@@ -165,7 +167,9 @@ class RLHFDataset:
         for rows, encoded in self._encoded_chunks(part):
             for row, ids in zip(rows, encoded):
                 keep[row] = len(ids) <= self.config.max_prompt_length
-            self.stats.too_long_filtered += sum(not keep[row] for row in rows)
+                if not keep[row]:
+                    self._left_out_too_long(len(ids))
+                    self._filtered_by_override = True
         return _select_rows(dataframe, keep)
 
     # ---- public access -------------------------------------------------------------------------
@@ -227,9 +231,17 @@ class RLHFDataset:
     def _load(self, path: str) -> FileRows:
         got = self.read_file(path)
         part = got if isinstance(got, FileRows) else FileRows(
-            path, _as_table(got, path, f"{type(self).__name__}.read_file returned"))
+            path, _as_table(got, path, f"{type(self).__name__}.read_file returned",
+                            self.prompt_key))
         for bad in part.bad_rows:
             self._note_bad_row(bad)
+        if part.table.num_rows == 0 and part.bad_rows:
+            raise DataError(path, f"data.on_bad_row=skip skipped every row of the file as bad "
+                                  f"({len(part.bad_rows)} rows), e.g. {part.bad_rows[0]}")
+        if part.table.num_rows == 0 and type(self).read_file is not RLHFDataset.read_file:
+            raise DataError(path, f"{type(self).__name__}.read_file ({_source_file(type(self))}) "
+                                  f"returned no rows for this file; check its own reading and "
+                                  f"filtering")
         check_columns(path, part.table, self.prompt_key, part.file_row)
         return part
 
@@ -252,12 +264,45 @@ class RLHFDataset:
     def _frame_part(self, frame: Any, what: str) -> FileRows:
         """A dataframe from an override as the part to check and tokenise; `what` is for errors."""
         label = self._frame_label()
-        table = _as_table(frame, label, what)
+        table = _as_table(frame, label, what, self.prompt_key)
         if table.num_rows == 0:
-            raise DataError(label, "the dataframe has no rows (see the warnings above for rows "
-                                   "left out)")
+            raise DataError(label, self._nothing_left() if self.stats.too_long_filtered
+                            or self.stats.bad_rows_skipped else
+                            f"the dataframe has no rows: {type(self).__name__}"
+                            f"._read_files_and_tokenize ({_source_file(type(self))}) kept none "
+                            f"of the rows of {len(self.files)} file(s); check its own reading "
+                            f"and filtering")
         check_columns(label, table, self.prompt_key)
         return FileRows(label, table)
+
+    def _left_out_too_long(self, n_tokens: int) -> None:
+        """Count a prompt of `n_tokens` left out by data.truncation=filter."""
+        self.stats.too_long_filtered += 1
+        low, high = self._too_long_tokens or (n_tokens, n_tokens)
+        self._too_long_tokens = (min(low, n_tokens), max(high, n_tokens))
+
+    def _nothing_left(self) -> str:
+        """Why no prompt is left: which setting left out how many rows, and what to change."""
+        s, cfg = self.stats, self.config
+        seen = s.too_long_filtered + s.bad_rows_skipped  # nothing was kept
+        out, fixes = [], []
+        if s.too_long_filtered:
+            low, high = self._too_long_tokens
+            by = "maybe_filter_out_long_prompts with " if self._filtered_by_override else ""
+            span = f"{low}" if low == high else f"{low} to {high}"
+            out.append(f"{by}data.max_prompt_length={cfg.max_prompt_length} "
+                       f"(data.truncation=filter) left out {s.too_long_filtered} of the {seen} "
+                       f"rows: their prompts have {span} tokens after the chat template")
+            every = "" if low == high else f" ({high} keeps every prompt)"
+            fixes.append(f"raise data.max_prompt_length to at least {low}{every}, or set "
+                         f"data.truncation=truncate_left to keep them shortened")
+        if s.bad_rows_skipped:
+            out.append(f"data.on_bad_row=skip skipped {s.bad_rows_skipped} of the {seen} rows as "
+                       f"bad, e.g. {self.bad_rows[0]}")
+            fixes.append("repair the bad rows (the warning above lists the first ones)")
+        if not out:
+            return "no prompt is left"
+        return f"no prompt is left: {'; '.join(out)}. To keep some, {'; or '.join(fixes)}"
 
     def _note_bad_row(self, bad: BadRow) -> None:
         self.stats.bad_rows_skipped += 1
@@ -335,7 +380,7 @@ class RLHFDataset:
         cfg = self.config
         limit = cfg.max_prompt_length
         if cfg.truncation == "filter":
-            self.stats.too_long_filtered += 1
+            self._left_out_too_long(len(ids))
             return None
         if cfg.truncation == "truncate_left":  # keep the end: the generation prompt is there
             self.stats.too_long_truncated += 1
@@ -356,14 +401,13 @@ def _loaded(module: str, name: str) -> Optional[type]:
     return getattr(sys.modules.get(module), name, None)
 
 
-def _as_table(frame: Any, where: str, what: str) -> pa.Table:
-    """A pyarrow Table of `frame`'s rows; `where` and `what` ("X.dataframe is") go into errors."""
+def _as_table(frame: Any, where: str, what: str, prompt_key: Optional[str] = None) -> pa.Table:
+    """A pyarrow Table of `frame`'s rows; `where` and `what` ("X.dataframe is") go into errors,
+    `prompt_key` (data.prompt_key) into the one about a column of mixed kinds."""
     kinds = "a pyarrow Table, a datasets.Dataset, a pandas DataFrame or a list of row dicts"
     if isinstance(frame, pa.Table):
         return frame
-    if isinstance(frame, list):
-        if not frame:
-            raise DataError(where, "there are no rows (an empty list)")
+    if isinstance(frame, list):  # an empty one is an empty table, said by the callers
         for row, item in enumerate(frame):
             if not isinstance(item, dict):
                 raise DataError(where, f"a row must be a dict (one key per column), got "
@@ -371,6 +415,7 @@ def _as_table(frame: Any, where: str, what: str) -> pa.Table:
         try:
             return pa.Table.from_pylist(frame)
         except (pa.ArrowException, TypeError, ValueError) as e:
+            _raise_mixed_kinds(frame, where, prompt_key, e)
             raise DataError(where, f"the rows do not form one table (a column with mixed "
                                    f"types?): {e}") from e
     dataset, dataset_dict = _loaded("datasets", "Dataset"), _loaded("datasets", "DatasetDict")
@@ -386,10 +431,27 @@ def _as_table(frame: Any, where: str, what: str) -> pa.Table:
         try:
             return pa.Table.from_pandas(frame, preserve_index=False)
         except (pa.ArrowException, TypeError, ValueError) as e:
+            _raise_mixed_kinds(frame.to_dict("records"), where, prompt_key, e)
             raise DataError(where, f"the pandas DataFrame does not convert to Arrow (a column "
                                    f"with mixed types?): {e}") from e
     raise DataError(where, f"{what} {type(frame).__module__}.{type(frame).__name__}; it must be "
                            f"{kinds}")
+
+
+def _raise_mixed_kinds(rows: list[dict], where: str, prompt_key: Optional[str],
+                       arrow_error: Exception) -> None:
+    """Raise a DataError naming the first row whose value has another kind than the other rows'
+    in that column (what made Arrow refuse `rows`), when there is one."""
+    found = [(row, m) for row, m in enumerate(kind_mismatches(rows)) if m is not None]
+    if found:
+        row, mismatch = found[0]
+        raise DataError(where, mismatch_problem(mismatch, prompt_key), row,
+                        mismatch[0]) from arrow_error
+
+
+def _source_file(cls: type) -> str:
+    """The file that defines `cls`, for messages."""
+    return getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
 
 
 def _select_rows(frame: Any, keep: np.ndarray) -> Any:

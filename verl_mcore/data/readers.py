@@ -102,11 +102,13 @@ def detect_format(path: str) -> str:
                           f"(first bytes {head!r})")
 
 
-def read_file_rows(path: str, on_bad_row: str = "error") -> FileRows:
-    """Read one file of any supported format; every failure is a DataError naming the file."""
+def read_file_rows(path: str, on_bad_row: str = "error",
+                   prompt_key: Optional[str] = None) -> FileRows:
+    """Read one file of any supported format; every failure is a DataError naming the file.
+    `prompt_key` (data.prompt_key) is for the message about a prompt column of mixed kinds."""
     fmt = detect_format(path)
     if fmt == "jsonl":
-        return _read_jsonl(path, on_bad_row)
+        return _read_jsonl(path, on_bad_row, prompt_key)
     readers = {"parquet": _read_parquet, "arrow_file": _read_arrow_file,
                "arrow_stream": _read_arrow_stream}
     try:
@@ -141,12 +143,12 @@ def _read_arrow_stream(path: str) -> pa.Table:
     return table
 
 
-def _read_jsonl(path: str, on_bad_row: str) -> FileRows:
+def _read_jsonl(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
     try:
         return FileRows(path, pa_json.read_json(path))
     except pa.ArrowInvalid as e:
         arrow_error = e
-    rows, row_numbers, bad = _scan_jsonl(path)
+    rows, row_numbers, bad = _scan_jsonl(path, prompt_key)
     if not bad:
         raise DataError(path, f"pyarrow cannot read this JSON Lines file: {arrow_error}")
     if on_bad_row != "skip":
@@ -160,6 +162,45 @@ def _read_jsonl(path: str, on_bad_row: str) -> FileRows:
     return FileRows(path, table, np.asarray(row_numbers, dtype=np.int64), bad)
 
 
+def kind_mismatches(rows: Sequence[object]) -> list[Optional[tuple[str, str, str, str]]]:
+    """What pyarrow refuses to put into one column: for each row (a dict; anything else gets
+    None), its first value whose kind (string / number / list / object / bool, nested values
+    included) differs from the kind most rows have there, as (column, path, kind, usual kind),
+    e.g. ("prompt", "prompt", "string", "list"); None when the row agrees with the others.
+    Float NaN counts as missing (pandas writes it for a missing value)."""
+    def kinds(value) -> list[tuple[str, str]]:
+        return [] if isinstance(value, float) and value != value else list(_kinds(value, ""))
+
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for value in rows:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                for p, kind in kinds(item):
+                    counts[key + p][kind] += 1
+    usual = {p: c.most_common(1)[0][0] for p, c in counts.items()}
+    found: list[Optional[tuple[str, str, str, str]]] = []
+    for value in rows:
+        mismatch = None
+        if isinstance(value, dict):
+            mismatch = next(((key, key + p, kind, usual[key + p]) for key, item in value.items()
+                             for p, kind in kinds(item) if kind != usual[key + p]), None)
+        found.append(mismatch)
+    return found
+
+
+def mismatch_problem(mismatch: tuple[str, str, str, str], prompt_key: Optional[str],
+                     at: str = "") -> str:
+    """The message for one of kind_mismatches' findings; `at`: e.g. " (line 4)"."""
+    key, path, kind, usual = mismatch
+    where_in = "" if path == key else f" at {path}"
+    problem = f"{_a(kind)}{where_in}{at} where the other rows have {_a(usual)}"
+    if key == prompt_key and path == key and {kind, usual} == {"string", "list"}:
+        problem += (f" (data.prompt_key={prompt_key!r}): the prompts of a dataset are all strings "
+                    "or all lists of {role, content} messages; write a string prompt s as "
+                    "[{\"role\": \"user\", \"content\": s}]")
+    return problem
+
+
 def _kinds(value, path: str) -> Iterable[tuple[str, str]]:
     """(path, kind) for a JSON value and everything nested in it; null fits every kind."""
     if value is None:
@@ -170,7 +211,7 @@ def _kinds(value, path: str) -> Iterable[tuple[str, str]]:
         yield path, "number"
     elif isinstance(value, str):
         yield path, "string"
-    elif isinstance(value, list):
+    elif isinstance(value, (list, tuple, np.ndarray)):  # pandas holds Arrow lists as arrays
         yield path, "list"
         for item in value:
             yield from _kinds(item, path + "[]")
@@ -184,10 +225,11 @@ def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
-def _scan_jsonl(path: str) -> tuple[list[dict], list[int], list[BadRow]]:
+def _scan_jsonl(path: str, prompt_key: Optional[str] = None
+                ) -> tuple[list[dict], list[int], list[BadRow]]:
     """Parse line by line; a row is bad if it is not a JSON object, or if some value in it has a
-    different kind (string / number / list / object / bool) from the one most rows have there —
-    what pyarrow refuses. Returns the good rows, their file row numbers, and the bad rows."""
+    different kind from the one most rows have there (kind_mismatches). Returns the good rows,
+    their file row numbers, and the bad rows."""
     parsed: list[tuple[int, int, object]] = []  # (row, line, value or exception)
     with open(path, "r", encoding="utf-8", errors="replace") as f:
         row = 0
@@ -199,36 +241,19 @@ def _scan_jsonl(path: str) -> tuple[list[dict], list[int], list[BadRow]]:
             except json.JSONDecodeError as e:
                 parsed.append((row, line_no, e))
             row += 1
-    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for _, _, value in parsed:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                for p, kind in _kinds(item, key):
-                    counts[p][kind] += 1
-    usual = {p: c.most_common(1)[0][0] for p, c in counts.items()}
+    mismatches = kind_mismatches([value for _, _, value in parsed])
     rows, row_numbers, bad = [], [], []
-    for row, line_no, value in parsed:
+    for (row, line_no, value), mismatch in zip(parsed, mismatches):
         at = f"(line {line_no})"
         if isinstance(value, json.JSONDecodeError):
             bad.append(BadRow(path, row, None, f"invalid JSON {at}: {value.msg} at column "
                                                f"{value.colno} (a truncated file?)"))
-            continue
-        if not isinstance(value, dict):
+        elif not isinstance(value, dict):
             bad.append(BadRow(path, row, None, f"a row must be a JSON object {at}, got "
                                                f"{type(value).__name__}"))
-            continue
-        problem = None
-        for key, item in value.items():
-            for p, kind in _kinds(item, key):
-                if kind != usual[p]:
-                    where_in = "" if p == key else f" at {p}"
-                    problem = BadRow(path, row, key, f"{_a(kind)}{where_in} {at} where the "
-                                                     f"other rows have {_a(usual[p])}")
-                    break
-            if problem:
-                break
-        if problem:
-            bad.append(problem)
+        elif mismatch is not None:
+            bad.append(BadRow(path, row, mismatch[0],
+                              mismatch_problem(mismatch, prompt_key, f" {at}")))
         else:
             rows.append(value)
             row_numbers.append(row)

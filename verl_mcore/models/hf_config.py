@@ -85,9 +85,12 @@ def padded_vocab_size(vocab_size: int, tp: int = 1,
 
 
 def load_hf_config_dict(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    from verl_mcore.models.hub import cache_advice
+
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model "
+                                f"directory){cache_advice(path)}")
     return load_config_json(path)
 
 

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from verl_mcore.config.loading import ConfigError
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch
+from verl_mcore.models.hub import cache_advice
 
 
 class HFCheckpoint:
@@ -98,25 +99,25 @@ def check_weight_files(hf_dir: str | os.PathLike, key: str = "model.path") -> se
                 listed.setdefault(file, set()).add(name)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); "
-                              f"repair or re-download it ({key})") from None
+                              f"repair or re-download it ({key}){cache_advice(index)}") from None
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         listed = {"model.safetensors": set()}
     else:
         raise ConfigError(f"{key}={hf_dir}: no model.safetensors or "
                           "model.safetensors.index.json (only safetensors are supported; or give "
-                          "the weights as a dist checkpoint in model.checkpoint)")
+                          f"the weights as a dist checkpoint in model.checkpoint){cache_advice(hf_dir)}")
     names_found: set = set()
     for file, names in sorted(listed.items()):
         path = os.path.join(hf_dir, file)
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: listed in {index} but missing: the download or copy is "
-                              f"incomplete ({key})")
+                              f"incomplete ({key}){cache_advice(path)}")
         found = _check_safetensors_header(path, key)
         names_found |= found
         missing = names - found
         if missing:
             raise ConfigError(f"{path}: {len(missing)} tensors listed in {index} are not in the "
-                              f"file, e.g. {sorted(missing)[0]!r} ({key})")
+                              f"file, e.g. {sorted(missing)[0]!r} ({key}){cache_advice(path)}")
     return names_found
 
 
@@ -125,7 +126,7 @@ def _check_safetensors_header(path: str, key: str = "model.path") -> set:
     tensors that fit the file exactly; raises ConfigError naming the file otherwise."""
     def damaged(detail: str) -> ConfigError:
         return ConfigError(f"{path}: the safetensors file is incomplete or damaged: {detail}; "
-                           f"re-download or re-convert it ({key})")
+                           f"re-download or re-convert it ({key}){cache_advice(path)}")
 
     size = os.path.getsize(path)
     with open(path, "rb") as f:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Optional
 
 from verl_mcore.config.loading import ConfigError
@@ -31,6 +32,10 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoke
                   "*.jinja"]
 
 _resolved: dict[tuple[str, Optional[str]], str] = {}  # (id, revision) -> snapshot directory
+# A file or directory in a snapshot of huggingface_hub's cache: .../models--org--name/snapshots/
+# <commit>/... (a Hub repo name has no "--", so the first one separates org and name).
+_IN_SNAPSHOT = re.compile(r"^(?P<repo>.*models--(?P<org>[^/]+?)--(?P<name>[^/]+))/snapshots/"
+                          r"(?P<commit>[^/]+)")
 
 
 def is_hub_id(where: Optional[str]) -> bool:
@@ -91,6 +96,33 @@ def local_dir(where: Optional[str], revision: Optional[str] = None, key: str = "
     _resolved[(where, revision)] = path
     log.info("%s=%s%s: the Hugging Face snapshot %s", key, where, at, path)
     return path
+
+
+def cache_advice(path: Optional[str]) -> str:
+    """For a damaged or incomplete file (or directory) in the Hugging Face cache: '. It is ...'
+    naming the snapshot and how to download it again, to end a message with; '' for any other
+    path. Files of a snapshot are links into the repo's blobs/, and huggingface_hub re-links an
+    existing blob without checking it, so deleting the snapshot directory alone would bring the
+    same damaged file back: the advice is a forced download, or deleting the whole repo folder."""
+    found = _IN_SNAPSHOT.match(os.path.abspath(path)) if path else None
+    if found is None:
+        return ""
+    repo_id, commit = f"{found['org']}/{found['name']}", found["commit"]
+    offline = " and HF_HUB_OFFLINE unset" if _offline() else ""
+    return (f". It is in the Hugging Face cache (snapshot {commit} of {repo_id}), so the copy "
+            f"is damaged or incomplete (a download cut short?): download it again with `hf "
+            f"download {repo_id} --revision {commit} --force-download` (`huggingface-cli download` "
+            f"in older huggingface_hub) where the Hub can be reached and with this job's HF_HOME / "
+            f"HF_HUB_CACHE, or delete {found['repo']} and start again with the Hub id {repo_id} "
+            f"as the path{offline}, which downloads it anew")
+
+
+def _offline() -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def run_sources(cfg) -> list[tuple[str, str, Optional[str]]]:
