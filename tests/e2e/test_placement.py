@@ -1,5 +1,5 @@
-"""Roles on their own ranks (issue 19): 4 gloo ranks, the actor on [0, 1] (DP=2), the critic on
-[2], a reward model on [3], against the colocated 4-rank run of the same seed and data (every
+"""Roles on their own ranks (issue 19): 4 gloo ranks, the actor on [0, 1] (DP=2), the critic
+(PPO; GRPO has none, so there its reference takes that rank) on [2], a reward model on [3], against the colocated 4-rank run of the same seed and data (every
 role on every rank, TP=2 × DP=2). GRPO and PPO, 3 steps each: the losses, scores and grad norms
 agree within the CPU tolerance of the layout tests, and a run resumes across the two layouts
 (placed from a colocated checkpoint, and the other way round) onto the same step 3.
@@ -20,8 +20,10 @@ from tests.multiproc import run_on_ranks
 ROOT = Path(__file__).resolve().parents[2]
 
 COLOCATED = ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"]
-PLACED = ["parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1",
-          "placement.actor=[0,1]", "placement.critic=[2]", "placement.reward_model=[3]"]
+PLACED = {"ppo": ["parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1",
+                  "placement.actor=[0,1]", "placement.critic=[2]", "placement.reward_model=[3]"],
+          "grpo": ["parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1",
+                   "placement.actor=[0,1]", "placement.reference=[2]", "placement.reward_model=[3]"]}
 # Compared step by step; each from the set that computes it.
 COMPARED = ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "critic/score/mean",
             "reward/rm/mean", "reward/rule/mean", "critic/advantages/mean", "response_length/mean"]
@@ -92,17 +94,19 @@ def test_placed_roles_equal_the_colocated_run_and_resume_across_layouts(models, 
     keys = COMPARED + (WITH_CRITIC if algo == "ppo" else [])
     colocated, placed = tmp_path / "colocated", tmp_path / "placed"
     _run(_overrides(models, colocated, algo, COLOCATED))
-    _run(_overrides(models, placed, algo, PLACED))
+    _run(_overrides(models, placed, algo, PLACED[algo]))
     a, b = _rows(colocated), _rows(placed)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     for step in (1, 2, 3):
         _assert_same(a[step], b[step], keys, f"step {step}")
     # Each set's phases appear with the set's name; the reward model ran on its own rank.
-    assert "timing_s/actor+reference/actor" in b[1] and "timing_s/reward_model/reward" in b[1]
+    actor_set = "actor+reference" if algo == "ppo" else "actor"
+    assert f"timing_s/{actor_set}/actor" in b[1] and "timing_s/reward_model/reward" in b[1]
     assert ("timing_s/critic/critic" in b[1]) == (algo == "ppo")
+    assert ("timing_s/reference/ref" in b[1]) == (algo == "grpo")
 
     # Placed, resumed from the colocated run's step-2 checkpoint; and the other way round.
-    for source, layout, name in ((colocated, PLACED, "placed_from_colocated"),
+    for source, layout, name in ((colocated, PLACED[algo], "placed_from_colocated"),
                                  (placed, COLOCATED, "colocated_from_placed")):
         target = tmp_path / name
         _resume_from(source, target, 2)
