@@ -480,9 +480,12 @@ def build_kl_controller(cfg: Config):
     return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
 
 
-def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo):
+def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
+                        role_ranks: Optional[dict] = None):
     """The run's checkpoints, with the planner's estimate of their size (for the disk-space
-    check before each save) and the config record each actor checkpoint carries."""
+    check before each save) and the config record each actor checkpoint carries. role_ranks:
+    {"actor" / "critic": global ranks} of roles on sets of their own (checkpoints.RunCheckpoints;
+    None: colocated)."""
     from verl_mcore.checkpoints import RunCheckpoints
     from verl_mcore.config.resume import checkpoint_files
     from verl_mcore.plan import checkpoint_bytes, resolve_dims
@@ -493,7 +496,8 @@ def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo):
         log.warning("no estimate of the checkpoint size (%s): no disk-space check before saves", e)
         expected = None
     return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic,
-                          expected_bytes=expected, run_files=checkpoint_files(cfg, info.arch))
+                          expected_bytes=expected, run_files=checkpoint_files(cfg, info.arch),
+                          role_ranks=role_ranks)
 
 
 def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -64,6 +64,10 @@ def role_roots(run_dir: str) -> dict[str, str]:
 
 
 def _engine_parts(role):
+    """(chunks, optimizer, scheduler) of a role; nothing on a rank that does not hold it (the
+    role lives on other ranks: this rank only takes part in the collectives)."""
+    if role is None:
+        return [], None, None
     e = role.engine
     return e.model, e.optimizer, e.scheduler
 
@@ -71,15 +75,23 @@ def _engine_parts(role):
 class RunCheckpoints:
     """expected_bytes: {role: bytes} of one checkpoint (plan.checkpoint_bytes), None when the
     model shape is unknown (no space check before a save). run_files: {name: text} saved in
-    each actor checkpoint (the run's config.yaml and model_arch.json)."""
+    each actor checkpoint (the run's config.yaml and model_arch.json).
+
+    role_ranks: {"actor" / "critic": the role's global ranks} when a role lives on a set of its
+    own (placement); a role left out runs on every rank. Every rank calls save / resume / close
+    alike; a rank that does not hold a role passes None for it (its checkpoint is written and
+    read by the role's ranks, its trainer_state.pt by the role's first rank)."""
 
     def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool,
                  expected_bytes: Optional[dict[str, int]] = None,
-                 run_files: Optional[dict[str, str]] = None):
+                 run_files: Optional[dict[str, str]] = None,
+                 role_ranks: Optional[dict[str, Sequence[int]]] = None):
         self.root = os.path.join(run_dir, CHECKPOINTS)
         roots = role_roots(run_dir)
-        self.actor = Checkpointer.from_config(ckpt_cfg, roots["actor"])
-        self.critic = Checkpointer.from_config(ckpt_cfg, roots["critic"]) if with_critic else None
+        ranks = role_ranks or {}
+        self.actor = Checkpointer.from_config(ckpt_cfg, roots["actor"], ranks.get("actor"))
+        self.critic = (Checkpointer.from_config(ckpt_cfg, roots["critic"], ranks.get("critic"))
+                       if with_critic else None)
         self.expected = sum(expected_bytes.values()) if expected_bytes else None
         self.run_files = run_files
 
@@ -133,21 +145,23 @@ class RunCheckpoints:
         check(actor checkpoint path) runs before any weight of that step is read; what it
         raises is not a corrupt checkpoint and propagates (it refuses the config, not the
         checkpoint)."""
-        roles = [(self.actor.root, actor)]
+        roles = [(self.actor, actor)]
         if self.critic is not None:
-            roles.append((self.critic.root, critic))
+            roles.append((self.critic, critic))
 
         def load(i, path):
             if i == 0 and check is not None:
                 check(path)
-            return load_checkpoint(path, *_engine_parts(roles[i][1]), verified=True)
+            ckpt, role = roles[i]
+            return load_checkpoint(path, *_engine_parts(role), verified=True,
+                                   role_ranks=ckpt.role.ranks)
 
-        loaded = load_newest([root for root, _ in roles], load, after=after)
+        loaded = load_newest([ckpt.root for ckpt, _ in roles], load, after=after)
         return loaded[0] if loaded else None
 
     def _load_from_load_path(self, load_path: str, actor, critic, check=None) -> LoadedCheckpoint:
         actor_path = os.path.abspath(load_path)
-        paths = [(actor_path, actor)]
+        paths = [(actor_path, actor, self.actor)]
         if self.critic is not None:
             # The critic saved with this actor: the same step of the same run, which need not be
             # this run.
@@ -158,8 +172,8 @@ class RunCheckpoints:
                     f"checkpoint.load_path={load_path}: PPO resumes the critic saved with that "
                     f"actor, expected at {critic_path} (checkpoints/critic/ beside the actor's "
                     f"checkpoints/actor/), which does not exist")
-            paths.append((critic_path, critic))
-        for path, _ in paths:  # every role checked before any is loaded
+            paths.append((critic_path, critic, self.critic))
+        for path, _, _ in paths:  # every role checked before any is loaded
             try:
                 verify_checkpoint(path)
             except BadCheckpointError as e:
@@ -169,8 +183,9 @@ class RunCheckpoints:
                     "another one)") from None
         if check is not None:
             check(actor_path)
-        loaded = [load_checkpoint(path, *_engine_parts(role), verified=True)
-                  for path, role in paths]
+        loaded = [load_checkpoint(path, *_engine_parts(role), verified=True,
+                                  role_ranks=ckpt.role.ranks)
+                  for path, role, ckpt in paths]
         return loaded[0]
 
     def _consumed_step(self, load_path: str) -> Optional[int]:

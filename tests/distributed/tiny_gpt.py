@@ -117,12 +117,17 @@ def tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int
     return torch.cat(chunks[tp_rank::tp_size], dim=dim)
 
 
-def load_sharded(model, full: dict[str, torch.Tensor], tie_embeddings: bool = False) -> None:
-    """Copy this rank's slice of the full state dict into `model` (built at any TP × PP)."""
+def load_sharded(model, full: dict[str, torch.Tensor], tie_embeddings: bool = False,
+                 tp_group=None) -> None:
+    """Copy this rank's slice of the full state dict into `model` (built at any TP × PP).
+    tp_group: the model's TP group (default: parallel_state's)."""
     from megatron.core import parallel_state
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_group is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    else:
+        tp_rank, tp_size = tp_group.rank(), tp_group.size()
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = _global_name(model, name, tie_embeddings)

@@ -203,7 +203,7 @@ def test_model_built_for_another_layout_fails_on_every_rank(tp2_checkpoint):
     errors = run_on_ranks(_load_with_mismatched_config, 2, (root,), timeout=TIMEOUT)
     for rank, error in enumerate(errors):
         assert error is not None and f"rank {rank}" in error
-        assert "pipeline_model_parallel_size=1 but parallel_state has 2" in error
+        assert "pipeline_model_parallel_size=1 but its process groups have 2" in error
 
 
 def _resume_same_layout(rank, world_size, root, bf16, sharding):

@@ -47,9 +47,6 @@ class GroupLayout:
             if len(self.ranks) != self.world_size:
                 raise ValueError(f"GroupLayout: world_size={self.world_size} but {len(self.ranks)} "
                                  f"ranks {list(self.ranks)}")
-        if self.world_size % (self.tp * self.pp * self.cp):
-            raise ValueError(f"GroupLayout: {self.world_size} ranks do not divide into "
-                             f"TP×PP×CP = {self.tp}×{self.pp}×{self.cp}")
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -336,6 +333,10 @@ def build_set_groups(layouts: Sequence[GroupLayout],
     parallel_state is initialised from it and its groups are used, exactly as build_groups
     always did. Otherwise parallel_state stays uninitialised and each set's groups are built
     here (see the module docstring)."""
+    for lay in layouts:
+        if lay.world_size % (lay.tp * lay.pp * lay.cp):
+            raise ValueError(f"build_set_groups: the set {list(lay.members)} ({lay.world_size} "
+                             f"ranks) does not divide into TP×PP×CP = {lay.tp}×{lay.pp}×{lay.cp}")
     keys = [lay.key() for lay in layouts]
     distinct = list(dict.fromkeys(keys))
     world = dist.get_world_size()

@@ -22,7 +22,6 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from verl_mcore.algo.aggregation import LossDenominators
 from verl_mcore.algo.kl import kl_loss
@@ -224,7 +223,7 @@ def summarize(prefix, steps, engine, batch, epochs, vocab_size) -> dict[str, flo
     flops = sequence_flops(engine.config, vocab_size, batch.seq_lens.tolist(), training=True) * epochs
     # No datasheet peak (CPU): against a matmul ceiling measured here (engine/flops.py).
     peak = peak_flops() or measured_matmul_ceiling()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = engine.tp_size * engine.pp_size * engine.dp_size  # the role's ranks, not the job's
     out[f"{prefix}/mfu"] = flops / (seconds * peak * world) if peak and seconds > 0 else None
     return out
 

@@ -52,8 +52,18 @@ Model and optimizer use dist_checkpointing: each chunk's `sharded_state_dict()` 
 "ShardedTensor.flattened_range is not supported".) The format is recorded in meta.json and the
 loader follows it.
 
-RNG states are restored only when the layout (world size, TP, PP, VPP, CP, EP) is unchanged: a rank
-of another layout has no counterpart, so it keeps the seeding the caller gave it.
+RNG states are restored only when the layout (world size, TP, PP, VPP, CP, EP, and for a role
+on a set of its own its ranks) is unchanged: a rank of another layout has no counterpart, so it
+keeps the seeding the caller gave it.
+
+Roles on sets of their own (placement): megatron's dist_checkpointing is collective over the
+whole world and writes the common (non-sharded) state from global rank 0, so every rank takes
+part in every role's save and load; the role's ranks (`role_ranks`, the set's global ranks in
+order) pass their model chunks, the others none. The role's leader (its first rank) writes
+trainer_state.pt, the extra files and meta.json, and hands its common state to the other ranks
+before the save, so that rank 0's common.pt is the role's own: the files are those a colocated
+save of the same layout writes, and a checkpoint loads under any placement (a role saved on
+rank 2 at TP=1 loads colocated at TP=2 × DP=2, and the other way round).
 """
 from __future__ import annotations
 
@@ -94,6 +104,36 @@ ABANDONED_PREFIX = "abandoned."  # see set_aside_checkpoints_after
 CORRUPT_PREFIX = "corrupt."  # see load_newest
 _NAME = re.compile(r"^step_(\d+)$")
 OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")  # see the module docstring
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleRanks:
+    """The global ranks a role's checkpoint comes from, in order; None: every rank (colocated).
+    Every rank of the world knows them (the placement), members or not."""
+
+    ranks: Optional[tuple[int, ...]] = None
+
+    @classmethod
+    def of(cls, ranks: Optional[Sequence[int]]) -> "RoleRanks":
+        if ranks is None or tuple(ranks) == tuple(range(dist.get_world_size())):
+            return cls(None)
+        return cls(tuple(ranks))
+
+    @property
+    def placed(self) -> bool:
+        """The role lives on a subset of the world (or in another order)."""
+        return self.ranks is not None
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0] if self.placed else 0
+
+    def has(self, rank: int) -> bool:
+        return not self.placed or rank in self.ranks
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks) if self.placed else dist.get_world_size()
 
 
 def checkpoint_name(step: int) -> str:
@@ -365,23 +405,30 @@ def _on_rank0(fn: Callable[[], T]) -> T:
     """fn() computed on rank 0 (file reads that ranks could see differently on a network file
     system, e.g. just after rank 0 renamed a directory), the same value on every rank; an error
     on rank 0 is raised on every rank. Collective."""
+    return _on_rank(fn, 0, "choose a checkpoint")
+
+
+def _on_rank(fn: Callable[[], T], src: int, what: str) -> T:
+    """fn() computed on rank `src`, the same value on every rank; an error there is raised on
+    every rank (RuntimeError naming the rank and `what` it could not do; a ConfigError as it
+    is). Collective over the world."""
     if dist.get_world_size() == 1:
         return fn()
     from verl_mcore.config import ConfigError
 
     box: list = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank() == src:
         try:
             box = [(fn(), None, False)]
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             box = [(None, f"{type(e).__name__}: {e}" if not isinstance(e, ConfigError) else str(e),
                     isinstance(e, ConfigError))]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     value, error, refused = box[0]
     if refused:  # a refusal the user acts on (train.py prints it and exits 2)
         raise ConfigError(error)
     if error is not None:
-        raise RuntimeError(f"checkpoint: rank 0 could not choose a checkpoint: {error}")
+        raise RuntimeError(f"checkpoint: rank {src} could not {what}: {error}")
     return value
 
 
@@ -405,10 +452,13 @@ class Checkpointer:
         loaded = ckpt.load(engine.model, engine.optimizer, engine.scheduler)   # newest or None
         ckpt.close()                         # async only: waits for and commits pending saves
 
-    Every method is collective: all ranks call it with the same root and step.
+    Every method is collective: all ranks of the world call it with the same root and step.
     model_chunks: the megatron model chunks (DDP-wrapped or not; one per virtual pipeline stage).
     optimizer: a MegatronOptimizer (distributed or not, possibly chained) or None.
     scheduler: an OptimizerParamScheduler or None.
+    role_ranks: the role's global ranks when it lives on a set of its own (None: every rank).
+        The ranks outside it pass model_chunks=[] (optimizer, scheduler, extra_state None) and
+        only take part in the collectives; `load` returns the same LoadedCheckpoint everywhere.
     """
 
     def __init__(
@@ -418,6 +468,7 @@ class Checkpointer:
         async_save: bool = False,
         save_optimizer: bool = True,
         optimizer_sharding: str = "fully_reshardable",
+        role_ranks: Optional[Sequence[int]] = None,
     ):
         if optimizer_sharding not in OPTIMIZER_SHARDINGS:
             raise ValueError(
@@ -425,6 +476,7 @@ class Checkpointer:
                 f"{OPTIMIZER_SHARDINGS}"
             )
         self.optimizer_sharding = optimizer_sharding
+        self.role = RoleRanks.of(role_ranks)
         self.root = root
         self.keep_last = keep_last
         self.async_save = async_save
@@ -433,10 +485,11 @@ class Checkpointer:
         self._write_results = None  # this checkpointer's queue for megatron's write results
 
     @classmethod
-    def from_config(cls, cfg, root: str) -> "Checkpointer":
+    def from_config(cls, cfg, root: str, role_ranks: Optional[Sequence[int]] = None
+                    ) -> "Checkpointer":
         """From a config.schema.CheckpointConfig."""
         return cls(root, keep_last=cfg.keep_last, async_save=cfg.async_save,
-                   save_optimizer=cfg.save_optimizer)
+                   save_optimizer=cfg.save_optimizer, role_ranks=role_ranks)
 
     def save(
         self,
@@ -449,8 +502,9 @@ class Checkpointer:
     ) -> str:
         """Write the checkpoint of `step`; return the path it has (or will have, async) when
         committed. extra_state: the trainer's own state, any nesting of dicts / lists / tuples /
-        str / int / float / bool / None / tensors; rank 0's copy is written. extra_files:
-        {name: text} written by rank 0 into the checkpoint directory (the run's config).
+        str / int / float / bool / None / tensors; the role leader's copy is written (rank 0's
+        when colocated). extra_files: {name: text} written by the leader into the checkpoint
+        directory (the run's config).
 
         A failure on any rank raises on every rank, and leaves the previous checkpoints as they
         were (the temporary directory is not removed here: RunCheckpoints does it)."""
@@ -471,20 +525,27 @@ class Checkpointer:
                 os.makedirs(os.path.join(tmp, DIST_DIR))
                 os.makedirs(os.path.join(tmp, RNG_DIR))
 
+        member, leader = self.role.has(rank), rank == self.role.leader
         has_optimizer = optimizer is not None and self.save_optimizer
         # Before the first optimizer step (PPO's actor during critic warmup) torch's Adam has no
         # state, which megatron cannot save: save the state Adam's first step would start from,
         # then drop it again so that step initialises Adam exactly as in a run that never saved.
         placeholders = _allocate_optimizer_state(optimizer) if has_optimizer else []
         try:
-            sharded = _sharded_state_dict(
-                model_chunks, optimizer if has_optimizer else None, self.optimizer_sharding,
-                is_loading=False,
-            )
+            sharded = None
+            # Everywhere, before megatron's collectives: a role's ranks that cannot describe
+            # their state must not leave the others waiting in them.
+            with raised_on_every_rank(f"building the state of {tmp}"):
+                if member:
+                    sharded = _sharded_state_dict(
+                        model_chunks, optimizer if has_optimizer else None,
+                        self.optimizer_sharding, is_loading=False)
+            if self.role.placed:
+                sharded = _with_leaders_common_state(sharded, self.role.leader)
             request = dist_checkpointing.save(
                 sharded,
                 os.path.join(tmp, DIST_DIR),
-                sharded_strategy=_save_strategy(),
+                sharded_strategy=_save_strategy(model_chunks, self.role),
                 async_sharded_save=self.async_save,
                 content_metadata={"verl_mcore_format": FORMAT},
             )
@@ -493,8 +554,10 @@ class Checkpointer:
                 del states[param]
         # Synced: the commit's rename must not publish files still in the page cache.
         with raised_on_every_rank(f"writing {tmp}"):
-            torch_save_synced(capture_rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
-            if rank == 0:
+            if member:
+                torch_save_synced(capture_rng_state(),
+                                  os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.pt"))
+            if leader:
                 torch_save_synced(
                     {
                         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -505,7 +568,8 @@ class Checkpointer:
                 for name, text in (extra_files or {}).items():
                     write_text_atomic(os.path.join(tmp, name), text)
         pending = _PendingSave(step, tmp, final)
-        meta = _meta(step, len(model_chunks), self.optimizer_sharding if has_optimizer else None)
+        meta = _meta(step, _layout(model_chunks, self.role),
+                     self.optimizer_sharding if has_optimizer else None) if leader else None
         if request is None:
             self._commit(pending, meta)
         else:
@@ -553,13 +617,14 @@ class Checkpointer:
             self._write_results = _write_results_queue()
         filesystem_async._results_queue = self._write_results
 
-    def _commit(self, pending: _PendingSave, meta: dict) -> None:
-        """Make a fully written temporary directory the newest checkpoint (rank 0 does the file
-        operations; the barrier and the final agreement keep every rank's view consistent, and
-        a failure of rank 0 raises on every rank)."""
+    def _commit(self, pending: _PendingSave, meta: Optional[dict]) -> None:
+        """Make a fully written temporary directory the newest checkpoint (the role's leader
+        writes meta.json, rank 0 does the other file operations; the barrier and the final
+        agreement keep every rank's view consistent, and a failure of either raises on every
+        rank)."""
         dist.barrier()  # every rank's files are in pending.tmp
         with raised_on_every_rank(f"committing {pending.final}"):
-            if dist.get_rank() == 0:
+            if dist.get_rank() == self.role.leader:
                 write_json_atomic(os.path.join(pending.tmp, META), meta)
         files = manifest.gather_manifest(pending.tmp)  # each rank hashes the files it wrote
         with raised_on_every_rank(f"committing {pending.final}"):
@@ -595,9 +660,10 @@ class Checkpointer:
         None the newest good checkpoint under root (load_newest: bad ones are set aside); return
         None (and change nothing) when there is none. See load_checkpoint."""
         if path is not None:
-            return load_checkpoint(path, model_chunks, optimizer, scheduler)
+            return load_checkpoint(path, model_chunks, optimizer, scheduler,
+                                   role_ranks=self.role.ranks)
         loaded = load_newest([self.root], lambda _, p: load_checkpoint(
-            p, model_chunks, optimizer, scheduler, verified=True))
+            p, model_chunks, optimizer, scheduler, verified=True, role_ranks=self.role.ranks))
         return loaded[0] if loaded else None
 
 
@@ -616,6 +682,7 @@ def load_checkpoint(
     optimizer: Any = None,
     scheduler: Any = None,
     verified: bool = False,
+    role_ranks: Optional[Sequence[int]] = None,
 ) -> LoadedCheckpoint:
     """Load a complete checkpoint into models built at the current layout (which may differ from
     the saved one: dist_checkpointing reads each rank's slices). Collective.
@@ -625,16 +692,21 @@ def load_checkpoint(
     BadCheckpointError naming the file and the check, before anything is loaded.
     The optimizer state is loaded when the checkpoint has it and `optimizer` is given; otherwise
     the optimizer's main parameters are refreshed from the loaded model parameters.
+    role_ranks: see Checkpointer; ranks outside the role pass no chunks and get the same
+    LoadedCheckpoint (the role leader's view of the layout and the optimizer).
     """
     if not verified:
         verify_checkpoint(path)
+    role = RoleRanks.of(role_ranks)
+    member = role.has(dist.get_rank())
     meta = read_json(os.path.join(path, META))
     trainer_state = torch_load(os.path.join(path, TRAINER_STATE))
     with_optimizer = optimizer is not None and meta["optimizer_sharding"] is not None
     if with_optimizer:
         _allocate_optimizer_state(optimizer)
+    # The other roles' ranks read nothing, but take part (the load is collective).
     sharded = _sharded_state_dict(model_chunks, optimizer if with_optimizer else None,
-                                  meta["optimizer_sharding"], is_loading=True)
+                                  meta["optimizer_sharding"], is_loading=True) if member else {}
     state = dist_load(sharded, os.path.join(path, DIST_DIR))
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
@@ -652,15 +724,22 @@ def load_checkpoint(
         scheduler.num_steps = 0
         scheduler.load_state_dict(trainer_state["scheduler"])
 
-    rng_restored = meta["layout"] == _layout(len(model_chunks))
+    # Colocated, every rank knows the layout; placed, the leader does and tells the rest.
+    layout = _layout(model_chunks, role) if member and model_chunks else None
+    rng_restored = meta["layout"] == layout
+    if role.placed:  # the leader's view, on every rank
+        rng_restored, with_optimizer = _on_rank(lambda: (rng_restored, with_optimizer),
+                                                role.leader, "compare the layouts")
     if rng_restored:
         rank_file = os.path.join(path, RNG_DIR, f"rank_{dist.get_rank():05d}.pt")
         # Each rank reads its own file: a failure on one rank is raised on all (no hang).
-        restore_rng_state(manifest.on_every_rank(lambda: torch_load(rank_file)))
-    elif dist.get_rank() == 0:
+        states = manifest.on_every_rank(lambda: torch_load(rank_file) if member else None)
+        if member:
+            restore_rng_state(states)
+    elif dist.get_rank() == role.leader:
         logger.warning(
             "checkpoint %s: saved at layout %s, running at %s; RNG states not restored",
-            path, meta["layout"], _layout(len(model_chunks)),
+            path, meta["layout"], layout,
         )
     dist.barrier()
     return LoadedCheckpoint(path, meta["step"], trainer_state["extra"], rng_restored,
@@ -687,7 +766,10 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
     number of chunks."""
     for chunk in model_chunks:
         _check_layout_matches(_unwrap(chunk))
-    model_sd = {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+    # The model's own data-parallel group for its replica ids: megatron's default reads
+    # parallel_state, which a role set of its own does not initialise.
+    model_sd = {f"model{i}": _unwrap(c).sharded_state_dict(metadata=_replica_metadata(c))
+                for i, c in enumerate(model_chunks)}
     sharded = dict(model_sd)
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -717,26 +799,30 @@ def _common_tensors_to_cpu(tree):
     return tree
 
 
+def _replica_metadata(chunk: torch.nn.Module) -> Optional[dict]:
+    pg = getattr(_unwrap(chunk), "pg_collection", None)
+    return {"dp_cp_group": pg.dp_cp} if pg is not None and hasattr(pg, "dp_cp") else None
+
+
 def _check_layout_matches(model: torch.nn.Module) -> None:
-    """Fail on every rank when the model was built for another layout than parallel_state's.
+    """Fail on every rank when the model was built for another layout than its process groups'.
 
     A PP=2 run whose TransformerConfig still says pipeline_model_parallel_size=1 builds every layer
     on every stage; dist_checkpointing then sees each layer claimed twice and raises "Invalid
     access pattern" on rank 0 only, while the other ranks wait in the next collective (a hang).
     """
-    from megatron.core import parallel_state as ps
-
     config = getattr(model, "config", None)
-    if config is None:
+    pg = getattr(model, "pg_collection", None)
+    if config is None or pg is None:
         return
     expected = {
-        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "tensor_model_parallel_size": pg.tp.size(),
+        "pipeline_model_parallel_size": pg.pp.size(),
     }
     wrong = {k: (getattr(config, k), v) for k, v in expected.items() if getattr(config, k) != v}
     if wrong:
         detail = ", ".join(
-            f"config.{k}={c} but parallel_state has {p}" for k, (c, p) in wrong.items()
+            f"config.{k}={c} but its process groups have {p}" for k, (c, p) in wrong.items()
         )
         raise ValueError(
             f"checkpoint: rank {dist.get_rank()}: the model was built for another layout "
@@ -844,39 +930,70 @@ def _write_results_queue():
     return _WRITE_RESULTS_MANAGER[0].Queue()
 
 
-def _save_strategy():
+def _save_strategy(model_chunks, role: RoleRanks):
     """torch_dist writer; replicated tensors (DP copies) are split across the DP ranks instead
-    of all being written by DP rank 0."""
+    of all being written by DP rank 0. A role on a set of its own splits them over the world:
+    the other roles' ranks hold no replica, so they get nothing to write, and every rank takes
+    part in the same exchange whatever role it holds."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelSaveStrategyWrapper,
     )
 
-    return FullyParallelSaveStrategyWrapper(
-        get_default_save_sharded_strategy(),
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
+    if role.placed:
+        group = dist.group.WORLD
+    elif model_chunks and getattr(_unwrap(model_chunks[0]), "pg_collection", None) is not None:
+        group = _unwrap(model_chunks[0]).pg_collection.dp_cp
+    else:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
-def _layout(num_chunks: int) -> dict[str, int]:
+def _with_leaders_common_state(sharded: Optional[dict], leader: int) -> dict:
+    """This rank's sharded state dict for a role on a set of its own: its own on the role's
+    ranks, on the others the leader's common (non-sharded) state alone.
+
+    megatron writes common.pt from global rank 0, which may hold no part of the role: with the
+    leader's common state it writes the role's own, and every rank's common state agrees (its
+    save compares them with rank 0's). Common state is checkpoint metadata (param groups,
+    steps, format tags), small and plain, so it is sent pickled."""
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    def leaders_common():
+        _, persistent = extract_nonpersistent(sharded)
+        return extract_sharded_base(persistent)[1]
+
+    common = _on_rank(leaders_common, leader, "collect its role's common checkpoint state")
+    return sharded if sharded is not None else common
+
+
+def _layout(model_chunks: Sequence[torch.nn.Module], role: RoleRanks) -> dict:
+    """The layout a checkpoint records (its RNG states are per rank of it): the set's size,
+    TP / PP / CP / EP, the number of chunks, and for a role on a set of its own its ranks (a
+    changed placement is a changed layout). From the role leader's chunks."""
     from megatron.core import parallel_state as ps
 
-    return {
-        "world_size": dist.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "ep": ps.get_expert_model_parallel_world_size(),
-        "model_chunks": num_chunks,
-    }
+    if ps.model_parallel_is_initialized():  # colocated: the values checkpoints always recorded
+        sizes = (ps.get_tensor_model_parallel_world_size(),
+                 ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+    else:
+        config = _unwrap(model_chunks[0]).config
+        sizes = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                 config.context_parallel_size, config.expert_model_parallel_size)
+    layout = {"world_size": role.size, "tp": sizes[0], "pp": sizes[1], "cp": sizes[2],
+              "ep": sizes[3], "model_chunks": len(model_chunks)}
+    if role.placed:
+        layout["ranks"] = list(role.ranks)
+    return layout
 
 
-def _meta(step: int, num_chunks: int, optimizer_sharding: Optional[str]) -> dict:
+def _meta(step: int, layout: dict, optimizer_sharding: Optional[str]) -> dict:
     return {
         "format": FORMAT,
         "step": step,
-        "layout": _layout(num_chunks),
+        "layout": layout,
         "optimizer_sharding": optimizer_sharding,  # None: no optimizer state saved
         "saved_at_unix": time.time(),
         # Saved with a manifest (Checkpointer._commit): one missing later was removed, and the

@@ -55,6 +55,9 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(config.kv_channels))
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # megatron's sharded_state_dict asks every module for its TP group and reads
+        # parallel_state's when it has none, which a role set of its own leaves uninitialised.
+        self.tp_group = pg_collection.tp if pg_collection is not None else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,

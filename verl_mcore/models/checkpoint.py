@@ -56,6 +56,7 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike, role: str = "actor"
     missing from the checkpoint is an error (megatron names the key).
     """
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    _check_on_every_rank(model, ckpt_dir)
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
         raise FileNotFoundError(f"{ckpt_dir}: not a megatron dist checkpoint (no metadata.json)")
     if ckpt_dir not in _verified:
@@ -79,6 +80,22 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike, role: str = "actor"
     if missing or unexpected:
         raise KeyError(f"load_dist_checkpoint({ckpt_dir}): parameters not loaded {missing}, "
                        f"unexpected {unexpected}")
+
+
+def _check_on_every_rank(model, ckpt_dir: str) -> None:
+    """Refuse a load that would hang: megatron's dist_checkpointing reads collectively over the
+    whole world, so a model whose ranks are not the whole world (a role on a set of its own)
+    would wait there for ranks that never load it."""
+    pg = getattr(model, "pg_collection", None)
+    if pg is None or not hasattr(pg, "mp") or not hasattr(pg, "dp_cp"):
+        return
+    ranks = pg.mp.size() * pg.dp_cp.size()
+    if ranks != dist.get_world_size():
+        raise ValueError(
+            f"load_dist_checkpoint({ckpt_dir}): this model lives on {ranks} of the job's "
+            f"{dist.get_world_size()} ranks (a role placed on ranks of its own), and a dist "
+            "checkpoint loads collectively over every rank; give the role's initial weights as "
+            "a Hugging Face directory (model.path, or the reward source's path) instead")
 
 
 def _has_scalar_head(metadata, head) -> bool:
