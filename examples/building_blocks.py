@@ -1,10 +1,11 @@
 """verl_mcore's building blocks in your own loop: generate -> score -> advantages -> update.
 
     python -m tools.make_tiny_model --out runs/quickstart/tiny_model
-    python examples/python_api.py [MODEL_DIR]          # or: torchrun --nproc-per-node 2 ...
+    python examples/building_blocks.py [MODEL_DIR]     # or: torchrun --nproc-per-node 2 ...
 
-The whole run in one call is `Trainer(Config.load(path, overrides)).fit()`; this script shows the
-parts one by one, on the quickstart's tiny model and task, on CPU.
+The whole run in one call is `Trainer(Config.load(path, overrides)).fit()`; the components of
+examples/python_api.py (verl_mcore.api) do the same as objects; this script shows the builders
+under them one by one, on the quickstart's tiny model and task, on CPU.
 """
 import sys
 
