@@ -1,66 +1,39 @@
-"""verl_mcore's building blocks in your own loop: generate -> score -> advantages -> update.
+"""GRPO (or PPO) on a Hugging Face checkpoint with verl_mcore's Python API, saved back to HF format.
 
-    python -m tools.make_tiny_model --out runs/quickstart/tiny_model
-    python examples/python_api.py [MODEL_DIR]          # or: torchrun --nproc-per-node 2 ...
+    python examples/python_api.py MODEL_DIR OUT_DIR [grpo|gae]          # one process, CPU or GPU
+    torchrun --nproc-per-node 2 examples/python_api.py MODEL_DIR OUT_DIR  # SPMD: same calls
 
-The whole run in one call is `Trainer(Config.load(path, overrides)).fit()`; this script shows the
-parts one by one, on the quickstart's tiny model and task, on CPU.
+MODEL_DIR: an HF causal LM (or a Hub id); `python -m tools.make_tiny_model --out DIR` writes the
+quickstart's tiny one. The task: "repeat the digit d : " -> "dddd" (the quickstart's).
 """
 import sys
 
-import torch
-
-from verl_mcore import build
-from verl_mcore.algo.advantages import compute_advantages
-from verl_mcore.config import Config
-from verl_mcore.distributed.groups import build_groups
-from verl_mcore.distributed.launch import detect_launch, init_distributed
-from verl_mcore.generation import build_generation_phase
-from verl_mcore.reward import place_on_last_token
-from verl_mcore.rollout.base import SamplingParams
-from verl_mcore.trainer import make_rollout
+from verl_mcore.api import Critic, ExperienceBuffer, Flow, Policy, PPOTrainer, RolloutWorker
 
 
-def score(response: str, digit: str) -> float:
-    return sum(ch == digit for ch in response.strip()[:4]) / 4
+def reward_fn(data_source, response, ground_truth, extra_info):
+    return sum(ch == ground_truth for ch in response.strip()[:4]) / 4
 
 
-def main(model_dir: str = "runs/quickstart/tiny_model", steps: int = 3) -> list[float]:
-    # 2 prompts x rollout.n=8 samples per step, one optimizer step over all 16
-    cfg = Config.load("configs/quickstart.yaml", [f"model.path={model_dir}", "data.train_batch_size=2",
-                                                  "actor.ppo_mini_batch_size=2"])
-    init_distributed(detect_launch(), device="cpu")
-    groups = build_groups(cfg)                     # training + generation process groups
-    info = build.load_model_info(cfg)              # HF architecture + tokenizer
-    actor = build.build_actor(cfg, groups, info)   # megatron model, optimizer, PPO update
-    rollout = build_generation_phase(cfg, groups, info, actor)
-
-    digits = ["3", "7"]
-    tok = info.tokenizer
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"repeat the digit {d} : "}],
-                                           tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids for d in digits]
-    mean_scores = []
+def main(model_dir: str, out_dir: str, algorithm: str = "grpo", steps: int = 3, tp: int = 1):
+    policy = Policy.from_pretrained(model_dir, tensor_parallel_size=tp, dtype="fp32", lr=3e-3,
+                                    overrides=["actor.optim.weight_decay=0.0"])
+    worker = RolloutWorker(policy, max_new_tokens=8, temperature=1.0,
+                           n=8 if algorithm == "grpo" else 2, reward_fn=reward_fn)
+    critic = Critic.from_pretrained(model_dir, dtype="fp32") if algorithm == "gae" else None
+    trainer = PPOTrainer(policy, critic, algorithm=algorithm, kl_loss_coef=0.001)
+    prompts = [{"prompt": [{"role": "user", "content": f"repeat the digit {d} : "}],
+                "reward_model": {"ground_truth": d}} for d in "37"]
+    flow = Flow([worker, ExperienceBuffer(), trainer])
+    history = []
     for step in range(steps):
-        rollout.begin(step)                        # weights into the generation layout
-        outputs = rollout.generate(prompts, SamplingParams(
-            n=cfg.rollout.n, temperature=1.0, max_new_tokens=8, stop_token_ids=info.eos_token_ids, seed=step))
-        rollout.end()
-        samples = [(prompts[o.prompt_index], {"digit": digits[o.prompt_index]}, o.token_ids,
-                    o.finish_reason) for o in outputs]
-        batch = make_rollout(samples, [o.prompt_index for o in outputs], info)
-        scores = torch.tensor([score(text, row["digit"]) for text, row in zip(batch.responses, batch.rows)])
-        train = batch.train
-        train.old_log_probs, _ = actor.compute_log_prob(train)
-        rewards = place_on_last_token(scores, train.response_mask)
-        train.advantages, train.returns = compute_advantages(
-            "grpo", rewards, train.response_mask, group_ids=batch.group_ids)
-        metrics, _ = actor.update(train)
-        mean_scores.append(float(scores.mean()))
-        print(f"step {step}: score {scores.mean():.3f}  pg_loss {metrics['actor/pg_loss']:.4f}  "
-              f"grad_norm {metrics['actor/grad_norm']:.4f}")
-    return mean_scores
+        metrics = flow.step(prompts)  # generate -> score -> (critic) -> advantages -> update
+        history.append(metrics)
+        print(f"step {step}: score {metrics['critic/score/mean']:.3f}  "
+              f"pg_loss {metrics['actor/pg_loss']:.4f}  grad_norm {metrics['actor/grad_norm']:.4f}")
+    policy.save_pretrained(out_dir, overwrite=True)  # an HF directory transformers loads
+    return policy, history
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:4])

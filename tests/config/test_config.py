@@ -147,6 +147,28 @@ def test_valid_config_passes():
     validate(cfg, 8)
 
 
+def test_the_python_api_checks_leave_out_files_lengths_and_batches():
+    """validate's data_files / lengths / batches switches (the Python API's objects know the
+    lengths and batch sizes at different times): each leaves out its rules and only those."""
+    shape = ModelShape(num_attention_heads=4, num_key_value_heads=2, num_layers=2,
+                       vocab_size=100, hidden_size=64, max_position_embeddings=128)
+    cfg = Config.load(None, ["model.path=m", "data.train_batch_size=3",
+                             "actor.ppo_mini_batch_size=2", "actor.max_tokens_per_microbatch=64"])
+    rules = {"data_files": ["data.train_files is empty"],
+             "lengths": ["1024 tokens is more than", "smaller than one full sequence"],
+             "batches": ["not divisible by actor.ppo_mini_batch_size=2"]}
+    validate(cfg, 1, shape, data_files=False, lengths=False, batches=False)
+    for on in rules:  # that switch alone: its rules and no other
+        with pytest.raises(ConfigError) as e:
+            validate(cfg, 1, shape, **{k: k == on for k in rules})
+        for switch, fragments in rules.items():
+            for fragment in fragments:
+                assert (fragment in str(e.value)) == (switch == on), (on, fragment)
+    with pytest.raises(ConfigError, match="world size 1 is not divisible by TP"):
+        validate(Config.load(None, ["model.path=m", "parallel.tensor_model_parallel_size=2"]), 1,
+                 data_files=False, lengths=False, batches=False)
+
+
 def _run_train(*args):
     return subprocess.run([sys.executable, "-m", "verl_mcore.train", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

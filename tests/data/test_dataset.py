@@ -156,3 +156,19 @@ def test_custom_dataset_class_errors(tmp_path, tok, name, problem):
     cfg = DataConfig(custom_cls=CustomClassConfig(path=str(tmp_path / "my_data.py"), name=name))
     with pytest.raises(ValueError, match=problem):
         build_dataset(str(tmp_path), tok, cfg)
+
+
+def test_rows_given_in_memory_are_read_like_a_files_rows(tmp_path, tok):
+    """RLHFDataset(label, ..., rows=...): the Python API's prompts, with a file's checks,
+    template, tokenisation and length policy; messages name the label."""
+    rows = gsm8k_rows(3)
+    from_file = RLHFDataset(write_rows(str(tmp_path / "a.parquet"), rows, "parquet"), tok,
+                            DataConfig())
+    given = RLHFDataset("the prompts given", tok, DataConfig(), rows=rows)
+    assert [given.prompt_ids(i) for i in range(3)] == [from_file.prompt_ids(i) for i in range(3)]
+    assert given.get_batch([2]).rows[0]["reward_model"] == rows[2]["reward_model"]
+    short = [{"prompt": [{"role": "user", "content": "hi"}]}]  # <s> <|user|> hi </s> <|assistant|>
+    five = DataConfig(max_prompt_length=5, truncation="filter")
+    assert len(RLHFDataset("the prompts given", tok, five, rows=rows + short)) == 1
+    with pytest.raises(DataError, match="the prompts given.*no prompt column"):
+        RLHFDataset("the prompts given", tok, DataConfig(), rows=[{"question": "hi"}])

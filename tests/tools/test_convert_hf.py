@@ -148,3 +148,33 @@ def test_cli_convert_and_verify_exit_codes(root, capsys):
     # Different weights under the same architecture: above tolerance, exit code 1.
     assert main(["verify", "--hf", other, "--ckpt", ckpt]) == 1
     assert "-> FAILED" in capsys.readouterr().out
+
+
+def test_hf_dir_writer_shards_a_stream_and_commits_atomically(root):
+    """HFDirWriter (Policy.save_pretrained's writer): a stream of buckets becomes shards of at
+    most max_shard_bytes with their index; an aborted write leaves no directory behind."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_mcore.convert_hf.convert import HFDirWriter
+
+    src = hf_factory.save_tiny_model("qwen2", str(root / "w_src"), seed=4)
+    state = _state(src)
+    names = sorted(state)
+    writer = HFDirWriter(str(root / "w_out"), src, max_shard_bytes=40_000)
+    for start in range(0, len(names), 3):  # buckets of three tensors, as a stream gives them
+        writer.add([(n, state[n]) for n in names[start:start + 3]])
+    out = writer.commit()
+    shards = sorted(glob.glob(os.path.join(out, "model-*.safetensors")))
+    assert len(shards) > 1 and all(os.path.getsize(s) < 40_000 + 4096 for s in shards
+                                   if len(load_file(s)) > 1)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        assert sorted(json.load(f)["weight_map"]) == names
+    back = _state(out)
+    assert all(torch.equal(back[n], state[n]) for n in names)
+    assert AutoModelForCausalLM.from_pretrained(out) is not None  # config and tokenizer copied
+    aborted = HFDirWriter(str(root / "w_gone"), src)
+    aborted.add([(names[0], state[names[0]])])
+    aborted.abort()
+    assert not os.path.exists(root / "w_gone") and not glob.glob(str(root / "w_gone*"))
+    with pytest.raises(FileExistsError):
+        HFDirWriter(out, src)

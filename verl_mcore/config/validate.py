@@ -237,6 +237,7 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
                            * p.context_parallel_size)
 
 
+<<<<<<< HEAD
 def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
              gpus_per_node: Optional[int] = None) -> None:
     """Raise ConfigError listing every problem of this config for this world size and model.
@@ -256,6 +257,25 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         errors += _batch_errors(cfg, actor_world, sets.get("critic"))
         errors += _length_errors(cfg, shape) + _optim_errors(cfg) + _validation_errors(cfg)
         errors += _reward_errors(cfg) + _dependency_errors(cfg)
+=======
+def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None, *,
+             data_files: bool = True, lengths: bool = True, batches: bool = True) -> None:
+    """Raise ConfigError listing every problem of this config for this world size and model.
+    The config alone: the files it names (model, data, reward code) are read and checked by
+    build.build_inputs, which calls this first.
+
+    The Python API (verl_mcore/api) has no data files (prompts come with each call), and its
+    objects set the lengths and batch sizes at different times: it checks with
+    data_files=False, leaving out the data.* lengths until a RolloutWorker sets them and the
+    batch rules until an update has its batch."""
+    # The cross-field rules assume values in range (no zero divisors, no NaN).
+    errors = range_errors(cfg)
+    if not errors:
+        errors = _layout_errors(cfg, world_size, shape)
+        errors += _batch_errors(cfg, world_size) if batches else []
+        errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
+        errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
+>>>>>>> api
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -384,18 +404,20 @@ def _batch_errors(cfg: Config, world: int, critic_set=None) -> list[str]:
     return errs
 
 
-def _length_errors(cfg: Config, shape: Optional[ModelShape]) -> list[str]:
+def _length_errors(cfg: Config, shape: Optional[ModelShape], data_files: bool = True,
+                   lengths: bool = True) -> list[str]:
     errs = []
     d = cfg.data
     longest = d.max_prompt_length + d.max_response_length
-    if shape is not None and shape.max_position_embeddings and longest > shape.max_position_embeddings:
+    if lengths and shape is not None and shape.max_position_embeddings \
+            and longest > shape.max_position_embeddings:
         errs.append(f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + "
                     f"{d.max_response_length} = {longest} tokens is more than the model's "
                     f"max_position_embeddings={shape.max_position_embeddings} (its config.json): "
                     "lower one of them")
     for role in ("actor", "critic"):
         budget = getattr(cfg, role).max_tokens_per_microbatch
-        if budget is not None and budget < d.max_prompt_length + d.max_response_length:
+        if lengths and budget is not None and budget < longest:
             errs.append(f"{role}.max_tokens_per_microbatch={budget} is smaller than one full "
                         f"sequence (data.max_prompt_length + data.max_response_length = "
                         f"{d.max_prompt_length + d.max_response_length})")
@@ -407,7 +429,7 @@ def _length_errors(cfg: Config, shape: Optional[ModelShape]) -> list[str]:
         errs.append(f"model.revision={cfg.model.revision} selects a snapshot of a Hugging Face "
                     f"Hub id, but model.path={cfg.model.path} is not one (a local directory has "
                     "one version); remove model.revision or set model.path to an `org/name` id")
-    if not cfg.data.train_files:
+    if data_files and not cfg.data.train_files:
         errs.append("data.train_files is empty: give one or more Parquet/Arrow/JSONL files")
     read, wait = cfg.data.read_timeout_s, cfg.trainer.collective_timeout_s
     if read is not None and read >= wait:

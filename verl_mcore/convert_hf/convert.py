@@ -260,3 +260,83 @@ def _set_config_dtype(path: str, dtypes: set) -> None:
             cfg[key] = name
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+# --------------------------------------------------------------------------------------------
+# A built model -> HF (the Python API's Policy.save_pretrained)
+
+class HFDirWriter:
+    """An HF directory from (HF name, full tensor) pairs as a model streams them (rollout/
+    vllm_engine.hf_weight_stream): safetensors shards of at most `max_shard_bytes` (a larger
+    tensor goes alone) and their index, then at `commit` the non-weight files of `meta_src`
+    (config.json with the weights' dtype, tokenizer, generation config) and, when given, the
+    files of the caller's own tokenizer. Written into a temporary sibling of `out_dir` renamed
+    at commit, so an interrupted save never leaves a directory that looks complete. Host
+    memory: one shard.
+
+        writer = HFDirWriter(out_dir, hf_dir)
+        for bucket in stream:
+            writer.add(bucket)
+        writer.commit()          # or writer.abort()
+    """
+
+    def __init__(self, out_dir: str, meta_src: str, force: bool = False,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        if not os.path.isfile(os.path.join(meta_src, "config.json")):
+            raise FileNotFoundError(f"{meta_src}: no config.json to write next to the weights")
+        self.meta_src, self.max_shard_bytes = meta_src, max_shard_bytes
+        self._out = _Output(out_dir, force)
+        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []  # the tensor names of each written shard
+        self._total = 0
+        self._dtypes: set = set()
+
+    def add(self, tensors) -> None:
+        """More (HF name, tensor) pairs, in the order they are to be stored."""
+        for name, tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+                self._flush()
+            # A copy, also on the host: the stream's tensors may be views of the model's
+            # parameters (a weight buffer that is released or refilled after the save).
+            self._pending.append((name, tensor.detach().to("cpu", copy=True)))
+            self._pending_bytes += nbytes
+            self._total += nbytes
+            self._dtypes.add(tensor.dtype)
+
+    def _flush(self) -> None:
+        pending = self._pending
+        # Numbered when the count is known (commit): model-00001-of-00003.safetensors.
+        path = os.path.join(self._out.tmp, f"shard-{len(self._shards):05d}.safetensors")
+        write_safetensors(path, [(n, tuple(t.shape), t.dtype) for n, t in pending],
+                          [lambda: dict(pending)])
+        self._shards.append([n for n, _ in pending])
+        self._pending, self._pending_bytes = [], 0
+
+    def commit(self, tokenizer=None) -> str:
+        """Finish the directory; `tokenizer` (an HF tokenizer object) replaces meta_src's
+        tokenizer files. Returns the directory."""
+        try:
+            if self._pending or not self._shards:
+                self._flush()
+            weight_map = {}
+            for i, names in enumerate(self._shards):
+                fname = f"model-{i + 1:05d}-of-{len(self._shards):05d}.safetensors"
+                os.rename(os.path.join(self._out.tmp, f"shard-{i:05d}.safetensors"),
+                          os.path.join(self._out.tmp, fname))
+                weight_map.update({name: fname for name in names})
+            with open(os.path.join(self._out.tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": self._total}, "weight_map": weight_map}, f,
+                          indent=2)
+            copy_metadata_files(self.meta_src, self._out.tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(self._out.tmp)
+            _set_config_dtype(os.path.join(self._out.tmp, "config.json"), self._dtypes)
+        except BaseException:
+            self.abort()
+            raise
+        return self._out.commit()
+
+    def abort(self) -> None:
+        self._out.abort()

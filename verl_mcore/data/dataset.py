@@ -76,11 +76,15 @@ class RLHFDataset:
     #: File endings picked from a directory; a subclass reading other formats changes this.
     extensions: tuple[str, ...] = DEFAULT_EXTENSIONS
 
-    def __init__(self, files: Union[str, Sequence[str]], tokenizer: Any, config: DataConfig):
+    def __init__(self, files: Union[str, Sequence[str]], tokenizer: Any, config: DataConfig, *,
+                 rows: Any = None):
+        """rows: the prompt rows themselves (a pyarrow Table or a list of row dicts, as a
+        `dataframe`) instead of reading `files`, which is then one string naming them in
+        messages (the Python API's RolloutWorker.generate: verl_mcore/api)."""
         self.config = config
         self.tokenizer = tokenizer
         self.prompt_key = config.prompt_key
-        self.files = resolve_files(files, self.extensions)
+        self.files = [files] if rows is not None else resolve_files(files, self.extensions)
         self.data_files = self.files  # verl's name, which _read_files_and_tokenize overrides use
         self.max_prompt_length = config.max_prompt_length
         self.stats = DatasetStats()
@@ -92,7 +96,10 @@ class RLHFDataset:
         self._dataframe: Any = None  # what an override set as self.dataframe
         self._too_long_tokens: Optional[tuple[int, int]] = None  # (shortest, longest) filtered
         self._filtered_by_override = False  # maybe_filter_out_long_prompts left some out
-        self._read_files_and_tokenize()
+        if rows is None:
+            self._read_files_and_tokenize()
+        else:
+            self.dataframe = rows
         self._take_dataframe()
         self._tokenise_all()
         if self.bad_rows:

@@ -172,6 +172,33 @@ class TrainBatch:
             out[f.name] = None if t is None else t[idx.to(t.device)]
         return TrainBatch(**out)
 
+    @classmethod
+    def concat(cls, batches: Sequence["TrainBatch"], pad_token_id: int) -> "TrainBatch":
+        """The samples of `batches`, one batch after another (an experience buffer's batches,
+        verl_mcore/api). input_ids are padded with `pad_token_id` to the widest S and the
+        response-aligned tensors with 0 (mask 0) to the widest R: the same batch `from_flat`
+        lays out from all the samples at once. An optional field must be set in every batch or
+        in none."""
+        if not batches:
+            raise ValueError("TrainBatch.concat: no batches")
+        s = max(b.input_ids.shape[1] for b in batches)
+        r = max(b.response_width for b in batches)
+
+        def widened(t: Tensor, width: int, fill) -> Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+
+        out = {"input_ids": torch.cat([widened(b.input_ids, s, pad_token_id) for b in batches]),
+               "prompt_lens": torch.cat([b.prompt_lens for b in batches]),
+               "seq_lens": torch.cat([b.seq_lens for b in batches])}
+        for name in ("response_mask",) + RESPONSE_FIELDS:
+            have = [getattr(b, name) is not None for b in batches]
+            if any(have) and not all(have):
+                raise ValueError(f"TrainBatch.concat: {name} is set in batches "
+                                 f"{[i for i, h in enumerate(have) if h]} but not in the others")
+            if all(have):
+                out[name] = torch.cat([widened(getattr(b, name), r, 0) for b in batches])
+        return cls(**out)
+
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The batch with every tensor on `device` (the same object when all already are)."""
         device = torch.device(device)

@@ -8,7 +8,8 @@
 Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight * score):
   rule          per sample: the scorer its route names (below); without a route,
                 reward.custom_fn (a function, `custom_fn_kwargs` to each call) or
-                reward.custom_cls (a class, its `kwargs` to the constructor) if set, else the
+                reward.custom_cls (a class, its `kwargs` to the constructor) if set, or a
+                Python callable (`from_config(score_fn=...)`, in this process), else the
                 built-in dispatch by data_source
   custom        `function` from the Python file `path`: a function called with `kwargs`, or a
                 class constructed with them
@@ -68,7 +69,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
 from verl_mcore.reward import custom
@@ -128,14 +129,15 @@ class _Source:
 
 class RewardManager:
     def __init__(self, cfg: RewardConfig, sources: list[RewardSourceConfig],
-                 reward_models: Mapping[str, RewardModel], scored_outside: Sequence[str] = ()):
+                 reward_models: Mapping[str, RewardModel], scored_outside: Sequence[str] = (),
+                 score_fn: Optional[Callable] = None):
         self.cfg = cfg
         self._scored_outside = set(scored_outside)
         keyed = {s.name: (s, f"reward.sources[{i}]") for i, s in enumerate(sources)}
         if len(keyed) != len(sources):
             names = [s.name for s in sources]
             raise ValueError(f"reward.sources: duplicate names in {names}")
-        specs = {"dispatch": ScorerSpec("dispatch", "reward"), **_fallback_specs(cfg)}
+        specs = {"dispatch": ScorerSpec("dispatch", "reward"), **_fallback_specs(cfg, score_fn)}
         self._fallback_key = next((k for k in ("custom_fn", "custom_cls") if k in specs), "dispatch")
         for name, (s, key) in keyed.items():
             if s.type == "custom":
@@ -186,6 +188,13 @@ class RewardManager:
                                    "reward.import_timeout_s", spec.name_field,
                                    check=(custom.check, (spec,)))
                  for key, spec in specs.items() if spec.kind == "custom"}
+        for spec in specs.values():
+            if spec.kind == "object":  # a Python callable: nothing to import, signature bound here
+                if cfg.num_workers:
+                    raise ValueError(f"{spec.key} ({spec.function}) is a Python object: it scores "
+                                     "in this process, with reward.num_workers=0 (to score in "
+                                     "workers, name a function in a file: reward.custom_fn)")
+                custom.check(spec.obj, spec)
         # Scorer keys of batch classes: one call per batch (of the samples each one scores).
         self._batch_keys = {key for key, kind in kinds.items() if kind == "batch"}
         self._labels = {key: f"{spec.key} ({spec.function} in {spec.path})"
@@ -208,11 +217,14 @@ class RewardManager:
     @classmethod
     def from_config(cls, cfg: RewardConfig,
                     reward_models: Optional[Mapping[str, RewardModel]] = None,
-                    scored_outside: Sequence[str] = ()) -> "RewardManager":
+                    scored_outside: Sequence[str] = (),
+                    score_fn: Optional[Callable] = None) -> "RewardManager":
         """scored_outside: reward_model sources whose scores come with each `score` call
-        (`model_scores`), computed by the caller (the trainer's megatron reward models)."""
+        (`model_scores`), computed by the caller (the trainer's megatron reward models).
+        score_fn: a Python callable `fn(data_source, response, ground_truth, extra_info)` in
+        place of reward.custom_fn (the Python API's reward_fn; reward.num_workers=0)."""
         sources = list(cfg.sources) or [RewardSourceConfig(name="rule", weight=1.0, type="rule")]
-        return cls(cfg, sources, dict(reward_models or {}), scored_outside)
+        return cls(cfg, sources, dict(reward_models or {}), scored_outside, score_fn)
 
     # ---- scoring -----------------------------------------------------------------------------
 
@@ -437,10 +449,19 @@ class RewardManager:
         self.close()
 
 
-def _fallback_specs(cfg: RewardConfig) -> dict[str, ScorerSpec]:
+def _fallback_specs(cfg: RewardConfig, score_fn: Optional[Callable] = None) -> dict[str, ScorerSpec]:
     """The scorer of the rule source's samples that no route takes: reward.custom_fn (a
-    function) or reward.custom_cls (a class); none means the built-in dispatch."""
+    function), reward.custom_cls (a class) or `score_fn` (a Python callable); none means the
+    built-in dispatch."""
     fn, cls = cfg.custom_fn, cfg.custom_cls
+    if score_fn is not None:
+        if fn.path or fn.name or cls.path or cls.name:
+            raise ValueError("a Python reward function and reward.custom_fn / reward.custom_cls "
+                             "are both set: they are the same scorer; keep one")
+        name = getattr(score_fn, "__qualname__", type(score_fn).__name__)
+        where = getattr(getattr(score_fn, "__code__", None), "co_filename", "Python")
+        return {"custom_fn": ScorerSpec("object", "reward_fn", function=name, path=where,
+                                        obj=score_fn, accepts="function")}
     if (fn.path or fn.name) and (cls.path or cls.name or cls.kwargs):
         raise ValueError(f"reward.custom_fn ({fn.name} in {fn.path}) and reward.custom_cls "
                          f"({cls.name} in {cls.path}) are both set: they are the same scorer, "

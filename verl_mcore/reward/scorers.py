@@ -28,7 +28,10 @@ class ScorerSpec:
     kind "builtin": the built-in scorer of data_source `name`, whatever the sample's data_source;
     kind "custom": `function` from the Python file `path`: a function called with **kwargs, or
     a class constructed with them (custom.py); `accepts` what it may be ("function", "class" or
-    "any"); `key` is the config key that defined it (named in errors)."""
+    "any"); `key` is the config key that defined it (named in errors);
+    kind "object": `obj`, a callable handed in from Python (the Python API's reward_fn), which
+    scores in the trainer process only (it need not pickle: a lambda, a closure, a bound
+    method); `function` and `path` then name it in messages."""
 
     kind: str
     key: str
@@ -37,6 +40,7 @@ class ScorerSpec:
     function: Optional[str] = None
     kwargs: dict = field(default_factory=dict)
     accepts: str = "any"
+    obj: Any = field(default=None, compare=False)
 
     @property
     def name_field(self) -> str:
@@ -58,6 +62,8 @@ class ScorerSpec:
         if self.kind == "custom":
             return custom.load(load_user_object(self.path, self.function, self.key,
                                                 self.name_field), self)
+        if self.kind == "object":
+            return custom.load(self.obj, self)
         raise ValueError(f"{self.key}: unknown scorer kind {self.kind!r}")
 
 

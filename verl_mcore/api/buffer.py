@@ -1,0 +1,185 @@
+"""Experiences (scored samples) and the buffer that gathers them for an update.
+
+    buffer = ExperienceBuffer()
+    buffer.add(worker.generate(prompts))           # as often as you like
+    for mini in buffer.mini_batches(4, shuffle=True, seed=step):   # whole prompts' groups
+        ...
+    trainer.update(buffer)                          # all of it, as Trainer.step's batch
+    buffer.clear()                                  # on-policy: each sample trains once
+
+Every rank holds the same experiences (the step's global batch, as the trainer's): mini-batches
+and samples are drawn from seeded generators, the same on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Experiences:
+    """Scored samples of one or more RolloutWorker.generate calls, B samples of P prompts; the n
+    samples of a prompt are consecutive and share a group id.
+
+    rollout         trainer.Rollout: .train (engine/batch.TrainBatch: ids, lengths, masks),
+                    .rows [B] dataset rows, .group_ids [B], .responses [B] texts, .finish [B]
+    scores          [B] float32 rewards (the weighted reward sources), on the training device
+    baseline        [B] or None: ReMax's greedy-baseline scores (RolloutWorker(greedy_baseline=True))
+    extras          "source/key" -> [B] numeric extras of dict-returning scorers (None: absent)
+    metrics         the generation and reward metrics of the call (empty for a concatenation)
+    cfg             the Config of the worker that made them (rollout.n, temperature, lengths)
+    policy          the Policy that sampled them, at `policy_version` updates
+    """
+
+    rollout: Any
+    scores: Tensor
+    baseline: Optional[Tensor]
+    extras: dict
+    metrics: dict
+    cfg: Any
+    policy: Any
+    policy_version: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.rollout.responses)
+
+    @property
+    def groups(self) -> list[int]:
+        """The group ids, in the order their samples come."""
+        return list(dict.fromkeys(self.rollout.group_ids.tolist()))
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.groups)
+
+    @property
+    def responses(self) -> list[str]:
+        return self.rollout.responses
+
+    @classmethod
+    def concat(cls, parts: Sequence["Experiences"]) -> "Experiences":
+        """The samples of `parts` one after another, their group ids renumbered so that groups of
+        different parts stay apart. The parts must come from one policy and one worker's
+        sampling settings (the update's log-probs need one temperature and length)."""
+        from verl_mcore.engine.batch import TrainBatch
+        from verl_mcore.trainer import Rollout
+
+        if not parts:
+            raise ValueError("Experiences.concat: nothing to concatenate (the buffer is empty)")
+        first = parts[0]
+        for i, p in enumerate(parts[1:], 1):
+            if p.policy is not first.policy:
+                raise ValueError(f"experiences {i} were sampled by another Policy than experiences 0")
+            for section in ("rollout", "data"):
+                if getattr(p.cfg, section) != getattr(first.cfg, section):
+                    raise ValueError(f"experiences {i} were made with other {section}.* settings "
+                                     f"than experiences 0 ({getattr(p.cfg, section)} vs "
+                                     f"{getattr(first.cfg, section)}): update them apart")
+        if len(parts) == 1:
+            return first
+        if len({p.baseline is None for p in parts}) > 1:
+            raise ValueError("Experiences.concat: some parts have greedy baselines and some not")
+        ids, offset = [], 0
+        for p in parts:  # each part's ids made distinct from the parts' before it
+            local = torch.as_tensor(p.groups, device=p.rollout.group_ids.device)
+            ids.append(torch.searchsorted(local.sort().values, p.rollout.group_ids) + offset)
+            offset += len(local)
+        info = first.policy.info
+        pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
+        rollout = Rollout(train=TrainBatch.concat([p.rollout.train for p in parts], pad),
+                          rows=[r for p in parts for r in p.rollout.rows], group_ids=torch.cat(ids),
+                          responses=[r for p in parts for r in p.rollout.responses],
+                          finish=[f for p in parts for f in p.rollout.finish])
+        names = list(dict.fromkeys(k for p in parts for k in p.extras))
+        extras = {k: [v for p in parts for v in p.extras.get(k, [None] * p.num_samples)]
+                  for k in names}
+        return cls(rollout, torch.cat([p.scores for p in parts]),
+                   None if first.baseline is None else torch.cat([p.baseline for p in parts]),
+                   extras, {}, first.cfg, first.policy, min(p.policy_version for p in parts))
+
+    def select_groups(self, groups: Sequence[int]) -> "Experiences":
+        """The samples of the prompts with these group ids, in that order (whole groups)."""
+        ids = self.rollout.group_ids.cpu()
+        rows = [i for g in groups for i in (ids == g).nonzero().flatten().tolist()]
+        if not rows:
+            raise ValueError(f"Experiences.select_groups: none of the groups {list(groups)[:8]} "
+                             f"is here (the groups are {self.groups[:8]}...)")
+        r = self.rollout
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        rollout = dataclasses.replace(r, train=r.train.select(idx), rows=[r.rows[i] for i in rows],
+                                      group_ids=r.group_ids[idx.to(r.group_ids.device)],
+                                      responses=[r.responses[i] for i in rows],
+                                      finish=[r.finish[i] for i in rows])
+        on = idx.to(self.scores.device)
+        return dataclasses.replace(
+            self, rollout=rollout, scores=self.scores[on],
+            baseline=None if self.baseline is None else self.baseline[on],
+            extras={k: [v[i] for i in rows] for k, v in self.extras.items()}, metrics={})
+
+
+class ExperienceBuffer:
+    """Experiences gathered for an update (module docstring)."""
+
+    def __init__(self):
+        self._parts: list[Experiences] = []
+        self._draws = 0  # sample() calls so far: the seed of the next one
+
+    def add(self, experiences: Experiences) -> None:
+        if not isinstance(experiences, Experiences):
+            raise TypeError(f"ExperienceBuffer.add takes Experiences (RolloutWorker.generate's "
+                            f"result), got {type(experiences).__name__}")
+        self._parts.append(experiences)
+
+    def __len__(self) -> int:
+        """Samples held."""
+        return sum(p.num_samples for p in self._parts)
+
+    @property
+    def num_prompts(self) -> int:
+        return sum(p.num_prompts for p in self._parts)
+
+    def batch(self) -> Experiences:
+        """Everything held, as one Experiences (Experiences.concat)."""
+        return Experiences.concat(self._parts)
+
+    def mini_batches(self, num_prompts: int, *, shuffle: bool = False, seed: int = 0,
+                     drop_last: bool = False) -> Iterator[Experiences]:
+        """Mini-batches of `num_prompts` prompts' samples (whole groups, so GRPO's statistics
+        stay whole), in buffer order or shuffled by `seed`; the last one may be smaller unless
+        `drop_last`."""
+        whole = self.batch()
+        groups = whole.groups
+        if shuffle:
+            groups = [groups[i] for i in np.random.default_rng(seed).permutation(len(groups))]
+        for start in range(0, len(groups), _positive(num_prompts, "mini_batches")):
+            chunk = groups[start:start + num_prompts]
+            if len(chunk) == num_prompts or not drop_last:
+                yield whole.select_groups(chunk)
+
+    def sample(self, num_prompts: int, *, seed: Optional[int] = None) -> Experiences:
+        """`num_prompts` prompts' samples drawn without replacement; without a seed, the n-th
+        call draws with seed n (the same draws on every rank)."""
+        whole = self.batch()
+        groups = whole.groups
+        if _positive(num_prompts, "sample") > len(groups):
+            raise ValueError(f"ExperienceBuffer.sample({num_prompts}): the buffer holds "
+                             f"{len(groups)} prompts")
+        rng = np.random.default_rng(self._draws if seed is None else seed)
+        self._draws += 1
+        return whole.select_groups([groups[i] for i in rng.choice(len(groups), num_prompts,
+                                                                  replace=False)])
+
+    def clear(self) -> None:
+        self._parts.clear()
+
+
+def _positive(n: int, what: str) -> int:
+    if n < 1:
+        raise ValueError(f"ExperienceBuffer.{what}: num_prompts={n} must be at least 1")
+    return n
