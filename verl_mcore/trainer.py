@@ -179,9 +179,11 @@ class Trainer:
         placement = Placement.resolve(cfg, self.world, self.launch.local_world_size)
         self.place = RolePlacement.build(
             placement, cfg.rollout.tensor_parallel_size,
-            int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1)
+            int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1,
+            cfg.parallel.expert_model_parallel_size)
         self.groups = self.place.groups["actor"]  # the actor set's (None on the other ranks)
         _seed_everything(cfg.trainer.seed, self.rank)
+        self.place.seed_rng(cfg.trainer.seed)
         self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank)
         # Unarmed until the loop starts: a signal while building ends the process at once.
         self.guard = PreemptionGuard(armed=False).install()
@@ -211,13 +213,19 @@ class Trainer:
             log.info("placement: %s", placement.describe())
         # Each rank builds its own roles' models only (None / {} for the others').
         with self.watchdog.phase("build models"):
-            groups, runs = self.place.groups, self.place.runs
-            self.actor = build.build_actor(cfg, groups["actor"], self.info) if runs("actor") else None
-            self.reference = (build.build_reference(cfg, groups["reference"], self.info)
-                              if runs("reference") else None)
-            self.critic = build.build_critic(cfg, groups["critic"], self.info) if runs("critic") else None
-            self.reward_models = (build.build_reward_models(cfg, groups["reward_model"], self.info, rm_infos)
-                                  if runs("reward_model") else {})
+            groups, runs, seed = self.place.groups, self.place.runs, cfg.trainer.seed
+            # Each role from its own seed: a fresh value head is the same whichever roles a
+            # rank built before it (placed, the critic's set builds nothing else).
+            with _role_seed(seed, 1):
+                self.actor = build.build_actor(cfg, groups["actor"], self.info) if runs("actor") else None
+            with _role_seed(seed, 2):
+                self.reference = (build.build_reference(cfg, groups["reference"], self.info)
+                                  if runs("reference") else None)
+            with _role_seed(seed, 3):
+                self.critic = build.build_critic(cfg, groups["critic"], self.info) if runs("critic") else None
+            with _role_seed(seed, 4):
+                self.reward_models = (build.build_reward_models(cfg, groups["reward_model"], self.info, rm_infos)
+                                      if runs("reward_model") else {})
             self.rollout = (build_generation_phase(cfg, self.groups, self.info, self.actor)
                             if runs("actor") else None)
         self.reward_model_names = list(rm_infos)
@@ -228,7 +236,8 @@ class Trainer:
             log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
         self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)
         self.kl_ctrl = build.build_kl_controller(cfg)
-        self.checkpoints = build.build_checkpointers(cfg, self.run_dir, self.info)
+        self.checkpoints = build.build_checkpointers(
+            cfg, self.run_dir, self.info, role_ranks=None if placement.colocated else self.place.role_ranks())
         self.tracking = Tracking(cfg.trainer.logger, self.run_dir, self.rank, cfg.trainer.project,
                                  cfg.trainer.experiment_name, config=None)
         self.step_index = 0  # steps completed
@@ -755,6 +764,14 @@ def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
 @contextlib.contextmanager
 def _both(a, b):
     with a, b:
+        yield
+
+
+@contextlib.contextmanager
+def _role_seed(seed: int, role_index: int):
+    """torch's RNG seeded for one role's build, and put back after it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 7919 + role_index)
         yield
 
 

@@ -53,6 +53,7 @@ def _overrides(models, run_dir, algo, layout, steps=3):
     if algo == "grpo":
         return out + ["algorithm.adv_estimator=grpo", "rollout.n=2"]
     return out + ["algorithm.adv_estimator=gae", "rollout.n=1", "algorithm.lam=0.95",
+                  "actor.micro_batch_size_per_gpu=1", "critic.micro_batch_size_per_gpu=1",
                   "critic.recompute_values=always"]  # the placed critic's order, colocated too
 
 

@@ -237,13 +237,18 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
                            * p.context_parallel_size)
 
 
-<<<<<<< HEAD
 def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
-             gpus_per_node: Optional[int] = None) -> None:
+             gpus_per_node: Optional[int] = None, *, data_files: bool = True,
+             lengths: bool = True, batches: bool = True) -> None:
     """Raise ConfigError listing every problem of this config for this world size and model.
     The config alone: the files it names (model, data, reward code) are read and checked by
     build.build_inputs, which calls this first. With placement.*, the layout and batch rules
-    apply to each role inside its own set of ranks."""
+    apply to each role inside its own set of ranks.
+
+    The Python API (verl_mcore/api) has no data files (prompts come with each call), and its
+    objects set the lengths and batch sizes at different times: it checks with
+    data_files=False, leaving out the data.* lengths until a RolloutWorker sets them and the
+    batch rules until an update has its batch."""
     from verl_mcore.distributed.placement import Placement, placement_errors
 
     # The cross-field rules assume values in range (no zero divisors, no NaN).
@@ -254,28 +259,9 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         sets = Placement.resolve(cfg, world_size, gpus_per_node).sets
         actor_world = len(sets["actor"].ranks)
         errors = _layout_errors(cfg, actor_world, shape) + _role_layout_errors(sets, shape)
-        errors += _batch_errors(cfg, actor_world, sets.get("critic"))
-        errors += _length_errors(cfg, shape) + _optim_errors(cfg) + _validation_errors(cfg)
-        errors += _reward_errors(cfg) + _dependency_errors(cfg)
-=======
-def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None, *,
-             data_files: bool = True, lengths: bool = True, batches: bool = True) -> None:
-    """Raise ConfigError listing every problem of this config for this world size and model.
-    The config alone: the files it names (model, data, reward code) are read and checked by
-    build.build_inputs, which calls this first.
-
-    The Python API (verl_mcore/api) has no data files (prompts come with each call), and its
-    objects set the lengths and batch sizes at different times: it checks with
-    data_files=False, leaving out the data.* lengths until a RolloutWorker sets them and the
-    batch rules until an update has its batch."""
-    # The cross-field rules assume values in range (no zero divisors, no NaN).
-    errors = range_errors(cfg)
-    if not errors:
-        errors = _layout_errors(cfg, world_size, shape)
-        errors += _batch_errors(cfg, world_size) if batches else []
+        errors += _batch_errors(cfg, actor_world, sets.get("critic")) if batches else []
         errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
         errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
->>>>>>> api
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 

@@ -300,7 +300,8 @@ class RolePlacement:
         self._held: Optional[tuple[str, BaseException]] = None  # (role, error) of `run`
 
     @classmethod
-    def build(cls, placement: Placement, tp_gen: int, timeout_minutes: int) -> "RolePlacement":
+    def build(cls, placement: Placement, tp_gen: int, timeout_minutes: int,
+              expert_model_parallel_size: int = 1) -> "RolePlacement":
         """Process groups of every set (collective: every rank builds every set's groups)."""
         import torch.distributed as dist
 
@@ -310,13 +311,24 @@ class RolePlacement:
         actor = placement.sets["actor"]
         layouts = [GroupLayout(len(s.ranks), s.tp, s.pp, s.cp, tp_gen if s == actor else 1,
                                ranks=s.ranks, vpp=s.vpp) for s in distinct]
-        built = build_set_groups(layouts, timeout_minutes)
+        built = build_set_groups(layouts, timeout_minutes, expert_model_parallel_size)
         by_set = dict(zip(distinct, built))
         return cls(placement, {role: by_set[s] for role, s in placement.sets.items()}, dist.get_rank())
 
     @property
     def colocated(self) -> bool:
         return self.placement.colocated
+
+    def seed_rng(self, seed: int) -> None:
+        """megatron's model-parallel RNG tracker, seeded for this rank's set (placed runs leave
+        parallel_state uninitialised, so the trainer's default seeding cannot reach it)."""
+        mine = next((g for g in self.groups.values() if g is not None), None)
+        if mine is not None and not self.colocated:
+            mine.seed_rng(seed)
+
+    def role_ranks(self) -> dict:
+        """{role: its ranks} of the trained roles, for the checkpoints (their leaders write)."""
+        return {r: self.placement.ranks(r) for r in ("actor", "critic") if self.has(r)}
 
     def has(self, role: str) -> bool:
         """Whether the run has `role` (on some ranks)."""
