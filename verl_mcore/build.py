@@ -15,6 +15,7 @@ rank's TP/PP shard (no rank loads the whole model).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -199,6 +200,21 @@ def role_padded_vocab(cfg: Config, arch, role: str, tp: int) -> int:
             f"{cfg.model.make_vocab_size_divisible_by}); give the {role} a TP that divides "
             f"{vocab}, or raise model.make_vocab_size_divisible_by to a multiple of {tp}")
     return vocab
+
+
+_ROLE_SEEDS = {"actor": 1, "reference": 2, "critic": 3, "reward_model": 4}
+
+
+@contextlib.contextmanager
+def role_seed(seed: int, role: str):
+    """torch's CPU RNG seeded for building one role (trainer.seed and the role), and put back
+    after: a fresh value head is then the same whichever roles a process built before it (a
+    placed critic's set builds nothing else; the Python API builds in the user's order)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 7919 + _ROLE_SEEDS[role])
+        yield
 
 
 def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, optim=None,

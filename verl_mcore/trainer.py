@@ -216,14 +216,14 @@ class Trainer:
             groups, runs, seed = self.place.groups, self.place.runs, cfg.trainer.seed
             # Each role from its own seed: a fresh value head is the same whichever roles a
             # rank built before it (placed, the critic's set builds nothing else).
-            with _role_seed(seed, 1):
+            with build.role_seed(seed, "actor"):
                 self.actor = build.build_actor(cfg, groups["actor"], self.info) if runs("actor") else None
-            with _role_seed(seed, 2):
+            with build.role_seed(seed, "reference"):
                 self.reference = (build.build_reference(cfg, groups["reference"], self.info)
                                   if runs("reference") else None)
-            with _role_seed(seed, 3):
+            with build.role_seed(seed, "critic"):
                 self.critic = build.build_critic(cfg, groups["critic"], self.info) if runs("critic") else None
-            with _role_seed(seed, 4):
+            with build.role_seed(seed, "reward_model"):
                 self.reward_models = (build.build_reward_models(cfg, groups["reward_model"], self.info, rm_infos)
                                       if runs("reward_model") else {})
             self.rollout = (build_generation_phase(cfg, self.groups, self.info, self.actor)
@@ -764,14 +764,6 @@ def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
 @contextlib.contextmanager
 def _both(a, b):
     with a, b:
-        yield
-
-
-@contextlib.contextmanager
-def _role_seed(seed: int, role_index: int):
-    """torch's RNG seeded for one role's build, and put back after it."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 7919 + role_index)
         yield
 
 

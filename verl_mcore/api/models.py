@@ -146,7 +146,8 @@ class Policy:
         session = sess.session_for(cfg, who)
         ensure_tiny_model(cfg.model, session.local_rank)  # model.make_tiny_if_missing
         info = _read_model(cfg, who, session, tokenizer)
-        actor = build.build_actor(cfg, session.groups, info)
+        with build.role_seed(cfg.trainer.seed, "actor"):  # as the Trainer builds it
+            actor = build.build_actor(cfg, session.groups, info)
         actor.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
         own = tokenizer is not None and tokenizer != path_or_hub_id
         return cls(cfg, tree, info, actor, session, own)
@@ -258,7 +259,8 @@ class Critic:
         cfg = sess.config_of(layout, asked, tree, {"algorithm": {"adv_estimator": "gae"}})
         session = sess.session_for(cfg, who)
         info = _read_model(cfg, who, session, tokenizer)
-        critic = build.build_critic(cfg, session.groups, info)
+        with build.role_seed(cfg.trainer.seed, "critic"):  # as the Trainer builds it
+            critic = build.build_critic(cfg, session.groups, info)
         critic.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
         return cls(cfg, tree, info, critic)
 

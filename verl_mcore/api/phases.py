@@ -15,9 +15,10 @@ from verl_mcore.trainer import Trainer
 
 
 # The Trainer methods an API object runs: what they read of a Trainer, the objects set.
-TRAINER_PHASES = ("sampling", "generate", "score", "needs_old_log_probs", "token_rewards",
-                  "fit_critic", "advantages", "update", "check_finite", "data_metrics",
-                  "offload_training_state", "onload_training_state")
+TRAINER_PHASES = ("sampling", "generate", "_gen_replica", "score", "needs_old_log_probs",
+                  "old_log_probs", "ref_log_probs", "token_rewards", "fit_critic", "advantages",
+                  "update", "_update", "check_finite", "data_metrics", "offload_training_state",
+                  "onload_training_state")
 
 
 class Phases:
@@ -31,7 +32,25 @@ class Phases:
         self.consecutive_skips: dict[str, int] = {}
         self.last_good_step = 0
         self.step_index = 0
+        self.skipped_now: dict[str, int] = {}
         vars(self).update(parts)
+        self.reward_model_names = list(getattr(self, "reward_models", {}))
+        self.place = _colocated(getattr(self, "groups", None))
+
+
+def _colocated(groups):
+    """The API's objects run every role on every rank: the trainer's placement of that case,
+    in which each phase simply runs where it is called (distributed/placement.py)."""
+    import torch.distributed as dist
+
+    from verl_mcore.distributed.placement import ROLES, Placement, RolePlacement, RoleSet
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    everywhere = RoleSet(tuple(range(world)), 1, 1)
+    placement = Placement(world, {role: everywhere for role in ROLES})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return RolePlacement(placement, {role: groups if groups is not None else True for role in ROLES},
+                         rank)
 
 
 for _name in TRAINER_PHASES:

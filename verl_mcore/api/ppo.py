@@ -75,7 +75,8 @@ class PPOTrainer:
                               "policy's token ids: give Critic.from_pretrained tokenizer="
                               "policy.tokenizer, or a critic of the policy's vocabulary")
         self.kl_ctrl = build.build_kl_controller(self.cfg)
-        self.reference = build.build_reference(self.cfg, policy._session.groups, policy.info)
+        with build.role_seed(self.cfg.trainer.seed, "reference"):  # as the Trainer builds it
+            self.reference = build.build_reference(self.cfg, policy._session.groups, policy.info)
         self._phases = Phases(reference=self.reference, kl_ctrl=self.kl_ctrl)
         self.updates = 0
 
@@ -113,6 +114,10 @@ class PPOTrainer:
         if step > cfg.critic.warmup_steps or p.critic is None:
             with timer("actor"):
                 metrics.update(p.update(step, "actor", batch))
+        # check_finite counts this step's skipped optimizer steps per role (Trainer.step too)
+        p.skipped_updates += sum(p.skipped_now.values())
+        p.skipped_now = {}
+        if step > cfg.critic.warmup_steps or p.critic is None:
             metrics["train/skipped_updates"] = float(p.skipped_updates)
             self.policy.version += 1
         metrics.update(kl_metrics)
