@@ -102,9 +102,20 @@ def test_a_signal_before_the_loop_ends_the_process_at_once(tmp_path):
         "guard = PreemptionGuard(armed=False).install()\n"
         "print('ready', flush=True)\n"
         "time.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    # Started with SIGTERM blocked, as under a supervisor that blocks it: install() unblocks.
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM]))
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with open(f"/proc/{proc.pid}/status") as f:
+            masks = [line.strip() for line in f if line.startswith(("SigPnd", "ShdPnd", "SigBlk",
+                                                                     "SigIgn", "SigCgt"))]
+        proc.kill()
+        raise AssertionError(f"SIGTERM did not end the process; its signal masks: {masks}")
+    assert code == 128 + signal.SIGTERM
     assert time.monotonic() - t0 < 10

@@ -83,6 +83,7 @@ def _trainer_score_body(rank, world_size, fns, classes):
         input_ids=input_ids, prompt_lens=torch.tensor(PROMPT_LENS)))
     with RewardManager.from_config(_config(fns, classes)) as manager:
         trainer = SimpleNamespace(rank=rank, world=world_size, rewards=manager, reward_models={},
+                                  reward_model_names=[],
                                   device=torch.device("cpu"),
                                   info=SimpleNamespace(tokenizer=_CharTokenizer()))
         scores, metrics, extras = Trainer.score(trainer, rollout)

@@ -80,9 +80,14 @@ class PreemptionGuard:
         self._stop_agreed = False
 
     def install(self) -> "PreemptionGuard":
-        """Install the handlers (main thread only, as Python requires); returns self."""
+        """Install the handlers (main thread only, as Python requires); returns self.
+
+        The signals are also unblocked: a blocked mask is inherited through exec, and a
+        launcher or CI supervisor that blocks SIGTERM would otherwise leave it pending forever,
+        so the job could neither checkpoint nor die when the scheduler asks."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         return self
 
     def uninstall(self) -> None:
