@@ -33,7 +33,9 @@ EXTRAS = {
     "track": ["tensorboard", "wandb"],
     # pandas and datasets: the frames verl-style dataset classes build (tests/data/test_verl_dataset.py).
     "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "pandas>=2", "datasets>=3",
-             "rouge-score>=0.1.2", "sacrebleu>=2.0"],
+             "rouge-score>=0.1.2", "sacrebleu>=2.0",
+             # peft: the oracle of the LoRA tests, and what loads an exported adapter.
+             "peft>=0.13"],
 }
 
 

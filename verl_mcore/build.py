@@ -5,7 +5,7 @@
     inputs = build_inputs(cfg, world_size)           # everything the user gave, checked
     model = inputs.info                              # HF architecture + tokenizer
     actor = build_actor(cfg, groups, model)
-    reference = build_reference(cfg, groups, model)  # None when no KL term needs it
+    reference = build_reference(cfg, groups, model, actor)  # None when no KL term needs it
     critic = build_critic(cfg, groups, model)        # None unless algorithm.adv_estimator=gae
     rollout = build_generation_phase(cfg, groups, model, actor)   # verl_mcore.generation
 
@@ -16,6 +16,7 @@ rank's TP/PP shard (no rank loads the whole model).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -150,8 +151,10 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None) -
     return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
 
 
-def _weight_loader(info: ModelInfo, role: str):
-    """Fills one freshly built model chunk with the run's initial weights."""
+def _weight_loader(info: ModelInfo, role: str, lora=None, seed: int = 0):
+    """Fills one freshly built model chunk with the run's initial weights; with `lora` enabled
+    it then gets its adapters (models/lora.py: the base frozen, the adapters from their seed or
+    from lora.init_from)."""
     from verl_mcore.models.checkpoint import load_dist_checkpoint
     from verl_mcore.models.hf_weights import load_hf_weights
 
@@ -160,8 +163,21 @@ def _weight_loader(info: ModelInfo, role: str):
             load_dist_checkpoint(module, info.checkpoint, role=role)
         else:
             load_hf_weights(module, info.arch, info.hf_dir, role=role)
+        if lora is not None and lora.enable:
+            from verl_mcore.models.lora import attach_lora, load_peft_dir
+
+            adapters = attach_lora(module, lora, info.arch, seed=seed,
+                                   trainable=("output_layer",) if role == "critic" else ())
+            if lora.init_from:
+                load_peft_dir(adapters, lora.init_from, lora)
 
     return load
+
+
+def role_lora(cfg: Config, role: str):
+    """The role's LoRAConfig when it trains adapters, else None."""
+    lora = {"actor": cfg.actor.lora, "critic": cfg.critic.lora}.get(role)
+    return lora if lora is not None and lora.enable else None
 
 
 def _transformer_config(cfg: Config, info: ModelInfo, dtype: str, tp: int, pp: int, vpp=None):
@@ -228,17 +244,24 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
     config = _transformer_config(cfg, info, dtype, lay.tp, lay.pp, lay.vpp)
     arch, vocab = info.arch, role_padded_vocab(cfg, info.arch, role, lay.tp)
     pg = groups.train
+    lora = role_lora(cfg, role)
+    if lora is not None and lora.lr is not None and optim is not None:
+        # Only the adapters train (and a critic's value head): lora.lr is the role's rate.
+        optim = dataclasses.replace(optim, lr=lora.lr)
 
     def provider(config, pre_process, post_process, vp_stage):
+        # LoRA hooks megatron's own parallel linears; TransformerEngine's fuse the input
+        # layer norm into linear_qkv / linear_fc1, whose input is then not the adapter's.
         return build_gpt_model(arch, config, role=role, pre_process=pre_process,
                                post_process=post_process, vp_stage=vp_stage, padded_vocab=vocab,
-                               pg_collection=pg)
+                               pg_collection=pg, use_te=False if lora else None)
 
+    loader = _weight_loader(info, role if role in ("critic", "reward") else "actor", lora=lora,
+                            seed=cfg.trainer.seed)
     return MegatronEngine(provider, config, pg, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
                           use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                          load_weights=_weight_loader(info, role if role in ("critic", "reward") else "actor"),
-                          vocab_size=info.arch.vocab_size)
+                          load_weights=loader, vocab_size=info.arch.vocab_size)
 
 
 def optimizer_steps_per_training_step(cfg: Config, mini_batch_prompts: int, epochs: int) -> int:
@@ -262,16 +285,23 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
-def build_reference(cfg: Config, groups, info: ModelInfo):
+def build_reference(cfg: Config, groups, info: ModelInfo, actor=None):
+    """The reference policy, or None when no KL term needs it. With actor.lora it is the
+    actor's own model with its adapters off (`actor` must be given): no second copy."""
     if not needs_reference(cfg):
         return None
     from verl_mcore.engine.actor import Reference
 
+    kwargs = dict(temperature=cfg.rollout.temperature or 1.0,
+                  max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch,
+                  micro_batch_size=cfg.actor.micro_batch_size_per_gpu)
+    if role_lora(cfg, "actor"):
+        if actor is None:
+            raise ValueError("build_reference: with actor.lora.enable the reference is the "
+                             "actor's base model; pass the actor")
+        return Reference(actor.engine, adapters_off=True, **kwargs)
     engine = build_engine(cfg, groups, info, "reference", cfg.reference.dtype)
-    return Reference(engine, temperature=cfg.rollout.temperature or 1.0,
-                     max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch,
-                     micro_batch_size=cfg.actor.micro_batch_size_per_gpu,
-                     offload_params=cfg.reference.offload_params)
+    return Reference(engine, offload_params=cfg.reference.offload_params, **kwargs)
 
 
 def build_critic(cfg: Config, groups, info: ModelInfo):
@@ -304,7 +334,10 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
 
     lay = groups.layout  # the actor's set
     tp_g = lay.tp_gen
-    if generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
+    lora = role_lora(cfg, "actor")
+    # With LoRA the generation model holds W + (alpha/r)·B·A, so it is a model of its own even
+    # in the training layout: the base weights are never merged in place.
+    if not lora and generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
         return unwrap(actor.engine.model[0]), None
     config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
     config.perform_initialization = False  # the repartition writes every weight
@@ -316,7 +349,12 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
     device = next(unwrap(actor.engine.model[0]).parameters()).device
     gen = gen.to(device).eval().requires_grad_(False)
     chunks = [unwrap(m) for m in actor.engine.model]
-    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True)
+    merge = None
+    if lora:
+        from verl_mcore.models.lora import merged_weights
+
+        merge = merged_weights(chunks)
+    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True, merge=merge)
 
 
 def build_reward_manager(cfg: Config):
@@ -513,7 +551,7 @@ def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
         expected = None
     return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic,
                           expected_bytes=expected, run_files=checkpoint_files(cfg, info.arch),
-                          role_ranks=role_ranks)
+                          role_ranks=role_ranks, base_weights=info.checkpoint or info.hf_dir)
 
 
 def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:

@@ -85,13 +85,16 @@ class RunCheckpoints:
     def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool,
                  expected_bytes: Optional[dict[str, int]] = None,
                  run_files: Optional[dict[str, str]] = None,
-                 role_ranks: Optional[dict[str, Sequence[int]]] = None):
+                 role_ranks: Optional[dict[str, Sequence[int]]] = None,
+                 base_weights: Optional[str] = None):
         self.root = os.path.join(run_dir, CHECKPOINTS)
         roots = role_roots(run_dir)
         ranks = role_ranks or {}
         self.actor = Checkpointer.from_config(ckpt_cfg, roots["actor"], ranks.get("actor"))
         self.critic = (Checkpointer.from_config(ckpt_cfg, roots["critic"], ranks.get("critic"))
                        if with_critic else None)
+        for ckpt in self._roles():  # recorded by a LoRA role's adapter-only checkpoints
+            ckpt.base_weights = base_weights
         self.expected = sum(expected_bytes.values()) if expected_bytes else None
         self.run_files = run_files
 

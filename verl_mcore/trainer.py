@@ -219,7 +219,8 @@ class Trainer:
             with build.role_seed(seed, "actor"):
                 self.actor = build.build_actor(cfg, groups["actor"], self.info) if runs("actor") else None
             with build.role_seed(seed, "reference"):
-                self.reference = (build.build_reference(cfg, groups["reference"], self.info)
+                self.reference = (build.build_reference(cfg, groups["reference"], self.info,
+                                                        self.actor)
                                   if runs("reference") else None)
             with build.role_seed(seed, "critic"):
                 self.critic = build.build_critic(cfg, groups["critic"], self.info) if runs("critic") else None

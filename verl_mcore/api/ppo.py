@@ -76,7 +76,8 @@ class PPOTrainer:
                               "policy.tokenizer, or a critic of the policy's vocabulary")
         self.kl_ctrl = build.build_kl_controller(self.cfg)
         with build.role_seed(self.cfg.trainer.seed, "reference"):  # as the Trainer builds it
-            self.reference = build.build_reference(self.cfg, policy._session.groups, policy.info)
+            self.reference = build.build_reference(self.cfg, policy._session.groups, policy.info,
+                                                  policy.actor)
         self._phases = Phases(reference=self.reference, kl_ctrl=self.kl_ctrl)
         self.updates = 0
 

@@ -233,6 +233,27 @@ class OptimConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the linear layers (models/lora.py), peft's LoRA: each targeted linear
+    computes W·x + (alpha / r)·B·A·dropout(x); only A and B train. On the actor the reference
+    is the same model with its adapters off (no second copy of the weights)."""
+
+    enable: bool = False
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Hugging Face names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or
+    # "all-linear"; a part of a fused megatron layer adapts only its rows (q_proj alone: the q
+    # rows of linear_qkv).
+    target_modules: Union[list[str], str] = "all-linear"
+    # peft's init: true = A kaiming-uniform, B = 0 (step 0 equals the base model); "gaussian" =
+    # A normal(0, 1/r), B = 0; false = both random (tests only: step 0 differs from the base).
+    init_lora_weights: Union[bool, Literal["gaussian"]] = True
+    lr: Optional[float] = None  # the adapters' learning rate; null: the role's optim.lr
+    init_from: Optional[str] = None  # a peft adapter directory to start from (adapter_config.json)
+
+
+@dataclass
 class ActorConfig:
     # Compute dtype (weights, activations); master weights and optimizer state are fp32 always.
     dtype: Dtype = "bf16"
@@ -259,6 +280,7 @@ class ActorConfig:
     # path). "always" runs the pass anyway (e.g. to log actor/old_entropy).
     recompute_old_log_probs: Literal["auto", "always"] = "auto"
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -289,6 +311,7 @@ class CriticConfig:
     # (engine/critic.py). "always" runs the pass anyway (verl's order).
     recompute_values: Literal["auto", "always"] = "auto"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

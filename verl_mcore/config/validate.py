@@ -92,6 +92,12 @@ RANGES: dict[str, tuple[str, str]] = {
     "critic.cliprange_value": ("[0, inf)", ""),
     "critic.warmup_steps": ("[0, inf)", ""),
     **{f"critic.optim.{k}": v for k, v in _OPTIM.items()},
+    **{f"{role}.lora.{k}": v for role in ("actor", "critic") for k, v in {
+        "r": ("[1, inf)", "the adapters' rank"),
+        "alpha": ("(0, inf)", "the adapters' output is scaled by alpha / r"),
+        "dropout": ("[0, 1)", ""),
+        "lr": ("(0, inf)", "null: the role's optim.lr"),
+    }.items()},
     "checkpoint.save_every": ("[0, inf)", "0: only at the end and on preemption"),
     "checkpoint.keep_last": ("[0, inf)", "0: keep every checkpoint"),
     "trainer.total_steps": ("[1, inf)", ""),
@@ -262,6 +268,7 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         errors += _batch_errors(cfg, actor_world, sets.get("critic")) if batches else []
         errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
         errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
+        errors += _lora_errors(cfg, sets)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -486,6 +493,33 @@ def _reward_errors(cfg: Config) -> list[str]:
         errs.append(f"reward.max_memory_mb={r.max_memory_mb} needs reward.num_workers >= 1: the "
                     "cap is set on the scoring worker processes (in the trainer process it would "
                     "cap the trainer); set num_workers or max_memory_mb=null")
+    return errs
+
+
+def _lora_errors(cfg: Config, sets: dict) -> list[str]:
+    """LoRA settings that could not run: unknown target names, a peft directory that is not
+    one, and, on the actor, a reference that is not the actor's own base model."""
+    from verl_mcore.models.lora import resolve_targets
+
+    errs = []
+    for role in ("actor", "critic"):
+        lora = getattr(cfg, role).lora
+        if not lora.enable:
+            continue
+        try:
+            resolve_targets(lora.target_modules)
+        except ValueError as e:
+            errs.append(f"{role}.{e}")
+        if lora.init_from and not os.path.isfile(os.path.join(lora.init_from, "adapter_config.json")):
+            errs.append(f"{role}.lora.init_from={lora.init_from!r}: no adapter_config.json there "
+                        "(a peft adapter directory, as PeftModel.save_pretrained writes it)")
+    if cfg.actor.lora.enable and "reference" in sets and sets["reference"].ranks != sets["actor"].ranks:
+        errs.append("placement.reference: with actor.lora.enable the reference is the actor's "
+                    "model with its adapters off, so it runs on the actor's GPUs; drop "
+                    "placement.reference")
+    if cfg.actor.lora.enable and cfg.reference.offload_params:
+        errs.append("reference.offload_params: with actor.lora.enable the reference is the "
+                    "actor's own model (nothing of its own to offload); set it to false")
     return errs
 
 

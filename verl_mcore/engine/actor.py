@@ -87,10 +87,16 @@ class Reference:
 
     def __init__(self, engine: MegatronEngine, *, temperature: float = 1.0,
                  max_tokens_per_microbatch: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                 offload_params: bool = False):
-        if engine.optimizer is not None:
+                 offload_params: bool = False, adapters_off: bool = False):
+        """adapters_off: `engine` is the actor's, with LoRA adapters (models/lora.py); the
+        reference is its base model, i.e. the same forward with every adapter disabled."""
+        if engine.optimizer is not None and not adapters_off:
             raise ValueError("Reference: build its engine with optim=None (forward only)")
+        if adapters_off and offload_params:
+            raise ValueError("Reference: the actor's base model cannot be offloaded apart from "
+                             "the actor (reference.offload_params with actor.lora)")
         self.engine = engine
+        self.adapters_off = adapters_off
         self.temperature = temperature
         self.mb_kwargs = micro_batching(max_tokens_per_microbatch, micro_batch_size)
         self.offloader = None
@@ -103,6 +109,12 @@ class Reference:
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         """`[B, R]` reference log-probs of the response tokens (0 outside responses)."""
+        if self.adapters_off:
+            from verl_mcore.models.lora import adapters_disabled
+
+            with adapters_disabled(self.engine.model):
+                return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs,
+                                         False)[0]
         if self.offloader is None:
             return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, False)[0]
         self.offloader.onload()

@@ -469,7 +469,10 @@ class Checkpointer:
         save_optimizer: bool = True,
         optimizer_sharding: str = "fully_reshardable",
         role_ranks: Optional[Sequence[int]] = None,
+        base_weights: Optional[str] = None,
     ):
+        """base_weights: where the frozen base of a LoRA model comes from (the HF directory or
+        dist checkpoint the run loads), recorded in the meta of its adapter-only checkpoints."""
         if optimizer_sharding not in OPTIMIZER_SHARDINGS:
             raise ValueError(
                 f"Checkpointer: optimizer_sharding={optimizer_sharding!r}, expected one of "
@@ -481,6 +484,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.async_save = async_save
         self.save_optimizer = save_optimizer
+        self.base_weights = base_weights
         self._async_queue = None
         self._write_results = None  # this checkpointer's queue for megatron's write results
 
@@ -570,6 +574,9 @@ class Checkpointer:
         pending = _PendingSave(step, tmp, final)
         meta = _meta(step, _layout(model_chunks, self.role),
                      self.optimizer_sharding if has_optimizer else None) if leader else None
+        if meta is not None and _trainable_only(model_chunks):
+            meta["trainable_only"] = True
+            meta["base_weights"] = self.base_weights
         if request is None:
             self._commit(pending, meta)
         else:
@@ -702,6 +709,19 @@ def load_checkpoint(
     meta = read_json(os.path.join(path, META))
     trainer_state = torch_load(os.path.join(path, TRAINER_STATE))
     with_optimizer = optimizer is not None and meta["optimizer_sharding"] is not None
+    # Not a BadCheckpointError: the checkpoint is sound, the config does not fit it, and
+    # load_newest must not set it aside for an older one.
+    with raised_on_every_rank(f"matching {path} to the model", error_type=ValueError):
+        saved_trainable_only = bool(meta.get("trainable_only"))
+        if member and model_chunks and _trainable_only(model_chunks) != saved_trainable_only:
+            raise ValueError(
+                f"checkpoint {path}: it holds "
+                + ("only the trainable tensors of a model with a frozen base (LoRA adapters, "
+                   f"base {meta.get('base_weights')}); enable the role's lora to resume it"
+                   if saved_trainable_only else
+                   "every weight of a fully trained model, but this model trains LoRA adapters "
+                   "on a frozen base; resume it without lora, or start the adapters fresh")
+                + " (convert_hf exports either)")
     if with_optimizer:
         _allocate_optimizer_state(optimizer)
     # The other roles' ranks read nothing, but take part (the load is collective).
@@ -709,7 +729,7 @@ def load_checkpoint(
                                   meta["optimizer_sharding"], is_loading=True) if member else {}
     state = dist_load(sharded, os.path.join(path, DIST_DIR))
     for i, chunk in enumerate(model_chunks):
-        _unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
+        _load_model_state(_unwrap(chunk), state[f"model{i}"], path, meta)
     if with_optimizer:
         _load_optimizer(optimizer, state["optimizer"])
         optim_step.prefer_fused_adam(optimizer)  # the load put back the saved `fused` flags
@@ -749,6 +769,21 @@ def load_checkpoint(
 # ---------------------------------------------------------------- internals
 
 
+def _load_model_state(model: torch.nn.Module, state: dict, path: str, meta: dict) -> None:
+    """Every saved tensor into `model`; a model with a frozen base (LoRA) takes its trainable
+    tensors only and keeps the base it was built with."""
+    frozen = frozen_names(model)
+    if not frozen:
+        model.load_state_dict(state, strict=True)
+        return
+    result = model.load_state_dict(state, strict=False)
+    missing = {k for k in result.missing_keys if not k.endswith("._extra_state")} - frozen
+    if missing or result.unexpected_keys:
+        raise BadCheckpointError(f"checkpoint {path}: its tensors are not this model's trainable "
+                                 f"ones (missing {sorted(missing)[:4]}, unexpected "
+                                 f"{sorted(result.unexpected_keys)[:4]})")
+
+
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside megatron's DDP / Float16Module wrappers (the wrappers would add a
     'module.' prefix to every key, tying checkpoints to the wrapping)."""
@@ -768,8 +803,9 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
         _check_layout_matches(_unwrap(chunk))
     # The model's own data-parallel group for its replica ids: megatron's default reads
     # parallel_state, which a role set of its own does not initialise.
-    model_sd = {f"model{i}": _unwrap(c).sharded_state_dict(metadata=_replica_metadata(c))
-                for i, c in enumerate(model_chunks)}
+    model_sd = {f"model{i}": _trainable_entries(
+        _unwrap(c), _unwrap(c).sharded_state_dict(metadata=_replica_metadata(c)))
+        for i, c in enumerate(model_chunks)}
     sharded = dict(model_sd)
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -780,6 +816,33 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
         if not is_loading:
             sharded["optimizer"] = _common_tensors_to_cpu(sharded["optimizer"])
     return sharded
+
+
+def _trainable_only(model_chunks) -> bool:
+    return any(frozen_names(_unwrap(c)) for c in model_chunks)
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """Names of the frozen parameters of a model that also trains some (LoRA: the base), else
+    the empty set: a forward-only model (every parameter frozen) saves everything."""
+    params = dict(model.named_parameters())
+    frozen = {n for n, p in params.items() if not p.requires_grad}
+    return frozen if len(frozen) < len(params) else set()
+
+
+def _trainable_entries(model: torch.nn.Module, sd: dict) -> dict:
+    """The checkpoint entries of a model with frozen parameters: the trainable ones only. The
+    frozen base (LoRA) is not duplicated into every checkpoint; it comes back from the weights
+    the run starts from (meta.json's base_weights says which)."""
+    frozen = frozen_names(model)
+    if not frozen:
+        return sd
+    kept = {k: v for k, v in sd.items() if k not in frozen and not k.endswith("._extra_state")}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if not trainable <= set(kept):
+        raise RuntimeError(f"checkpoint: trainable parameters missing from the model's "
+                           f"sharded state dict: {sorted(trainable - set(kept))[:4]}")
+    return {k: kept[k] for k in kept if k in trainable}
 
 
 def _common_tensors_to_cpu(tree):

@@ -135,8 +135,12 @@ class Repartitioner:
     """
 
     def __init__(self, train_chunks: Iterable[torch.nn.Module], gen_model: torch.nn.Module, groups,
-                 gated_linear_unit: bool):
+                 gated_linear_unit: bool, merge: Optional[dict] = None):
+        """merge: {global weight name: LoRAAdapter} (models/lora.merged_weights): those weights
+        are sent as W + (alpha/r)·B·A, merged into one new tensor as each one's turn comes
+        (the base weight is not modified)."""
         train_chunks = list(train_chunks)
+        self.merge = dict(merge or {})
         check_same_padded_vocab(train_chunks, gen_model)
         self.groups = groups
         self.layout = groups.layout
@@ -201,7 +205,9 @@ class Repartitioner:
             # This rank's TP_t shard of the tensor is part of its TP_g shard whenever it holds it.
             held = entry.owner_stage == self.stage
             # 1. pipeline gather: the owner stage broadcasts its TP_t shard
-            if held:
+            if held and entry.name in self.merge:
+                shard = self.merge[entry.name].merged(self.train_params[entry.name].detach())
+            elif held:
                 shard = self.train_params[entry.name].detach().contiguous()
             else:
                 shard = torch.empty(entry.shape, dtype=entry.dtype, device=gen_param.device)
@@ -211,7 +217,7 @@ class Repartitioner:
                     stats.bytes_sent += shard_bytes * (pp - 1)
                 else:
                     stats.bytes_received += shard_bytes
-            temp = 0 if held else shard_bytes
+            temp = 0 if held and entry.name not in self.merge else shard_bytes
             # 2. tensor re-slice inside the micro-DP group
             if k > 1 and entry.kind != "replicated":
                 parts = [torch.empty_like(shard) for _ in range(k)]
