@@ -59,6 +59,8 @@ from bench import grpo_common as common  # noqa: E402
 DEFAULTS = {
     "1.5b": dict(prompts=64, n=8, prompt_len=512, response_len=512, max_tokens=16384,
                  dtype="bf16", device="cuda"),
+    "3b": dict(prompts=64, n=8, prompt_len=512, response_len=512, max_tokens=16384,
+               dtype="bf16", device="cuda"),
     "tiny": dict(prompts=4, n=4, prompt_len=16, response_len=8, max_tokens=256,
                  dtype="fp32", device="cpu"),
 }

@@ -194,6 +194,15 @@ def _cases() -> list[Case]:
             "reward.sources=[{name: half, type: reward_model, dtype: fp16, path: {model}-rm, "
             "micro_batch_size: 3}, {name: full, type: reward_model, dtype: fp32, path: {model}-rm}]",),
              expect=("reward/half/mean", "reward/full/mean")),
+        # LoRA: the reference is the actor's base (adapters off), generation gets merged
+        # weights, the checkpoints hold the adapters only (resumed here).
+        Case("lora-grpo", ("actor.lora.enable=true", "actor.lora.init_lora_weights=gaussian",
+                           "actor.use_kl_loss=true", "actor.optim.lr=1e-3"), resume=True,
+             expect=("actor/kl_loss", "rollout/logprob_diff_max")),
+        Case("lora-ppo-bf16", (GAE, "actor.lora.enable=true", "critic.lora.enable=true",
+                               "actor.lora.target_modules=[q_proj,v_proj]", "actor.dtype=bf16",
+                               "critic.dtype=bf16", "reference.dtype=bf16"),
+             expect=("critic/vf_loss",)),
     ]
     # Every shipped config, as a user would start it, on the tiny model and one GPU (COMMON).
     cases += [Case(f"config-{p.stem}", config=f"configs/{p.name}")
@@ -213,6 +222,11 @@ EXEMPT: dict[tuple[str, Any], str] = {
     ("data.truncation", "truncate_right"): "host-side prompt loading (tests/data)",
     ("data.on_bad_row", "skip"): "host-side prompt loading (tests/data)",
     ("checkpoint.resume", "never"): "host-side choice of the checkpoint (tests/engine)",
+    **{(f"{role}.lora.init_lora_weights", False): "both adapters random: a test setting (step 0 "
+       "differs from the base), run by tests/models/test_lora.py and tests/engine on CPU"
+       for role in ("actor", "critic")},
+    ("critic.lora.init_lora_weights", "gaussian"): "the adapters' initial draw, host-side "
+    "(models/lora.initial_values); the actor's lora-grpo case runs it on the GPU",
 }
 
 

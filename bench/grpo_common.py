@@ -22,13 +22,18 @@ import os
 import random
 import statistics
 
-# Qwen2.5-1.5B (bench/bench_rollout.py QWEN25_1P5B; config.json of Qwen/Qwen2.5-1.5B) and a tiny
-# model for CPU smoke runs. Both tie the embeddings like Qwen2.5-1.5B.
+# Qwen2.5-1.5B (bench/bench_rollout.py QWEN25_1P5B; config.json of Qwen/Qwen2.5-1.5B), Qwen2.5-3B and a
+# tiny model for CPU smoke runs. All tie the embeddings like Qwen2.5-1.5B.
 SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                  tie_word_embeddings=True),
+    # Qwen2.5-3B (config.json of Qwen/Qwen2.5-3B).
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+               tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                  max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6,

@@ -347,7 +347,11 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
                           pre_process=True, post_process=True,
                           padded_vocab=padded_vocab(cfg, info.arch))
     device = next(unwrap(actor.engine.model[0]).parameters()).device
-    gen = gen.to(device).eval().requires_grad_(False)
+    # Every tensor in the actor's compute dtype, as Float16Module casts the training model:
+    # megatron allocates its linears in params_dtype, but the torch norms come in fp32.
+    from verl_mcore.engine.engine import DTYPES
+
+    gen = gen.to(device=device, dtype=DTYPES[cfg.actor.dtype]).eval().requires_grad_(False)
     chunks = [unwrap(m) for m in actor.engine.model]
     merge = None
     if lora:

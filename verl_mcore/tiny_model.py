@@ -48,9 +48,11 @@ def build_tokenizer(vocab_size: int = 40):
 
 def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
                     kv_heads: int = 2, ffn: int = 128, max_positions: int = 128,
-                    reward_model: bool = False) -> str:
+                    reward_model: bool = False, initializer_range: float = 0.02) -> str:
     """reward_model: a Qwen2ForSequenceClassification with one label (a reward model with the
-    quickstart's tokenizer) instead of the causal LM."""
+    quickstart's tokenizer) instead of the causal LM. initializer_range: the std of the random
+    weights (transformers' default 0.02 leaves this small a model's logits nearly uniform, and
+    a frozen head at that scale caps what adapters on the other layers can learn)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
@@ -60,7 +62,7 @@ def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, 
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, initializer_range=0.02,
+        bos_token_id=None, initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     if reward_model:
@@ -145,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--initializer-range", type=float, default=0.02,
+                   help="std of the random weights (0.08 gives a head that LoRA alone can steer)")
     p.add_argument("--reward-model", action="store_true",
                    help="a sequence classifier with one label (a reward model) instead")
     args = p.parse_args(argv)
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
         print(f"{args.out} already holds a model; leaving it as it is")
         return 0
     write_tiny_model_atomic(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
-                            reward_model=args.reward_model)
+                            reward_model=args.reward_model,
+                            initializer_range=args.initializer_range)
     kind = "reward model" if args.reward_model else "model"
     print(f"wrote a tiny random Qwen2-architecture {kind} to {args.out}")
     return 0

@@ -245,7 +245,7 @@ class LoRAConfig:
     # Hugging Face names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or
     # "all-linear"; a part of a fused megatron layer adapts only its rows (q_proj alone: the q
     # rows of linear_qkv).
-    target_modules: Union[list[str], str] = "all-linear"
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     # peft's init: true = A kaiming-uniform, B = 0 (step 0 equals the base model); "gaussian" =
     # A normal(0, 1/r), B = 0; false = both random (tests only: step 0 differs from the base).
     init_lora_weights: Union[bool, Literal["gaussian"]] = True
