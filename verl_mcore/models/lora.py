@@ -370,6 +370,13 @@ def load_peft_dir(adapters: Sequence[LoRAAdapter], path: str, lora) -> None:
                                     "adapter_model.safetensors)")
     with open(cfg_file) as fh:
         meta = json.load(fh)
+    # Variants of peft's LoRA whose math is not W + (alpha / r)·B·A: loaded as plain LoRA they
+    # would give another model without a word.
+    variants = [k for k in ("use_rslora", "use_dora") if meta.get(k)]
+    variants += [k for k in ("rank_pattern", "alpha_pattern") if meta.get(k)]
+    if variants:
+        raise ValueError(f"lora.init_from={path!r}: its adapter_config.json sets {variants}; "
+                         "only peft's plain LoRA (one r and alpha, no rsLoRA / DoRA) loads here")
     theirs = meta.get("target_modules") or []
     theirs = resolve_targets(theirs if isinstance(theirs, str) else sorted(theirs))
     mine = resolve_targets(lora.target_modules)
