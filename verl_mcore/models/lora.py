@@ -87,10 +87,22 @@ def part_shapes(arch, target: str) -> tuple[int, int]:
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[target]
 
 
+def hf_module(layer: int, target: str) -> str:
+    """The Hugging Face causal LM's name of a targeted module (its weight: `<name>.weight`)."""
+    parent = _HF_PARENT[HF_TARGETS[target][0].split(".")[0]]
+    return f"model.layers.{layer}.{parent}.{target}"
+
+
 def peft_key(layer: int, target: str, which: str) -> str:
     """peft's name of an adapter tensor on a Hugging Face causal LM (`which`: "A" or "B")."""
-    parent = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    return f"base_model.model.model.layers.{layer}.{parent}.{target}.lora_{which}.weight"
+    return f"base_model.model.{hf_module(layer, target)}.lora_{which}.weight"
+
+
+def checkpoint_key(layer: int, target: str, which: str) -> str:
+    """The adapter tensor's name in a dist checkpoint (LoRAAdapter.sharded_state_dict under its
+    layer, stored whole whatever the TP/PP: convert_hf's DistCheckpointReader.read takes it)."""
+    parent, child = HF_TARGETS[target][0].split(".")
+    return f"decoder.layers.{layer}.{parent}.lora_{child}.lora_{which}.{target}"
 
 
 def tp_shard_dim(target: str, which: str) -> Optional[int]:
