@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.models import hf_factory
-from tests.models.lora_bodies import lora_logits_body
+from tests.models.lora_bodies import lora_cfg, lora_logits_body
 from tests.multiproc import run_on_ranks
 from verl_mcore.convert_hf.verify import prompts
 from verl_mcore.models import lora
@@ -102,3 +102,20 @@ def test_initial_values_are_peft_style_and_layout_independent(hf_dir):
     assert not torch.equal(a, a3)
     assert lora.tp_shard_dim("q_proj", "B") == 0 and lora.tp_shard_dim("q_proj", "A") is None
     assert lora.tp_shard_dim("o_proj", "A") == 1 and lora.tp_shard_dim("down_proj", "B") is None
+
+
+@pytest.mark.parametrize("variant", [{"use_rslora": True}, {"use_dora": True},
+                                     {"alpha_pattern": {"q_proj": 32}}])
+def test_peft_variants_with_other_math_are_refused(tmp_path, variant):
+    """rsLoRA scales by alpha / sqrt(r), DoRA adds a magnitude vector, a pattern sets other
+    r / alpha per module: read as plain LoRA they would give another model silently."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = lora.peft_config(lora_cfg("all-linear"), "base")
+    with open(tmp_path / "adapter_config.json", "w") as f:
+        json.dump({**cfg, **variant}, f)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=sorted(variant)[0]):
+        lora.load_peft_dir([], str(tmp_path), lora_cfg("all-linear"))

@@ -35,9 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint -> HF directory")
-    p.add_argument("--ckpt", required=True, help="dist checkpoint directory")
+    p = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint -> HF directory (a LoRA "
+                                           "run's checkpoint -> peft adapter directory)")
+    p.add_argument("--ckpt", required=True,
+                   help="dist checkpoint directory, or a trainer checkpoint's step directory "
+                        "(RUN/checkpoints/actor/step_N) or its dist/; a LoRA run's checkpoint "
+                        "(adapters only) is written as a peft adapter directory "
+                        "(adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--out", required=True, help="output HF directory")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA checkpoint: write the base model with the adapters merged in "
+                        "(W + alpha/r * B.A) instead of the adapter directory")
+    p.add_argument("--base", default=None,
+                   help="LoRA checkpoint: the base weights, an HF directory or dist checkpoint "
+                        "(default: the one the checkpoint's meta.json records); without --merge, "
+                        "the adapter's base_model_name_or_path")
     p.add_argument("--hf-template", default=None,
                    help="HF directory to take config.json and tokenizer files from (default: the "
                         "copy hf-to-mcore stored in the checkpoint) or a Hugging Face Hub id org/name (from the HF cache, downloaded when not there)")
@@ -88,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     if args.command == "mcore-to-hf":
-        from verl_mcore.convert_hf.convert import convert_mcore_to_hf
+        from verl_mcore.engine.safe_read import BadCheckpointError
 
-        out = convert_mcore_to_hf(args.ckpt, args.out, hf_template=args.hf_template,
-                                  force=args.force, progress=not args.quiet,
-                                  max_shard_bytes=args.max_shard_size)
+        try:
+            out = _mcore_to_hf(args)
+        except (ConfigError, BadCheckpointError) as e:  # what to pass, or a damaged checkpoint
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {out}")
         return 0
     from verl_mcore.convert_hf.verify import verify
@@ -103,6 +117,32 @@ def main(argv: list[str] | None = None) -> int:
           f"max_rel={diff['max_rel']:.3e} tolerance={args.tolerance:.1e} -> "
           f"{'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+def _mcore_to_hf(args) -> str:
+    """A full checkpoint -> HF directory; a LoRA one -> peft adapter directory, or with --merge
+    the merged HF model."""
+    from verl_mcore.config import ConfigError
+    from verl_mcore.convert_hf import lora_export
+    from verl_mcore.convert_hf.convert import convert_mcore_to_hf
+
+    reader, lora = lora_export.open_checkpoint(args.ckpt)
+    if lora is None:
+        if args.merge or args.base:
+            raise ConfigError(f"--ckpt {args.ckpt} holds full weights, no LoRA adapters: "
+                              "--merge and --base apply to a LoRA run's checkpoint; drop them")
+        return convert_mcore_to_hf(reader.ckpt_dir, args.out, hf_template=args.hf_template,
+                                   force=args.force, progress=not args.quiet,
+                                   max_shard_bytes=args.max_shard_size, reader=reader)
+    if args.merge:
+        return lora_export.export_merged(lora, args.out, base=args.base,
+                                         hf_template=args.hf_template, force=args.force,
+                                         progress=not args.quiet,
+                                         max_shard_bytes=args.max_shard_size)
+    if args.hf_template:
+        raise ConfigError("--hf-template: a peft adapter directory has no config or tokenizer "
+                          "files; it gives the merged model's, with --merge")
+    return lora_export.export_peft(lora, args.out, base=args.base, force=args.force)
 
 
 if __name__ == "__main__":  # required: dist_checkpointing and verify start spawn processes

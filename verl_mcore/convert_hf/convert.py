@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -193,43 +193,64 @@ def _checkpoint_role(reader: DistCheckpointReader, arch: HFArch) -> str:
     return "actor"
 
 
+# (entries [(HF name, shape, dtype)], produce: () -> {HF name: tensor} in the entries' order)
+HFGroup = tuple[list[tuple[str, tuple, torch.dtype]], Callable[[], dict[str, torch.Tensor]]]
+
+
+def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str) -> list[HFGroup]:
+    """The HF tensors of a dist checkpoint, one group per megatron tensor (a fused QKV gives
+    q, k, v), each read when the writer reaches it."""
+    return [(entries, lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore)))
+            for pm, entries in _hf_plan(reader, arch, role)]
+
+
 def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] = None,
                         force: bool = False, progress: bool = True,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
-    """Write safetensors shards + index + config/tokenizer files from a dist checkpoint."""
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                        reader: Optional[DistCheckpointReader] = None) -> str:
+    """Write safetensors shards + index + config/tokenizer files from a dist checkpoint
+    (`reader`: the caller's reader of ckpt_dir, already checked)."""
     meta_src = hf_template or os.path.join(ckpt_dir, HF_CONFIG_SUBDIR)
     if not os.path.isfile(os.path.join(meta_src, "config.json")):
         raise FileNotFoundError(f"{meta_src}: no config.json; pass --hf-template PATH (an HF "
                                 "directory of the same architecture)")
     arch = read_hf_arch(meta_src)
     release_freed_tensors_to_os()
-    reader = DistCheckpointReader(ckpt_dir)
-    plan = _hf_plan(reader, arch, _checkpoint_role(reader, arch))
+    reader = reader or DistCheckpointReader(ckpt_dir)
+    groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch))
+    return write_hf_dir(out_dir, groups, meta_src, force=force, progress=progress,
+                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf")
 
-    # Shards: consecutive maps, a new shard when the next map would pass max_shard_bytes.
-    shards: list[list] = [[]]
+
+def write_hf_dir(out_dir: str, groups: Sequence[HFGroup], meta_src: str, force: bool = False,
+                 progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 desc: str = "hf") -> str:
+    """An HF directory of `groups`' tensors, in their order: safetensors shards of at most
+    max_shard_bytes (a new shard when the next group would pass it) and their index, then
+    meta_src's non-weight files (config.json with the weights' dtype, tokenizer). One group is
+    produced and held at a time; written into a temporary sibling renamed at the end."""
+    shards: list[list[HFGroup]] = [[]]
     size = 0
-    for entry in plan:
-        nbytes = sum(_nbytes(s, d) for _, s, d in entry[1])
+    for group in groups:
+        nbytes = sum(_nbytes(s, d) for _, s, d in group[0])
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(entry)
+        shards[-1].append(group)
         size += nbytes
-    total = sum(_nbytes(s, d) for _, entries in plan for _, s, d in entries)
-    dtypes = {d for _, entries in plan for _, _, d in entries}
+    total = sum(_nbytes(s, d) for entries, _ in groups for _, s, d in entries)
+    dtypes = {d for entries, _ in groups for _, _, d in entries}
 
     out = _Output(out_dir, force)
     try:
-        bar = _progress(total, progress, "mcore-to-hf")
+        bar = _progress(total, progress, desc)
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            entries = [e for _, es in shard for e in es]
+            entries = [e for es, _ in shard for e in es]
             weight_map.update({name: fname for name, _, _ in entries})
-            groups = [(lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore)))
-                      for pm, _ in shard]
-            write_safetensors(os.path.join(out.tmp, fname), entries, groups, bar.update)
+            write_safetensors(os.path.join(out.tmp, fname), entries,
+                              [produce for _, produce in shard], bar.update)
         bar.close()
         with open(os.path.join(out.tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

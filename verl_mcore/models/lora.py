@@ -87,10 +87,22 @@ def part_shapes(arch, target: str) -> tuple[int, int]:
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[target]
 
 
+def hf_module(layer: int, target: str) -> str:
+    """The Hugging Face causal LM's name of a targeted module (its weight: `<name>.weight`)."""
+    parent = _HF_PARENT[HF_TARGETS[target][0].split(".")[0]]
+    return f"model.layers.{layer}.{parent}.{target}"
+
+
 def peft_key(layer: int, target: str, which: str) -> str:
     """peft's name of an adapter tensor on a Hugging Face causal LM (`which`: "A" or "B")."""
-    parent = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    return f"base_model.model.model.layers.{layer}.{parent}.{target}.lora_{which}.weight"
+    return f"base_model.model.{hf_module(layer, target)}.lora_{which}.weight"
+
+
+def checkpoint_key(layer: int, target: str, which: str) -> str:
+    """The adapter tensor's name in a dist checkpoint (LoRAAdapter.sharded_state_dict under its
+    layer, stored whole whatever the TP/PP: convert_hf's DistCheckpointReader.read takes it)."""
+    parent, child = HF_TARGETS[target][0].split(".")
+    return f"decoder.layers.{layer}.{parent}.lora_{child}.lora_{which}.{target}"
 
 
 def tp_shard_dim(target: str, which: str) -> Optional[int]:
@@ -370,6 +382,13 @@ def load_peft_dir(adapters: Sequence[LoRAAdapter], path: str, lora) -> None:
                                     "adapter_model.safetensors)")
     with open(cfg_file) as fh:
         meta = json.load(fh)
+    # Variants of peft's LoRA whose math is not W + (alpha / r)·B·A: loaded as plain LoRA they
+    # would give another model without a word.
+    variants = [k for k in ("use_rslora", "use_dora") if meta.get(k)]
+    variants += [k for k in ("rank_pattern", "alpha_pattern") if meta.get(k)]
+    if variants:
+        raise ValueError(f"lora.init_from={path!r}: its adapter_config.json sets {variants}; "
+                         "only peft's plain LoRA (one r and alpha, no rsLoRA / DoRA) loads here")
     theirs = meta.get("target_modules") or []
     theirs = resolve_targets(theirs if isinstance(theirs, str) else sorted(theirs))
     mine = resolve_targets(lora.target_modules)
