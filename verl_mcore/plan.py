@@ -235,13 +235,17 @@ def total_params(dims: ModelDims) -> int:
 def role_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
     """Parameters of `role` on one rank of `stage` in the training layout.
 
-    The critic has a [h, 1] value head instead of the output layer (whose size we drop).
+    The critic has a [h, 1] value head instead of the output layer (whose size we drop; a tied
+    one at p = 1 is the embedding, which stays, and the head is a tensor of its own).
     """
     p, div = cfg.parallel, cfg.model.make_vocab_size_divisible_by
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     n = stage_params(dims, tp, pp, stage, div)
-    if role == "critic" and stage == pp - 1 and not (dims.tie_word_embeddings and pp == 1):
-        n -= padded_vocab(dims, tp, div) // tp * dims.hidden_size - dims.hidden_size
+    if role == "critic" and stage == pp - 1:
+        if dims.tie_word_embeddings and pp == 1:
+            n += dims.hidden_size
+        else:
+            n -= padded_vocab(dims, tp, div) // tp * dims.hidden_size - dims.hidden_size
     return n
 
 

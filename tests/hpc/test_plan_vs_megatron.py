@@ -40,7 +40,7 @@ def _count_params(rank, world_size, hf: dict, tp: int, pp: int):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("family, tp, pp", [("llama", 2, 2), ("qwen2_tied", 2, 2),
-                                            ("qwen2_tied", 1, 4)])
+                                            ("qwen2_tied", 1, 4), ("qwen2_tied", 2, 1)])
 def test_stage_params_match_megatron(family, tp, pp):
     hf = FAMILIES[family]
     dims = plan.ModelDims.from_hf_config(hf)
