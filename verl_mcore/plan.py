@@ -5,7 +5,8 @@
 
 It validates the config for the world size (the same `config.validate` the trainer runs), prints
 which global ranks form each TP / PP / DP / generation group and on which node they sit, and
-estimates the peak GPU memory of each phase of a step. Exit status: 0 fits, 2 invalid config
+estimates the peak GPU memory of each phase of a step; with LoRA also what trains and what LoRA
+saves at the peak against the same config without it. Exit status: 0 fits, 2 invalid config
 (a size does not divide, ...), 3 a phase does not fit (the message names single knob changes
 that would make it fit, found by re-planning with each). Runs in seconds: it reads the model
 shape from `model.path`'s config.json (a Hub id's from the Hugging Face cache, never downloaded),
@@ -67,6 +68,16 @@ The estimate is for the pipeline stage with the highest total (usually the first
   rollout batch       the step's global batch on every rank after generation: input_ids (int64,
                       samples × (prompt + response)) and the response-aligned float32 fields
                       (mask, old / ref log-probs, values, rewards, advantages, returns).
+  LoRA                (actor.lora / critic.lora, models/lora.py) the base is frozen at the
+                      compute dtype: parameters b·(P + P_a), gradients and optimizer only for
+                      P_a, the adapters of the stage's layers (A [r, in] and B [out, r] per
+                      targeted module, B split over t on a column-parallel module, A on a
+                      row-parallel one), plus a critic's value head h. Activations add each
+                      adapted linear's x·Aᵀ (r per targeted part), and with lora.dropout the
+                      dropped input and its mask. The reference is the actor's model with its
+                      adapters off (no weights of its own), and the generation weights are a
+                      copy of their own also when TP_g = t and p = 1 (W + (alpha/r)·B·A).
+                      Not yet checked against a measured LoRA run.
 Checked against H200 runs (bench/RESULTS.md 2026-12-03, the 1.5B GRPO and PPO steps, offload
 off; tests/hpc/test_plan.py), the estimate without `runtime` (which lies outside torch's
 allocator) against max_memory_allocated: within 10% in every phase (RESULTS.md has the table).
@@ -147,6 +158,15 @@ class ModelDims:
     def shape(self) -> ModelShape:
         return ModelShape(self.num_attention_heads, self.num_key_value_heads, self.num_layers,
                           self.vocab_size, self.hidden_size)
+
+    # models/hf_config.HFArch's spellings, so that models/lora.part_shapes reads a ModelDims too.
+    @property
+    def num_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_key_value_heads
 
 
 # Published shapes (the models' config.json on the Hugging Face hub), for planning offline with
@@ -235,27 +255,103 @@ def total_params(dims: ModelDims) -> int:
 def role_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
     """Parameters of `role` on one rank of `stage` in the training layout.
 
-    The critic has a [h, 1] value head instead of the output layer (whose size we drop).
+    The critic has a [h, 1] value head instead of the output layer (whose size we drop; a tied
+    one at p = 1 is the embedding, which stays, and the head is a tensor of its own).
     """
     p, div = cfg.parallel, cfg.model.make_vocab_size_divisible_by
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     n = stage_params(dims, tp, pp, stage, div)
-    if role == "critic" and stage == pp - 1 and not (dims.tie_word_embeddings and pp == 1):
-        n -= padded_vocab(dims, tp, div) // tp * dims.hidden_size - dims.hidden_size
+    if role == "critic" and stage == pp - 1:
+        if dims.tie_word_embeddings and pp == 1:
+            n += dims.hidden_size
+        else:
+            n -= padded_vocab(dims, tp, div) // tp * dims.hidden_size - dims.hidden_size
     return n
+
+
+def lora_roles(cfg: Config) -> list[str]:
+    """The trained roles whose base is frozen and whose LoRA adapters train (actor.lora,
+    critic.lora; the critic only where it runs)."""
+    roles = ["actor"] + (["critic"] if cfg.uses_critic else [])
+    return [role for role in roles if getattr(cfg, role).lora.enable]
+
+
+def lora_layer_params(dims: ModelDims, lora, tp: int) -> int:
+    """LoRA adapter parameters of one decoder layer on one TP rank: A [r, in] and B [out, r] of
+    each targeted HF module, the one models/lora.tp_shard_dim names split over TP (B of a
+    column-parallel module, A of a row-parallel one), the other whole on every rank."""
+    from verl_mcore.models.lora import part_shapes, resolve_targets, tp_shard_dim
+
+    n = 0
+    for target in resolve_targets(lora.target_modules):
+        out, inp = part_shapes(dims, target)
+        n += lora.r * inp // (1 if tp_shard_dim(target, "A") is None else tp)
+        n += out // (1 if tp_shard_dim(target, "B") is None else tp) * lora.r
+    return n
+
+
+def lora_trainable_params(dims: ModelDims, lora, role: str) -> int:
+    """Parameters that train on `role` with `lora`, whole (each tensor once, unsharded):
+    r·(in + out) per targeted module per layer, plus a critic's [1, h] value head."""
+    head = dims.hidden_size if role == "critic" else 0
+    return dims.num_layers * lora_layer_params(dims, lora, 1) + head
+
+
+def model_params(dims: ModelDims, role: str) -> int:
+    """Unsharded, unpadded parameters of the role's model: the critic's [1, h] value head takes
+    the output layer's place (a tied output layer is the embedding, which stays)."""
+    if role != "critic":
+        return total_params(dims)
+    output = 0 if dims.tie_word_embeddings else dims.vocab_size * dims.hidden_size
+    return total_params(dims) - output + dims.hidden_size
+
+
+def adapter_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
+    """LoRA adapter parameters of `role` on one rank of `stage` (0 without LoRA)."""
+    if role not in lora_roles(cfg):
+        return 0
+    p = cfg.parallel
+    return (dims.num_layers // p.pipeline_model_parallel_size
+            * lora_layer_params(dims, getattr(cfg, role).lora, p.tensor_model_parallel_size))
+
+
+def trainable_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
+    """Parameters of `role` that train on one rank of `stage` (those with gradients, an fp32
+    master copy and Adam moments): every one, or with LoRA the adapters of the stage's layers
+    and, on the last stage, a critic's value head (replicated over TP)."""
+    if role not in lora_roles(cfg):
+        return role_params(cfg, dims, role, stage)
+    head = role == "critic" and stage == cfg.parallel.pipeline_model_parallel_size - 1
+    return adapter_params(cfg, dims, role, stage) + (dims.hidden_size if head else 0)
+
+
+def lora_summary(cfg: Config, dims: ModelDims, role: str) -> str:
+    """One line on the role's LoRA: what trains, of how much, and its settings."""
+    from verl_mcore.models.lora import resolve_targets
+
+    lora = getattr(cfg, role).lora
+    n, of = lora_trainable_params(dims, lora, role), model_params(dims, role)
+    head = " (with the value head)" if role == "critic" else ""
+    return (f"{role} LoRA: {n:,} trainable parameters{head}, {100 * n / of:.3f}% of the "
+            f"model's {of:,}; r={lora.r}, alpha={lora.alpha:g}, targets "
+            + ",".join(resolve_targets(lora.target_modules)))
 
 
 def checkpoint_bytes(cfg: Config, dims: ModelDims) -> dict[str, int]:
     """Expected size on disk of one checkpoint of each trained role ("actor", and "critic" with
     GAE), all ranks together: the model in its dtype, plus with checkpoint.save_optimizer the
     optimizer state megatron writes in parameter space (fp32 master copy and Adam's two moments,
-    12 bytes a parameter, also for fp32 models). RNG, trainer state and metadata add a few
-    percent (the tiny test model: 1.45 MB estimated, 1.66 MB written)."""
+    12 bytes a parameter, also for fp32 models). A role with LoRA saves only what trains (the
+    adapters, a critic's value head) and their optimizer state. RNG, trainer state and metadata
+    add a few percent (the tiny test model: 1.45 MB estimated, 1.66 MB written)."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     roles = ["actor"] + (["critic"] if cfg.uses_critic else [])
     out = {}
     for role in roles:
-        params = tp * sum(role_params(cfg, dims, role, stage) for stage in range(pp))
+        if role in lora_roles(cfg):
+            params = lora_trainable_params(dims, getattr(cfg, role).lora, role)
+        else:
+            params = tp * sum(role_params(cfg, dims, role, stage) for stage in range(pp))
         per_param = _dtype_bytes(getattr(cfg, role).dtype) + (12 if cfg.checkpoint.save_optimizer else 0)
         out[role] = params * per_param
     return out
@@ -270,6 +366,31 @@ def activation_bytes_per_token_layer(dims: ModelDims, tp: int, sequence_parallel
     attn = (2 * h // s + (a_l + 2 * kv_l) * hd + (a_l + kv_l) * hd + a_l * hd) * dtype_bytes + 4 * a_l
     mlp = (2 * h // s + 5 * f // tp) * dtype_bytes
     return attn + mlp
+
+
+def lora_activation_bytes_per_token_layer(dims: ModelDims, lora, tp: int, sequence_parallel: bool,
+                                          dtype_bytes: int = 2) -> int:
+    """What one layer's adapters (models/lora.LoRAAdapter.forward) add to the tensors kept for
+    backward, per token: each adapted linear's x·Aᵀ, r wide per targeted part (along this
+    rank's sequence shard for a row-parallel one under sequence parallelism); with lora.dropout
+    the dropped input and its 1-byte mask; under sequence parallelism a column-parallel
+    adapter's gathered input, which megatron's own linear does not keep."""
+    from verl_mcore.models.lora import HF_TARGETS, part_shapes, resolve_targets, tp_shard_dim
+
+    b, s = dtype_bytes, tp if sequence_parallel else 1
+    linears: dict[str, list[str]] = {}
+    for target in resolve_targets(lora.target_modules):
+        linears.setdefault(HF_TARGETS[target][0], []).append(target)
+    n = 0
+    for parts in linears.values():
+        row = tp_shard_dim(parts[0], "A") is not None
+        inp = part_shapes(dims, parts[0])[1] // (tp if row else 1)
+        n += len(parts) * lora.r * b // (s if row else 1)
+        if lora.dropout:
+            n += inp * (b + 1)
+        elif sequence_parallel and not row:
+            n += inp * b
+    return n
 
 
 @dataclass(frozen=True)
@@ -312,15 +433,22 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     dp = data_parallel_size(cfg, world)
     dtype = getattr(cfg, role).dtype
     b = _dtype_bytes(dtype)
-    n = role_params(cfg, dims, role, stage)
+    # With LoRA the frozen base is held at the compute dtype only; the adapters are model
+    # parameters too, and they alone (with a critic's value head) train.
+    n = role_params(cfg, dims, role, stage) + adapter_params(cfg, dims, role, stage)
+    trained = trainable_params(cfg, dims, role, stage)
     opt_per_param = 8 + (4 if b < 4 else 0)
-    optimizer = opt_per_param * n
+    optimizer = opt_per_param * trained
     if p.use_distributed_optimizer:
         optimizer = math.ceil(optimizer / dp)
 
     tokens, samples = _micro_tokens(cfg, role)
     tokens = math.ceil(tokens / cp)
-    per_layer = activation_bytes_per_token_layer(dims, tp, p.sequence_parallel, b) * tokens
+    per_token = activation_bytes_per_token_layer(dims, tp, p.sequence_parallel, b)
+    if role in lora_roles(cfg):
+        per_token += lora_activation_bytes_per_token_layer(dims, getattr(cfg, role).lora, tp,
+                                                           p.sequence_parallel, b)
+    per_layer = per_token * tokens
     if knobs.attention == "materialized":
         seq = cfg.data.max_prompt_length + cfg.data.max_response_length
         per_layer += 6 * (dims.num_attention_heads // tp) * seq * tokens
@@ -334,7 +462,7 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
         activations = int(kept * layers * in_flight * interleave) + per_layer
     else:
         activations = int(per_layer * layers * in_flight * interleave)
-    out = {"parameters": b * n, "gradients": 4 * n, "optimizer": optimizer,
+    out = {"parameters": b * n, "gradients": 4 * trained, "optimizer": optimizer,
            "activations": activations}
     if role == "actor" and stage == pp - 1:
         vocab_l = padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by) // tp
@@ -391,7 +519,7 @@ def _resident_params(cfg: Config, dims: ModelDims, stage: int, roles: list[str],
     for role in roles:
         if here is not None and role not in here:
             continue
-        if role == "reference" and (not _uses_reference(cfg)
+        if role == "reference" and (not _reference_weights(cfg)
                                     or (cfg.reference.offload_params and not reference_pass)):
             continue
         if role == "critic" and not cfg.uses_critic:
@@ -437,15 +565,22 @@ def _uses_reference(cfg: Config) -> bool:
     return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
+def _reference_weights(cfg: Config) -> bool:
+    """The reference has weights of its own: it is used, and it is not the actor's model with
+    its adapters off (actor.lora)."""
+    return _uses_reference(cfg) and not cfg.actor.lora.enable
+
+
 def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict[str, int]:
     """Per-GPU bytes of the engine's share of the generation phase."""
     p, r, d = cfg.parallel, cfg.rollout, cfg.data
     tp_g = r.tensor_parallel_size
     dp_g = world // tp_g
     tp_t, div = p.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by
-    if tp_g == tp_t and p.pipeline_model_parallel_size == 1:
+    if tp_g == tp_t and p.pipeline_model_parallel_size == 1 and not cfg.actor.lora.enable:
         weights = 0  # the training layout already is the generation layout
-    else:  # bf16, every layer of this rank's TP_g slice, vocabulary padded as training pads it
+    else:  # bf16, every layer of this rank's TP_g slice, vocabulary padded as training pads it;
+        # with LoRA always a copy of its own, holding the merged W + (alpha/r)·B·A
         weights = 2 * stage_params(dims, tp_g, 1, 0, div, vocab_tp=tp_t)
     seqs = math.ceil(d.train_batch_size * r.n / dp_g)
     concurrent = min(r.max_num_seqs, seqs)
@@ -556,7 +691,7 @@ def plan_memory(cfg: Config, dims: ModelDims, world: int, knobs: Knobs, here=Non
             t = training_bytes(cfg, dims, world, role, stage, knobs)
             per[f"{role} gradients"] = t["gradients"]
             per[f"{role} optimizer"] = t["optimizer"]
-        if cfg.reference.offload_params and _uses_reference(cfg) and on("reference"):
+        if cfg.reference.offload_params and _reference_weights(cfg) and on("reference"):
             per["reference parameters"] = (_dtype_bytes(cfg.reference.dtype)
                                            * role_params(cfg, dims, "reference", stage))
         if not host or sum(per.values()) > sum(host.values()):
@@ -610,6 +745,11 @@ def misfits(memory: dict, knobs: Knobs) -> list[str]:
     return bad
 
 
+def peak_phase(memory: dict) -> str:
+    """The phase of a plan with the highest total."""
+    return max((n for n in memory if n != "host"), key=lambda n: memory[n]["total"])
+
+
 def choose_offload(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> tuple[bool, str]:
     """trainer.offload_between_phases resolved to (offload?, why).
 
@@ -625,7 +765,7 @@ def choose_offload(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> tu
     memory = plan_job_memory(cfg, dims, world, kept)
     usable = knobs.gpu_memory_gib * USABLE_FRACTION
     bad = misfits(memory, kept)
-    peak = max((n for n in memory if n != "host"), key=lambda n: memory[n]["total"])
+    peak = peak_phase(memory)
     if bad:
         worst = max(bad, key=lambda n: memory[n]["total"])
         return True, (f"auto: with gradients and optimizer states on the GPU, {worst} would need "
@@ -640,6 +780,22 @@ def plan_with_offload_choice(cfg: Config, dims: ModelDims, world: int,
     this CLI and the benchmarks report."""
     offload, why = choose_offload(cfg, dims, world, knobs)
     return offload, why, plan_job_memory(cfg, dims, world, replace(knobs, offload=offload))
+
+
+def lora_savings(cfg: Config, dims: ModelDims, world: int, knobs: Knobs, memory: dict) -> dict:
+    """What LoRA saves per GPU: the peak phase of `memory` (this config's plan) against that of
+    the same config with every lora off, planned as this CLI would plan it (its own offload
+    choice under "auto"). Returns {"trainable_params": {role: n}, "peak_phase", "peak_bytes",
+    "peak_phase_without", "peak_bytes_without", "saved_bytes"}."""
+    off = replace(cfg, actor=replace(cfg.actor, lora=replace(cfg.actor.lora, enable=False)),
+                  critic=replace(cfg.critic, lora=replace(cfg.critic.lora, enable=False)))
+    full = plan_with_offload_choice(off, dims, world, knobs)[2]
+    peak, peak_full = peak_phase(memory), peak_phase(full)
+    return {"trainable_params": {r: lora_trainable_params(dims, getattr(cfg, r).lora, r)
+                                 for r in lora_roles(cfg)},
+            "peak_phase": peak, "peak_bytes": memory[peak]["total"],
+            "peak_phase_without": peak_full, "peak_bytes_without": full[peak_full]["total"],
+            "saved_bytes": full[peak_full]["total"] - memory[peak]["total"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,7 +833,7 @@ def _candidates(cfg: Config, world: int, nodes: int,
         out.append((" ".join(smaller), smaller, world))
     if cfg.trainer.offload_between_phases is False:
         out.append(("trainer.offload_between_phases=auto", ["trainer.offload_between_phases=auto"], world))
-    if _uses_reference(cfg) and not cfg.reference.offload_params:
+    if _reference_weights(cfg) and not cfg.reference.offload_params:
         out.append(("reference.offload_params=true", ["reference.offload_params=true"], world))
     if r.max_num_seqs > 1:
         out.append((f"rollout.max_num_seqs={r.max_num_seqs // 2}", [f"rollout.max_num_seqs={r.max_num_seqs // 2}"], world))
@@ -884,12 +1040,14 @@ def main(argv=None) -> int:
         return EXIT_INVALID
     knobs = Knobs(gpn, args.gpu_memory_gb, args.host_memory_gb, args.attention)
     offload, offload_why, memory = plan_with_offload_choice(cfg, dims, world, knobs)
+    lora = lora_savings(cfg, dims, world, knobs, memory) if lora_roles(cfg) else None
     knobs = replace(knobs, offload=offload)
     bad = misfits(memory, knobs)
     if args.json:
         print(json.dumps({"world_size": world, "nodes": nodes, "gpus_per_node": gpn,
                           "model": asdict(dims), "offload": {"enabled": offload, "why": offload_why},
-                          "memory": memory, "does_not_fit": bad}, indent=1))
+                          "memory": memory, "does_not_fit": bad}
+                         | ({"lora": lora} if lora else {}), indent=1))
     else:
         names = None
         if os.environ.get("SLURM_JOB_NODELIST"):
@@ -902,6 +1060,12 @@ def main(argv=None) -> int:
         print(layout_report(cfg, world, nodes, gpn, names, limit=world if args.full else 8))
         print(memory_report(memory, knobs))
         print(f"Offload between phases: {'on' if offload else 'off'} ({offload_why})")
+        if lora:
+            for role in lora["trainable_params"]:
+                print(lora_summary(cfg, dims, role))
+            print(f"LoRA saves {lora['saved_bytes'] / GiB:.1f} GiB per GPU at the peak: "
+                  f"{lora['peak_phase']} {lora['peak_bytes'] / GiB:.1f} GiB, without LoRA "
+                  f"{lora['peak_phase_without']} {lora['peak_bytes_without'] / GiB:.1f} GiB")
     if bad:
         found = suggest(cfg, args.overrides, args.config, dims, world, nodes, knobs, bad)
         msg = [f"plan: does not fit: {', '.join(bad)} on {knobs.gpu_memory_gib:g} GiB GPUs"

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from verl_mcore import build
+from verl_mcore import build, plan
 from verl_mcore.config import Config
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import build_generation_phase
@@ -211,6 +211,10 @@ class Trainer:
             log_data_stage(self.train_data, self.val_data, cfg.data, self.loader.batches_per_epoch)
         if self.rank == 0 and not placement.colocated:
             log.info("placement: %s", placement.describe())
+        if self.rank == 0 and plan.lora_roles(cfg):  # what trains (the count from the shape)
+            dims = plan.resolve_dims(self.info.hf_dir or cfg.model.path)
+            for role in plan.lora_roles(cfg):
+                log.info("%s", plan.lora_summary(cfg, dims, role))
         # Each rank builds its own roles' models only (None / {} for the others').
         with self.watchdog.phase("build models"):
             groups, runs, seed = self.place.groups, self.place.runs, cfg.trainer.seed

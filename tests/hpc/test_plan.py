@@ -1,5 +1,7 @@
 """The dry-run planner: shapes, memory arithmetic, layout output, refusals with knob names."""
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -278,3 +280,109 @@ def test_reward_models_count_in_every_phase(tmp_path):
         assert scored[phase]["components"]["reward model parameters"] == rm_bytes
         assert scored[phase]["total"] - plain[phase]["total"] == rm_bytes
     assert scored["reward"]["components"]["reward model activations"] > 0
+
+
+GRPO7B = str(ROOT / "configs" / "grpo_qwen2.5_7b_gsm8k.yaml")
+PPO7B = str(ROOT / "configs" / "ppo_7b.yaml")
+
+
+def _qwen7b_adapters(r: int, tp: int) -> tuple[int, int]:
+    """(adapter parameters of Qwen2.5-7B with all-linear LoRA, whole; on one TP rank), by hand:
+    q/k/v and gate/up are column-parallel (A [r, in] whole, B [out / t, r]), o and down
+    row-parallel (A [r, in / t], B [out, r] whole)."""
+    h, f, q, kv, layers = 3584, 18944, 28 * 128, 4 * 128, 28
+    whole = layers * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h))
+    col = lambda out, inp: r * inp + out // tp * r  # noqa: E731
+    row = lambda out, inp: r * inp // tp + out * r  # noqa: E731
+    local = layers * (col(q, h) + 2 * col(kv, h) + row(h, q) + 2 * col(f, h) + row(h, f))
+    return whole, local
+
+
+def test_lora_counts_and_memory_on_the_qwen7b_grpo_recipe():
+    """actor.lora on the 7B GRPO recipe (TP=2 × DP=4, KL loss, TP_g = TP_t): the base keeps only
+    its bf16 weights, the adapters get gradients and (ZeRO-1) optimizer state, the reference
+    has no weights of its own, and generation gets a copy of its own (the merged weights)."""
+    dims = plan.KNOWN_SHAPES["qwen2.5-7b"]
+    knobs = plan.Knobs(gpus_per_node=8, offload=False)
+    full_cfg = _cfg(path=GRPO7B)
+    lora_cfg = _cfg("actor.lora.enable=true", path=GRPO7B)  # r=8, alpha=16, all-linear
+    whole, local = _qwen7b_adapters(8, 2)
+    assert whole == 20_185_088  # what peft prints for Qwen2.5-7B, all-linear r=8
+    assert plan.lora_trainable_params(dims, lora_cfg.actor.lora, "actor") == whole
+    assert plan.trainable_params(lora_cfg, dims, "actor", 0) == local == 12_902_400
+    n = plan.stage_params(dims, 2, 1, 0, 128)  # the base on one rank
+    assert plan.trainable_params(full_cfg, dims, "actor", 0) == n
+
+    full = plan.plan_memory(full_cfg, dims, 8, knobs)
+    lora = plan.plan_memory(lora_cfg, dims, 8, knobs)
+    up_full, up = full["actor_update"]["components"], lora["actor_update"]["components"]
+    assert up["actor parameters"] == 2 * (n + local)
+    assert (up["actor gradients"], up["actor optimizer"]) == (4 * local, math.ceil(12 * local / 4))
+    assert (up_full["actor gradients"], up_full["actor optimizer"]) == (4 * n, math.ceil(12 * n / 4))
+    # x·Aᵀ kept per adapted part (3 in linear_qkv, 2 in linear_fc1, o, down): r bf16 values a
+    # token, for every layer over the 4096 tokens of a micro-batch.
+    assert up["actor activations"] - up_full["actor activations"] == 28 * 4096 * 7 * 8 * 2
+    assert up_full["reference parameters"] == 2 * n and "reference parameters" not in up
+    saved = (2 * n + 4 * n + math.ceil(12 * n / 4)) \
+        - (2 * local + 4 * local + math.ceil(12 * local / 4) + 28 * 4096 * 7 * 8 * 2)
+    assert full["actor_update"]["total"] - lora["actor_update"]["total"] == saved
+    # lora.dropout keeps each adapted linear's dropped input and its 1-byte mask (o and down
+    # see their TP shard of the input); sequence parallelism keeps the gathered input of the
+    # linear_qkv and linear_fc1 adapters, and o's and down's x·Aᵀ for this rank's tokens only.
+    act, adapters = plan.lora_activation_bytes_per_token_layer, lora_cfg.actor.lora
+    assert act(dims, adapters, 2, False) == 7 * 8 * 2
+    assert act(dims, replace(adapters, dropout=0.1), 2, False) == \
+        7 * 8 * 2 + (2 + 1) * (3584 + 3584 // 2 + 3584 + 18944 // 2)
+    assert act(dims, adapters, 2, True) == 5 * 8 * 2 + 2 * 8 * 2 // 2 + 2 * 3584 * 2
+    for phase in ("generate", "score"):
+        assert "reference parameters" in full[phase]["components"]
+        assert "reference parameters" not in lora[phase]["components"]
+    # TP_g = TP_t and PP = 1: without LoRA the actor's weights serve generation in place.
+    assert full["generate"]["components"]["generation weights"] == 0
+    assert lora["generate"]["components"]["generation weights"] == 2 * n
+    # Checkpoints: the adapters in bf16 and their fp32 master copy and Adam moments.
+    assert plan.checkpoint_bytes(lora_cfg, dims) == {"actor": whole * (2 + 12)}
+    assert plan.checkpoint_bytes(full_cfg, dims) == {"actor": 2 * n * (2 + 12)}
+    no_opt = _cfg("actor.lora.enable=true", "checkpoint.save_optimizer=false", path=GRPO7B)
+    assert plan.checkpoint_bytes(no_opt, dims) == {"actor": whole * 2}
+
+
+def test_lora_critic_trains_its_value_head_too():
+    """critic.lora on the 7B PPO recipe (TP=4): the value head [1, h] trains beside the adapters
+    (gradients, optimizer state, checkpoint); a q/v-only actor counts only those modules."""
+    dims = plan.KNOWN_SHAPES["qwen2.5-7b"]
+    cfg = _cfg("critic.lora.enable=true", "actor.lora.enable=true", "actor.lora.r=16",
+               "actor.lora.target_modules=[q_proj,v_proj]", path=PPO7B)
+    whole, local = _qwen7b_adapters(8, 4)
+    assert plan.lora_trainable_params(dims, cfg.critic.lora, "critic") == whole + 3584
+    assert plan.trainable_params(cfg, dims, "critic", 0) == local + 3584
+    qv = 28 * 16 * ((3584 + 28 * 128) + (3584 + 4 * 128))
+    assert plan.lora_trainable_params(dims, cfg.actor.lora, "actor") == qv
+    t = plan.training_bytes(cfg, dims, 8, "critic", 0, plan.Knobs())
+    assert t["gradients"] == 4 * (local + 3584)
+    assert plan.checkpoint_bytes(cfg, dims) == {"actor": qv * 14, "critic": (whole + 3584) * 14}
+    assert plan.lora_summary(cfg, dims, "actor") == (
+        f"actor LoRA: {qv:,} trainable parameters, {100 * qv / plan.total_params(dims):.3f}% of "
+        "the model's 7,615,616,512; r=16, alpha=16, targets q_proj,v_proj")
+    assert "(with the value head)" in plan.lora_summary(cfg, dims, "critic")
+    # A critic's lora is not read where no critic runs (GRPO).
+    assert plan.lora_roles(_cfg("critic.lora.enable=true", path=GRPO7B)) == []
+
+
+def test_plan_cli_reports_what_lora_trains_and_saves(capsys):
+    args = ["--config", GRPO7B, "--nodes", "1", "--gpus-per-node", "8", "actor.lora.enable=true"]
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out
+    assert "actor LoRA: 20,185,088 trainable parameters, 0.265% of the model's 7,615,616,512; " \
+           "r=8, alpha=16, " \
+           "targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" in out
+    assert "LoRA saves " in out and "GiB per GPU at the peak" in out
+    assert plan.main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["lora"]
+    # Against the plan of the same config without LoRA, as this CLI plans it.
+    assert plan.main(["--config", GRPO7B, "--nodes", "1", "--gpus-per-node", "8", "--json"]) == 0
+    without = json.loads(capsys.readouterr().out)["memory"]
+    peak = max((p for p in without if p != "host"), key=lambda p: without[p]["total"])
+    assert (report["peak_phase_without"], report["peak_bytes_without"]) == (peak, without[peak]["total"])
+    assert report["saved_bytes"] == without[peak]["total"] - report["peak_bytes"] > 20 * plan.GiB
+    assert report["trainable_params"] == {"actor": 20_185_088}
