@@ -201,7 +201,7 @@ def _cases() -> list[Case]:
              expect=("actor/kl_loss", "rollout/logprob_diff_max")),
         Case("lora-ppo-bf16", (GAE, "actor.lora.enable=true", "critic.lora.enable=true",
                                "actor.lora.target_modules=[q_proj,v_proj]", "actor.dtype=bf16",
-                               "critic.dtype=bf16", "reference.dtype=bf16"),
+                               "critic.dtype=bf16", "reference.dtype=bf16"), resume=True,
              expect=("critic/vf_loss",)),
     ]
     # Every shipped config, as a user would start it, on the tiny model and one GPU (COMMON).

@@ -90,10 +90,14 @@ def _check_run(run_dir: Path, algo: str, model: str) -> None:
     step = run_dir / "checkpoints" / "actor" / "step_00000003"
     meta = json.loads((step / "meta.json").read_text())
     assert meta["trainable_only"] and meta["base_weights"] == model
-    # the adapters and their optimizer state only: far below one fp32 copy of the model
-    saved = sum(f.stat().st_size for f in (step / "dist").rglob("*") if f.is_file())
-    model_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
-    assert saved < model_bytes / 2, (saved, model_bytes)
+    # the adapters and their optimizer state only: no base tensor is written again
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = set(FileSystemReader(str(step / "dist")).read_metadata().state_dict_metadata)
+    assert any(".lora_" in k for k in keys)
+    base = [k for k in keys if k == "embedding.word_embeddings.weight" or k.endswith(
+        ("linear_qkv.weight", "linear_fc1.weight", "linear_fc2.weight", "layernorm.weight"))]
+    assert not base, base[:4]
 
 
 def _rel(a, b):
@@ -129,6 +133,8 @@ def test_lora_one_rank_trains_resumes_and_exports(model, tmp_path, algo):
     logits = _run(1, _overrides(model, run_dir, algo))
     _check_run(run_dir, algo, model)
     _check_exports(run_dir, model, logits, tmp_path)
+    if algo == "ppo":  # the critic's adapter-only checkpoints resume in the GPU matrix
+        return
     # Resume from step 2's adapters + optimizer state: step 3 equals the uninterrupted run's.
     again = tmp_path / "again"
     _run(1, _overrides(model, again, algo, steps=2))

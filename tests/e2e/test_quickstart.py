@@ -48,6 +48,28 @@ def test_quickstart_reward_rises(tiny_model, tmp_path):
     assert "offload between phases: off (auto: on CPU" in run.stdout + run.stderr
 
 
+@pytest.mark.slow
+def test_quickstart_with_lora_learns(tmp_path):
+    """actor.lora.enable=true on the quickstart: the adapters alone raise the reward. Its tiny
+    model is made with weights of std 0.08: at transformers' default 0.02 the frozen head turns
+    a unit-RMS hidden state into logits of at most ~1.3 (|row| 0.16 × |h| 8), which caps what
+    any adapter below it can do (measured: 0.02 -> 0.03 in 120 steps). At 0.08 the
+    full-parameter run goes 0.04 -> 0.98 in 100 steps, LoRA (r=8, lr 1e-2) 0.04 -> 0.2 in 60:
+    slower, as adapters on 2 layers of width 64 are, but rising steadily."""
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"), initializer_range=0.08)
+    run = subprocess.run(_cmd(model, tmp_path / "run", "trainer.total_steps=60",
+                              "trainer.val_every=0", "checkpoint.save_every=0",
+                              "actor.lora.enable=true", "actor.optim.lr=1e-2"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    scores = [r["critic/score/mean"] for r in _rows(tmp_path / "run")]
+    first, last = sum(scores[:15]) / 15, sum(scores[-15:]) / 15
+    assert first < 0.1 and last > 2.5 * first, (first, last)
+    assert "actor LoRA:" in run.stdout + run.stderr  # the start-up line with its trainable count
+
+
 def _wait_for_step(run_dir: Path, step: int, proc, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
