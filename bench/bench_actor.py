@@ -111,6 +111,9 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per micro-batch (default --seq)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R (alpha 2R) on every linear, the base frozen; "
+                        "0: full-parameter")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -149,8 +152,19 @@ def main(argv=None) -> dict:
         entropy_coeff=0.001, use_kl_loss=True, recompute_activations=args.recompute,
         optim=OptimConfig(lr=1e-6, weight_decay=0.01, clip_grad=1.0),
     )
+    load = None
+    if args.lora:
+        from verl_mcore.config.schema import LoRAConfig
+        from verl_mcore.models.lora import attach_lora
+
+        lora = LoRAConfig(enable=True, r=args.lora, alpha=2.0 * args.lora)
+
+        def load(module):
+            attach_lora(module, lora, arch, seed=args.seed)
+
     engine = MegatronEngine(provider, config, pg, dtype=args.dtype, optim=actor_cfg.optim,
-                            recompute_activations=args.recompute, lr_decay_steps=args.warmup + args.iters)
+                            recompute_activations=args.recompute, lr_decay_steps=args.warmup + args.iters,
+                            load_weights=load)
     actor = Actor(engine, actor_cfg, mini_batch_size=args.samples)
     cuda = torch.cuda.is_available()
     # Fresh random sequences every update (same length distribution), median over updates.
@@ -186,7 +200,7 @@ def main(argv=None) -> dict:
     peak = peak_flops()
     ceiling = _matmul_ceiling() if cuda else None
     result = {
-        "shape": args.shape, "seq": args.seq, "samples": args.samples, "tokens_per_update": tokens,
+        "shape": args.shape, "lora_r": args.lora, "seq": args.seq, "samples": args.samples, "tokens_per_update": tokens,
         "micro_batches": n_micro, "max_tokens": actor_cfg.max_tokens_per_microbatch, "dtype": args.dtype,
         "recompute": args.recompute, "seconds_per_update": mean, "min_seconds": min(u[0] for u in per_update),
         "tokens_per_s": tokens / mean, "model_tflops_per_update": flops / 1e12,

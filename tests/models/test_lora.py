@@ -119,3 +119,21 @@ def test_peft_variants_with_other_math_are_refused(tmp_path, variant):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=sorted(variant)[0]):
         lora.load_peft_dir([], str(tmp_path), lora_cfg("all-linear"))
+
+
+def test_frozen_linear_input_grad_is_folded_and_unchanged():
+    """models/lora.fold_frozen_dgrad: megatron's frozen-weight linear gets the gradient of a
+    transposed [b, s, V] output (not foldable by torch.matmul: on CUDA a batched GEMM of one row
+    per token); the folded backward gives the same input gradient, in the input's shape."""
+    from megatron.core.tensor_parallel import layers
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 1, 5, requires_grad=True)
+    w = torch.randn(11, 5)
+    grad = torch.randn(1, 7, 11).transpose(0, 1)  # strides (11, 77, 1): as the output layer's
+    want = torch.einsum("sbo,oi->sbi", grad, w)
+    lora.fold_frozen_dgrad()
+    assert layers.LinearWithFrozenWeight._verl_mcore_folded
+    out = layers.LinearWithFrozenWeight.apply(x, w, None, False, None)
+    out.backward(grad)
+    assert x.grad.shape == x.shape and torch.allclose(x.grad, want, atol=1e-6)
