@@ -60,6 +60,7 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     from verl_mcore.config import Config
     from verl_mcore.distributed import cpu_compat
     from verl_mcore.distributed.groups import build_groups
+    from verl_mcore.distributed.placement import Placement, RolePlacement
     from verl_mcore.trainer import Trainer
 
     cpu_compat.install()
@@ -68,7 +69,9 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     groups = build_groups(cfg)
     prompts, outputs = _replica(groups.gen_dp_rank, prompts_per_replica, n)
     old = _old_generate(groups, world_size, prompts, outputs, INFO)
-    fake = SimpleNamespace(groups=groups, info=INFO, world=world_size,
+    # Colocated: the actor set is the world, so sharing the batch with other sets is a no-op.
+    place = RolePlacement(Placement.resolve(cfg, world_size), {"actor": groups}, rank)
+    fake = SimpleNamespace(groups=groups, info=INFO, world=world_size, place=place,
                            rollout=SimpleNamespace(generate=lambda ids, sampling: outputs))
     new = Trainer.generate(fake, prompts, sampling=None)
     shared = [new.rows[i] is new.rows[j] for i in range(len(new.rows)) for j in range(i)
