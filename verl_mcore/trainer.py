@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore import build, plan
-from verl_mcore.config import Config
+from verl_mcore.config import Config, ConfigError
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import build_generation_phase
 from verl_mcore.reward.manager import RewardFailureError
@@ -212,9 +212,13 @@ class Trainer:
         if self.rank == 0 and not placement.colocated:
             log.info("placement: %s", placement.describe())
         if self.rank == 0 and plan.lora_roles(cfg):  # what trains (the count from the shape)
-            dims = plan.resolve_dims(self.info.hf_dir or cfg.model.path)
-            for role in plan.lora_roles(cfg):
-                log.info("%s", plan.lora_summary(cfg, dims, role))
+            try:
+                dims = plan.resolve_dims(self.info.hf_dir or cfg.model.path)
+            except ConfigError as e:  # a log line must not stop the run
+                log.info("LoRA on %s (no parameter count: %s)", plan.lora_roles(cfg), e)
+            else:
+                for role in plan.lora_roles(cfg):
+                    log.info("%s", plan.lora_summary(cfg, dims, role))
         # Each rank builds its own roles' models only (None / {} for the others').
         with self.watchdog.phase("build models"):
             groups, runs, seed = self.place.groups, self.place.runs, cfg.trainer.seed
