@@ -345,7 +345,8 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
     # Repartitioner refuses two different sizes before any weight moves.
     gen = build_gpt_model(info.arch, config, role="actor", pg_collection=groups.gen,
                           pre_process=True, post_process=True,
-                          padded_vocab=padded_vocab(cfg, info.arch))
+                          padded_vocab=padded_vocab(cfg, info.arch),
+                          use_te=False if lora else None)  # the training model's layer spec
     device = next(unwrap(actor.engine.model[0]).parameters()).device
     # Every tensor in the actor's compute dtype, as Float16Module casts the training model:
     # megatron allocates its linears in params_dtype, but the torch norms come in fp32.
