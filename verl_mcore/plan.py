@@ -72,7 +72,8 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       compute dtype: parameters b·(P + P_a), gradients and optimizer only for
                       P_a, the adapters of the stage's layers (A [r, in] and B [out, r] per
                       targeted module, B split over t on a column-parallel module, A on a
-                      row-parallel one), plus a critic's value head h. Activations add each
+                      row-parallel one; lm_head's on the last stage, B over the padded
+                      vocabulary), plus a critic's value head h. Activations add each
                       adapted linear's x·Aᵀ (r per targeted part), and with lora.dropout the
                       dropped input and its mask. The reference is the actor's model with its
                       adapters off (no weights of its own), and the generation weights are a
@@ -280,21 +281,36 @@ def lora_layer_params(dims: ModelDims, lora, tp: int) -> int:
     """LoRA adapter parameters of one decoder layer on one TP rank: A [r, in] and B [out, r] of
     each targeted HF module, the one models/lora.tp_shard_dim names split over TP (B of a
     column-parallel module, A of a row-parallel one), the other whole on every rank."""
-    from verl_mcore.models.lora import part_shapes, resolve_targets, tp_shard_dim
+    from verl_mcore.models.lora import HEAD, part_shapes, resolve_targets, tp_shard_dim
 
     n = 0
     for target in resolve_targets(lora.target_modules):
+        if target == HEAD:
+            continue  # the output layer's: lora_head_params
         out, inp = part_shapes(dims, target)
         n += lora.r * inp // (1 if tp_shard_dim(target, "A") is None else tp)
         n += out // (1 if tp_shard_dim(target, "B") is None else tp) * lora.r
     return n
 
 
+def lora_head_params(dims: ModelDims, lora, tp: int, divisible_by: Optional[int] = None) -> int:
+    """The output layer's adapter (lora.target_modules lm_head) on one TP rank of the last
+    stage: A [r, h] whole, B [V/t, r] split, V padded as the model's (`divisible_by`; None:
+    the HF vocabulary, as peft's)."""
+    from verl_mcore.models.lora import HEAD, resolve_targets
+
+    if HEAD not in resolve_targets(lora.target_modules):
+        return 0
+    vocab = padded_vocab(dims, tp, divisible_by) if divisible_by else dims.vocab_size
+    return lora.r * (dims.hidden_size + vocab // tp)
+
+
 def lora_trainable_params(dims: ModelDims, lora, role: str) -> int:
     """Parameters that train on `role` with `lora`, whole (each tensor once, unsharded):
-    r·(in + out) per targeted module per layer, plus a critic's [1, h] value head."""
+    r·(in + out) per targeted module per layer and for lm_head, plus a critic's [1, h] value
+    head."""
     head = dims.hidden_size if role == "critic" else 0
-    return dims.num_layers * lora_layer_params(dims, lora, 1) + head
+    return dims.num_layers * lora_layer_params(dims, lora, 1) + lora_head_params(dims, lora, 1) + head
 
 
 def model_params(dims: ModelDims, role: str) -> int:
@@ -311,8 +327,10 @@ def adapter_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
     if role not in lora_roles(cfg):
         return 0
     p = cfg.parallel
-    return (dims.num_layers // p.pipeline_model_parallel_size
-            * lora_layer_params(dims, getattr(cfg, role).lora, p.tensor_model_parallel_size))
+    lora, tp = getattr(cfg, role).lora, p.tensor_model_parallel_size
+    head = (lora_head_params(dims, lora, tp, cfg.model.make_vocab_size_divisible_by)
+            if stage == p.pipeline_model_parallel_size - 1 else 0)
+    return dims.num_layers // p.pipeline_model_parallel_size * lora_layer_params(dims, lora, tp) + head
 
 
 def trainable_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
@@ -375,11 +393,13 @@ def lora_activation_bytes_per_token_layer(dims: ModelDims, lora, tp: int, sequen
     rank's sequence shard for a row-parallel one under sequence parallelism); with lora.dropout
     the dropped input and its 1-byte mask; under sequence parallelism a column-parallel
     adapter's gathered input, which megatron's own linear does not keep."""
-    from verl_mcore.models.lora import HF_TARGETS, part_shapes, resolve_targets, tp_shard_dim
+    from verl_mcore.models.lora import HEAD, HF_TARGETS, part_shapes, resolve_targets, tp_shard_dim
 
     b, s = dtype_bytes, tp if sequence_parallel else 1
     linears: dict[str, list[str]] = {}
     for target in resolve_targets(lora.target_modules):
+        if target == HEAD:
+            continue  # not a layer's (training_bytes adds it to the last stage's logits)
         linears.setdefault(HF_TARGETS[target][0], []).append(target)
     n = 0
     for parts in linears.values():
@@ -467,6 +487,8 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     if role == "actor" and stage == pp - 1:
         vocab_l = padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by) // tp
         out["logits"] = 2 * 2 * tokens * vocab_l
+        if role in lora_roles(cfg) and lora_head_params(dims, getattr(cfg, role).lora, 1):
+            out["logits"] += tokens * getattr(cfg, role).lora.r * b  # the lm_head adapter's x·Aᵀ
     return out
 
 

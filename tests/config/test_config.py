@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,30 @@ def test_model_shape_checks():
     msg = str(e.value)
     assert "12 attention heads, not divisible by parallel.tensor_model_parallel_size=8" in msg
     assert "6 layers, not divisible by PP×VPP = 4" in msg
+
+
+@pytest.mark.parametrize("overrides,tied,fragment", [
+    (["actor.lora.target_modules=[qproj]"], False, "actor.lora.target_modules: ['qproj'] not among"),
+    (["actor.lora.target_modules=[all-linear,q_proj]"], False, "drop the others (['q_proj'])"),
+    (["actor.lora.target_modules=[all-linear,lm_head]"], True, "lm_head is tied to embed_tokens"),
+    (["algorithm.adv_estimator=gae", "critic.lora.enable=true",
+      "critic.lora.target_modules=[lm_head]"], False, "the critic's output layer is its value head"),
+    (["actor.lora.init_from=/nowhere"], False, "no adapter_config.json there"),
+    (["reference.offload_params=true"], False, "the actor's own model (nothing of its own"),
+])
+def test_lora_settings_that_cannot_run_are_refused_before_any_model(overrides, tied, fragment):
+    shape = ModelShape(num_attention_heads=4, num_key_value_heads=2, num_layers=2,
+                       vocab_size=100, hidden_size=64, tie_word_embeddings=tied)
+    cfg = _cfg("rollout.n=2", "actor.lora.enable=true", "actor.use_kl_loss=true", *overrides)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        validate(cfg, 1, shape, data_files=False)
+
+
+def test_lm_head_as_a_lora_target_passes_on_an_untied_model():
+    shape = ModelShape(num_attention_heads=4, num_key_value_heads=2, num_layers=2,
+                       vocab_size=100, hidden_size=64, tie_word_embeddings=False)
+    validate(_cfg("rollout.n=2", "actor.lora.enable=true",
+                  "actor.lora.target_modules=[all-linear,lm_head]"), 1, shape, data_files=False)
 
 
 def test_valid_config_passes():

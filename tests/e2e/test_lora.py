@@ -45,7 +45,7 @@ def _overrides(model, run_dir, algo, *extra, steps=3):
            "actor.lora.init_lora_weights=gaussian"]
     if algo == "grpo":
         out += ["algorithm.adv_estimator=grpo", "rollout.n=2",
-                "actor.lora.target_modules=[q_proj,v_proj,down_proj]"]
+                "actor.lora.target_modules=[q_proj,v_proj,down_proj,lm_head]"]
     else:
         out += ["algorithm.adv_estimator=gae", "rollout.n=1", "critic.micro_batch_size_per_gpu=1",
                 "critic.lora.enable=true", "critic.lora.r=4", "critic.optim.lr=1e-3"]

@@ -41,7 +41,7 @@ def _count_params(rank, world_size, hf: dict, tp: int, pp: int, targets):
         model = build_gpt_model(arch, transformer_config(arch, tp=tp, pp=pp, dtype=torch.float32),
                                 role=role)
         counts[role] = sum(p.numel() for p in model.parameters())
-        attach_lora(model, lora_cfg(targets), arch, seed=0,
+        attach_lora(model, lora_cfg(_role_targets(targets, role)), arch, seed=0,
                     trainable=("output_layer",) if role == "critic" else ())
         trained = [p for p in model.parameters() if p.requires_grad]
         counts[f"{role} with lora"] = sum(p.numel() for p in model.parameters())
@@ -52,8 +52,16 @@ def _count_params(rank, world_size, hf: dict, tp: int, pp: int, targets):
             "dp": parallel_state.get_data_parallel_rank(), **counts}
 
 
+def _role_targets(targets, role):
+    """The critic's output layer is its value head: lm_head is the actor's alone."""
+    if role == "critic" and not isinstance(targets, str):
+        return [t for t in targets if t != "lm_head"]
+    return targets
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("family, tp, pp, targets", [
+    ("llama", 2, 2, ["v_proj", "lm_head"]),
     ("llama", 2, 2, ["k_proj", "o_proj", "gate_proj"]), ("qwen2_tied", 2, 2, ["q_proj", "v_proj"]),
     ("qwen2_tied", 1, 4, ["k_proj", "o_proj", "down_proj"]), ("qwen2_tied", 2, 1, "all-linear")])
 def test_stage_params_match_megatron(family, tp, pp, targets):
@@ -63,10 +71,13 @@ def test_stage_params_match_megatron(family, tp, pp, targets):
     dims = plan.ModelDims.from_hf_config(hf)
     layout = [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}"]
     cfg = Config.load(None, layout)
-    names = targets if isinstance(targets, str) else f"[{','.join(targets)}]"
+    def names(role):
+        t = _role_targets(targets, role)
+        return t if isinstance(t, str) else f"[{','.join(t)}]"
+
     lora = Config.load(None, layout + ["algorithm.adv_estimator=gae"] + [
         f"{role}.lora.{k}" for role in ("actor", "critic")
-        for k in ("enable=true", "r=4", f"target_modules={names}")])
+        for k in ("enable=true", "r=4", f"target_modules={names(role)}")])
     assert plan.lora_roles(lora) == ["actor", "critic"]
     results = run_on_ranks(_count_params, 4, args=(hf, tp, pp, targets), timeout=300)
     for r in results:
@@ -77,4 +88,9 @@ def test_stage_params_match_megatron(family, tp, pp, targets):
             assert r[f"{role} trainable"] == plan.trainable_params(lora, dims, role, r["stage"]), r
     for role in ("actor", "critic"):
         whole = sum(r[f"{role} whole"] for r in results if r["dp"] == 0)
-        assert whole == plan.lora_trainable_params(dims, getattr(lora, role).lora, role), role
+        # lm_head's B holds the padded vocabulary's rows; the planner counts peft's (the HF ones)
+        padding = 0
+        if role == "actor" and "lm_head" in targets:
+            padding = 4 * (plan.padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by)
+                           - dims.vocab_size)
+        assert whole == plan.lora_trainable_params(dims, getattr(lora, role).lora, role) + padding, role

@@ -22,6 +22,13 @@ def hf_dir(tmp_path_factory):
     return hf_factory.save_tiny_model("qwen2", str(tmp_path_factory.mktemp("hf") / "qwen2"), seed=3)
 
 
+@pytest.fixture(scope="module")
+def hf_untied(tmp_path_factory):
+    """lm_head as a target needs an output layer of its own (tie_word_embeddings=False)."""
+    return hf_factory.save_tiny_model("qwen2_untied", str(tmp_path_factory.mktemp("hf") / "untied"),
+                                      seed=3)
+
+
 def peft_logits(hf_dir, targets, tokens, r=4, alpha=8.0):
     """peft's LoRA model on the HF checkpoint, its adapters set to models/lora.py's initial
     values for the same seed (init_lora_weights=False: A and B both random)."""
@@ -34,11 +41,11 @@ def peft_logits(hf_dir, targets, tokens, r=4, alpha=8.0):
     model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
                                                        target_modules=names))
     state = {}
-    for layer in range(arch.num_layers):
-        for t in names:
-            a, b = lora.initial_values(arch, r, False, SEED, layer, t)
-            state[lora.peft_key(layer, t, "A").replace(".weight", ".default.weight")] = a
-            state[lora.peft_key(layer, t, "B").replace(".weight", ".default.weight")] = b
+    modules = [(layer, t) for layer in range(arch.num_layers) for t in names if t != lora.HEAD]
+    for layer, t in modules + ([(None, lora.HEAD)] if lora.HEAD in names else []):
+        a, b = lora.initial_values(arch, r, False, SEED, layer, t)
+        state[lora.peft_key(layer, t, "A").replace(".weight", ".default.weight")] = a
+        state[lora.peft_key(layer, t, "B").replace(".weight", ".default.weight")] = b
     own = model.state_dict()
     assert set(state) <= set(own), sorted(set(state) - set(own))[:4]
     model.load_state_dict(state, strict=False)
@@ -58,11 +65,16 @@ CASES = [  # (tp, pp, sequence_parallel, targets)
     (2, 1, False, ["k_proj", "o_proj", "gate_proj"]),  # parts of both fused layers, a row layer
     (1, 2, False, "all-linear"),
     (1, 2, False, ["q_proj", "v_proj"]),
+    # the output layer (an untied model): B over the padded vocabulary, split over TP
+    (1, 1, False, ["all-linear", "lm_head"]),
+    (2, 1, False, ["v_proj", "lm_head"]),
+    (1, 2, False, ["all-linear", "lm_head"]),
 ]
 
 
 @pytest.mark.parametrize("tp,pp,sp,targets", CASES)
-def test_logits_equal_peft(hf_dir, tp, pp, sp, targets):
+def test_logits_equal_peft(request, tp, pp, sp, targets):
+    hf_dir = request.getfixturevalue("hf_untied" if "lm_head" in targets else "hf_dir")
     tokens = prompts(hf_factory.COMMON["vocab_size"], batch=2, seq_len=12)
     ref = peft_logits(hf_dir, targets, tokens)
     results = run_on_ranks(lora_logits_body, tp * pp,
@@ -84,7 +96,9 @@ def test_logits_equal_peft(hf_dir, tp, pp, sp, targets):
 
 
 def test_targets_resolve_and_bad_names_are_named():
-    assert lora.resolve_targets("all-linear") == tuple(lora.HF_TARGETS)
+    assert lora.resolve_targets("all-linear") == lora.LAYER_TARGETS
+    assert "lm_head" not in lora.LAYER_TARGETS  # as peft's all-linear: the output layer is apart
+    assert lora.resolve_targets(["lm_head", "all-linear"]) == lora.LAYER_TARGETS + ("lm_head",)
     assert lora.resolve_targets(["v_proj", "q_proj"]) == ("q_proj", "v_proj")
     with pytest.raises(ValueError, match="qproj.*q_proj"):
         lora.resolve_targets(["qproj"])

@@ -43,6 +43,7 @@ TOKENS = prompts(VOCAB, batch=2, seq_len=12)
 SAVES = {  # name: (tp, pp, target_modules)
     "tp2_all_linear": (2, 1, "all-linear"),
     "pp2_q_v": (1, 2, ["q_proj", "v_proj"]),
+    "tp2_with_head": (2, 1, ["all-linear", "lm_head"]),  # on an untied model (an lm_head of its own)
 }
 
 
@@ -50,6 +51,14 @@ class Saved(NamedTuple):
     path: str  # RUN/checkpoints/actor/step_00000001
     targets: object
     logits: torch.Tensor  # our megatron LoRA model's [b, s, V]
+    base: str  # the HF model it adapts
+
+
+def _modules(arch, targets):
+    """(layer, target) of every adapted module, lm_head's layer None (LoRACheckpoint.modules)."""
+    names = lora.resolve_targets(targets)
+    layers = [(layer, t) for layer in range(arch.num_layers) for t in names if t != lora.HEAD]
+    return layers + ([(None, lora.HEAD)] if lora.HEAD in names else [])
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +79,14 @@ def saved(root, hf_dir):
     def get(name):
         if name not in done:
             tp, pp, targets = SAVES[name]
+            base = hf_dir
+            if lora.HEAD in targets:
+                base = hf_factory.save_tiny_model("qwen2_untied", str(root / "untied"), seed=3)
             results = run_on_ranks(lora_checkpoint_body, tp * pp, timeout=300,
-                                   args=(hf_dir, tp, pp, targets, TOKENS, SEED,
+                                   args=(base, tp, pp, targets, TOKENS, SEED,
                                          str(root / name / "checkpoints" / "actor")))
             [logits] = [r["logits"] for r in results if r["logits"] is not None]
-            done[name] = Saved(results[0]["path"], targets, logits[..., :VOCAB])
+            done[name] = Saved(results[0]["path"], targets, logits[..., :VOCAB], base)
         return done[name]
 
     return get
@@ -102,8 +114,9 @@ def _state(hf_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", SAVES)
-def test_adapter_directory_loads_in_peft_with_our_logits(case, saved, hf_dir, tmp_path, capsys):
+def test_adapter_directory_loads_in_peft_with_our_logits(case, saved, tmp_path, capsys):
     ck = saved(case)
+    hf_dir = ck.base
     out = str(tmp_path / "adapter")
     assert main(["mcore-to-hf", "--ckpt", ck.path, "--out", out]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
@@ -115,19 +128,20 @@ def test_adapter_directory_loads_in_peft_with_our_logits(case, saved, hf_dir, tm
     # peft's names, full tensors gathered from the shards: the values the model started from
     tensors = load_file(os.path.join(out, ADAPTER_WEIGHTS))
     arch = read_hf_arch(hf_dir)
-    assert sorted(tensors) == sorted(lora.peft_key(layer, t, w) for layer in range(arch.num_layers)
-                                     for t in targets for w in ("A", "B"))
-    for layer in range(arch.num_layers):
-        for t in targets:
-            a, b = lora.initial_values(arch, 4, False, SEED, layer, t)
-            assert torch.equal(tensors[lora.peft_key(layer, t, "A")], a)
-            assert torch.equal(tensors[lora.peft_key(layer, t, "B")], b)
+    modules = _modules(arch, ck.targets)
+    assert sorted(tensors) == sorted(lora.peft_key(layer, t, w) for layer, t in modules
+                                     for w in ("A", "B"))
+    for layer, t in modules:  # lm_head's B: the HF vocabulary's rows, the padding cut
+        a, b = lora.initial_values(arch, 4, False, SEED, layer, t)
+        assert torch.equal(tensors[lora.peft_key(layer, t, "A")], a)
+        assert torch.equal(tensors[lora.peft_key(layer, t, "B")], b)
     assert _rel(_peft_logits(hf_dir, out), ck.logits) <= TOL
 
 
 @pytest.mark.parametrize("case", SAVES)
-def test_merged_model_has_peft_logits_in_transformers(case, saved, hf_dir, tmp_path):
+def test_merged_model_has_peft_logits_in_transformers(case, saved, tmp_path):
     ck = saved(case)
+    hf_dir = ck.base
     adapter = str(tmp_path / "adapter")
     merged = str(tmp_path / "merged")
     _, checkpoint = open_checkpoint(ck.path)
@@ -144,8 +158,8 @@ def test_merged_model_has_peft_logits_in_transformers(case, saved, hf_dir, tmp_p
     # targeted weights are W + (alpha / r)·B·A, everything else is the base's to the bit
     base, ours = _state(hf_dir), _state(merged)
     assert sorted(base) == sorted(ours)
-    targeted = {f"{lora.hf_module(layer, t)}.weight": (layer, t)
-                for layer in range(checkpoint.num_layers) for t in checkpoint.targets}
+    targeted = {f"{lora.hf_module(layer, t)}.weight": (layer, t) for layer, t in checkpoint.modules()}
+    assert ("lm_head.weight" in targeted) == (lora.HEAD in checkpoint.targets)
     for name, weight in base.items():
         if name in targeted:
             a, b = lora.initial_values(read_hf_arch(hf_dir), 4, False, SEED, *targeted[name])
@@ -166,24 +180,31 @@ def test_merge_into_a_dist_checkpoint_base_equals_the_hf_base(saved, hf_dir, tmp
     assert all(torch.equal(from_hf[k], from_dist[k]) for k in from_hf)
 
 
-def test_adapter_directory_starts_a_model_at_another_layout(saved, hf_dir, tmp_path):
+@pytest.mark.parametrize("case", ["tp2_all_linear", "tp2_with_head"])
+def test_adapter_directory_starts_a_model_at_another_layout(case, saved, tmp_path):
     """Saved at TP=2, exported, loaded at PP=2 through attach_lora + load_peft_dir (what
-    actor.lora.init_from does): the same adapter tensors in every shard, the same logits."""
-    ck = saved("tp2_all_linear")
+    actor.lora.init_from does): the same adapter tensors in every shard (lm_head's B padded
+    back with zero rows), the same logits."""
+    ck = saved(case)
     _, checkpoint = open_checkpoint(ck.path)
     adapter = export_peft(checkpoint, str(tmp_path / "adapter"))
     tensors = load_file(os.path.join(adapter, ADAPTER_WEIGHTS))
     results = run_on_ranks(lora_from_peft_body, 2, timeout=300,
-                           args=(hf_dir, 1, 2, ck.targets, TOKENS, adapter))
+                           args=(ck.base, 1, 2, ck.targets, TOKENS, adapter))
     [logits] = [r["logits"] for r in results if r["logits"] is not None]
     assert _rel(logits[..., :VOCAB], ck.logits) <= TOL
     layers = set()
     for r in results:
         for (layer, t, which), shard in r["shards"].items():
             full = tensors[lora.peft_key(layer, t, which)]
-            assert torch.equal(shard, lora.tp_slice(full, lora.tp_shard_dim(t, which), 0, 1))
+            if t == lora.HEAD and which == "B":  # [V_padded, r]: the real rows, then zeros
+                assert torch.equal(shard[:VOCAB], full) and not shard[VOCAB:].any()
+                assert shard.shape[0] > VOCAB
+            else:
+                assert torch.equal(shard, lora.tp_slice(full, lora.tp_shard_dim(t, which), 0, 1))
             layers.add(layer)
-    assert layers == set(range(read_hf_arch(hf_dir).num_layers))
+    expected = set(range(read_hf_arch(ck.base).num_layers))
+    assert layers == expected | ({None} if lora.HEAD in ck.targets else set())
 
 
 def test_a_fully_trained_step_directory_exports_as_before(root, hf_dir, tmp_path):

@@ -244,7 +244,8 @@ class LoRAConfig:
     dropout: float = 0.0
     # Hugging Face names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or
     # "all-linear"; a part of a fused megatron layer adapts only its rows (q_proj alone: the q
-    # rows of linear_qkv).
+    # rows of linear_qkv). "lm_head" (the output layer, actor only, untied models) is apart from
+    # "all-linear", as in peft: [all-linear, lm_head] adapts both.
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     # peft's init: true = A kaiming-uniform, B = 0 (step 0 equals the base model); "gaussian" =
     # A normal(0, 1/r), B = 0; false = both random (tests only: step 0 differs from the base).

@@ -213,6 +213,7 @@ class ModelShape:
     vocab_size: int
     hidden_size: int
     max_position_embeddings: Optional[int] = None  # None: not in config.json, not checked
+    tie_word_embeddings: Optional[bool] = None  # None: not in config.json, not checked
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Optional["ModelShape"]:
@@ -234,7 +235,9 @@ class ModelShape:
                    num_key_value_heads=positive("num_key_value_heads", required=False) or heads,
                    num_layers=positive("num_hidden_layers"), vocab_size=positive("vocab_size"),
                    hidden_size=positive("hidden_size"),
-                   max_position_embeddings=positive("max_position_embeddings", required=False))
+                   max_position_embeddings=positive("max_position_embeddings", required=False),
+                   tie_word_embeddings=(bool(hf["tie_word_embeddings"])
+                                        if "tie_word_embeddings" in hf else None))
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -268,7 +271,7 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         errors += _batch_errors(cfg, actor_world, sets.get("critic")) if batches else []
         errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
         errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
-        errors += _lora_errors(cfg, sets)
+        errors += _lora_errors(cfg, sets, shape)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -496,10 +499,11 @@ def _reward_errors(cfg: Config) -> list[str]:
     return errs
 
 
-def _lora_errors(cfg: Config, sets: dict) -> list[str]:
-    """LoRA settings that could not run: unknown target names, a peft directory that is not
-    one, and, on the actor, a reference that is not the actor's own base model."""
-    from verl_mcore.models.lora import resolve_targets
+def _lora_errors(cfg: Config, sets: dict, shape: Optional[ModelShape]) -> list[str]:
+    """LoRA settings that could not run: unknown target names, lm_head where the output layer
+    is a value head or tied to the embedding, a peft directory that is not one, and, on the
+    actor, a reference that is not the actor's own base model."""
+    from verl_mcore.models.lora import HEAD, resolve_targets
 
     errs = []
     for role in ("actor", "critic"):
@@ -507,9 +511,17 @@ def _lora_errors(cfg: Config, sets: dict) -> list[str]:
         if not lora.enable:
             continue
         try:
-            resolve_targets(lora.target_modules)
+            targets = resolve_targets(lora.target_modules)
         except ValueError as e:
             errs.append(f"{role}.{e}")
+            targets = ()
+        if HEAD in targets and role == "critic":
+            errs.append("critic.lora.target_modules: lm_head: the critic's output layer is its "
+                        "value head, which trains whole; drop lm_head")
+        elif HEAD in targets and shape is not None and shape.tie_word_embeddings:
+            errs.append(f"{role}.lora.target_modules: lm_head is tied to embed_tokens in this "
+                        "model (tie_word_embeddings in its config.json); an adapter on it would "
+                        "untie them in the generation weights and the merged export. Drop lm_head")
         if lora.init_from and not os.path.isfile(os.path.join(lora.init_from, "adapter_config.json")):
             errs.append(f"{role}.lora.init_from={lora.init_from!r}: no adapter_config.json there "
                         "(a peft adapter directory, as PeftModel.save_pretrained writes it)")

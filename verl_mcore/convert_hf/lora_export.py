@@ -51,8 +51,10 @@ from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# A stored adapter key (layers stacked): decoder.layers.<parent>.lora_<linear>.lora_<A|B>.<target>
-_ADAPTER_KEY = re.compile(r"^decoder\.layers\.\w+\.lora_linear_\w+\.lora_([AB])\.(\w+)$")
+# A stored adapter key: decoder.layers.<parent>.lora_<linear>.lora_<A|B>.<target> (layers
+# stacked), or lora_output_layer.lora_<A|B>.lm_head (the output layer's, B with padded rows).
+_ADAPTER_KEY = re.compile(
+    r"^(?:decoder\.layers\.\w+\.lora_linear_\w+|lora_output_layer)\.lora_([AB])\.(\w+)$")
 _MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")  # the rest is optimizer state
 
 
@@ -76,7 +78,7 @@ class LoRACheckpoint:
     reader: DistCheckpointReader
     lora: LoRAConfig  # the checkpoint's actor.lora
     targets: tuple[str, ...]  # HF module names, lora.HF_TARGETS order
-    num_layers: int
+    num_layers: Optional[int]  # None: no decoder layer is adapted (lm_head alone)
     base: Optional[str]  # meta.json's base_weights
     model_path: Optional[str]  # config.yaml's model.path (the run's HF config and tokenizer)
 
@@ -84,19 +86,29 @@ class LoRACheckpoint:
     def scale(self) -> float:
         return self.lora.alpha / self.lora.r
 
-    def adapter(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [r, in], B [out, r] of one module, unsharded, in their stored dtype."""
-        return tuple(self.reader.read(lora_lib.checkpoint_key(layer, target, which))
-                     for which in ("A", "B"))
+    def adapter(self, layer: Optional[int], target: str, vocab_size: Optional[int] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [r, in], B [out, r] of one module, unsharded, in their stored dtype; lm_head's B
+        cut to the HF model's `vocab_size` rows (the checkpoint's are padded)."""
+        a, b = (self.reader.read(lora_lib.checkpoint_key(layer, target, which))
+                for which in ("A", "B"))
+        if target == lora_lib.HEAD:
+            b = b[:vocab_size]
+        return a, b
 
-    def peft_tensors(self) -> dict[str, torch.Tensor]:
-        """{peft_key: tensor} of every adapter."""
+    def modules(self) -> list[tuple[Optional[int], str]]:
+        """(layer, target) of every adapted module, lm_head's layer None."""
+        layers = [(layer, t) for layer in range(self.num_layers or 0) for t in self.targets
+                  if t != lora_lib.HEAD]
+        return layers + ([(None, lora_lib.HEAD)] if lora_lib.HEAD in self.targets else [])
+
+    def peft_tensors(self, vocab_size: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """{peft_key: tensor} of every adapter (`vocab_size`: the HF model's, for lm_head)."""
         out = {}
-        for layer in range(self.num_layers):
-            for target in self.targets:
-                a, b = self.adapter(layer, target)
-                out[lora_lib.peft_key(layer, target, "A")] = a
-                out[lora_lib.peft_key(layer, target, "B")] = b
+        for layer, target in self.modules():
+            a, b = self.adapter(layer, target, vocab_size)
+            out[lora_lib.peft_key(layer, target, "A")] = a
+            out[lora_lib.peft_key(layer, target, "B")] = b
         return out
 
 
@@ -152,14 +164,14 @@ def open_checkpoint(ckpt: str) -> tuple[DistCheckpointReader, Optional[LoRACheck
         raise ConfigError(f"{config_file}: no actor.lora section (a LoRA run's config has one)")
     lora = from_dict(LoRAConfig, lora_dict, prefix="actor.lora.")
     targets = lora_lib.resolve_targets(lora.target_modules)
-    if set(targets) != set(adapters) or any(
-            set(s) != {"A", "B"} or s["A"][1] != lora.r for s in adapters.values()):
+    if set(targets) != set(adapters) or any(  # A: [L, r, in] stacked, lm_head's [r, h]
+            set(s) != {"A", "B"} or s["A"][-2] != lora.r for s in adapters.values()):
         raise ConfigError(
             f"{config_file}: actor.lora (r={lora.r}, target_modules={list(targets)}) does not "
             f"describe the adapters in {dist_dir} (targets {sorted(adapters)}, A of shape "
             f"{ {t: s.get('A') for t, s in sorted(adapters.items())} }); the checkpoint's files "
             "are not of one run")
-    num_layers = next(iter(adapters.values()))["A"][0]
+    num_layers = next((s["A"][0] for t, s in adapters.items() if t != lora_lib.HEAD), None)
     return reader, LoRACheckpoint(step_dir, reader, lora, targets, num_layers,
                                   meta.get("base_weights"),
                                   ((saved or {}).get("model") or {}).get("path"))
@@ -175,7 +187,7 @@ def export_peft(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None,
     if base is None:
         recorded = ckpt.base
         base = recorded if recorded and _is_hf_dir(recorded) else ckpt.model_path or recorded
-    tensors = ckpt.peft_tensors()
+    tensors = ckpt.peft_tensors(_vocab_size(ckpt, base))
     out = _Output(out_dir, force)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()},
@@ -199,12 +211,11 @@ def export_merged(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None
     release_freed_tensors_to_os()
     groups, meta_src = _base_tensors(base, hf_template)
     arch = read_hf_arch(meta_src)
-    if arch.num_layers != ckpt.num_layers:
+    if ckpt.num_layers is not None and arch.num_layers != ckpt.num_layers:
         raise ConfigError(f"the base {base} has {arch.num_layers} layers, the adapters of "
                           f"{ckpt.step_dir} {ckpt.num_layers}; pass --base with the model the "
                           "run trained")
-    modules = {f"{lora_lib.hf_module(layer, t)}.weight": (layer, t)
-               for layer in range(ckpt.num_layers) for t in ckpt.targets}
+    modules = {f"{lora_lib.hf_module(layer, t)}.weight": (layer, t) for layer, t in ckpt.modules()}
     missing = sorted(set(modules) - {name for entries, _ in groups for name, _, _ in entries})
     if missing:
         raise ConfigError(f"the base {base} has no {missing[:3]}: not the model the adapters of "
@@ -213,7 +224,7 @@ def export_merged(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None
     def merge(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, weight in tensors.items():
             if name in modules:
-                a, b = ckpt.adapter(*modules[name])
+                a, b = ckpt.adapter(*modules[name], vocab_size=weight.shape[0])
                 delta = (b.float() @ a.float()) * ckpt.scale
                 tensors[name] = (weight.float() + delta).to(weight.dtype)
         return tensors
@@ -221,6 +232,22 @@ def export_merged(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None
     merged = [(entries, lambda produce=produce: merge(produce())) for entries, produce in groups]
     return write_hf_dir(out_dir, merged, meta_src, force=force, progress=progress,
                         max_shard_bytes=max_shard_bytes, desc="mcore-to-hf --merge")
+
+
+def _vocab_size(ckpt: LoRACheckpoint, base: Optional[str]) -> Optional[int]:
+    """The HF vocabulary an lm_head adapter is cut to (None when lm_head is not adapted): from
+    the config.json of `base`, the recorded base or the run's model.path, or a dist
+    checkpoint base's stored HF config."""
+    if lora_lib.HEAD not in ckpt.targets:
+        return None
+    for path in (base, ckpt.base, ckpt.model_path):
+        for where in (path, path and os.path.join(path, CKPT_HF_CONFIG_SUBDIR)):
+            if where and _is_hf_dir(where):
+                return read_hf_arch(where).vocab_size
+    raise ConfigError(f"{ckpt.step_dir}: the lm_head adapter's rows are padded, and no "
+                      "config.json of the base model is found to cut them to its vocabulary "
+                      f"(base_weights {ckpt.base}, model.path {ckpt.model_path}); pass --base "
+                      "with the HF directory the run trained")
 
 
 def _base_tensors(base: str, hf_template: Optional[str]) -> tuple[list[HFGroup], str]:

@@ -20,7 +20,10 @@ Sharding, for TP rank t of T (the layer's own TP group):
   B [out, r], which is replicated. With sequence parallelism each rank sees its own tokens only,
   so B's gradient is partial: it is marked `sequence_parallel` and megatron's finalize_model_grads
   sums it over TP, as for the layer norms.
-Under PP each stage holds the adapters of its own layers. Everything else is frozen: no
+- the output layer (target "lm_head", outside "all-linear" as in peft; untied models only) is
+  column-parallel over the vocabulary: B [V_padded / T, r] split, A [r, h] replicated; the
+  padding rows export cut off and load as zeros.
+Under PP each stage holds the adapters of its own layers (the last one, lm_head's). Everything else is frozen: no
 gradients, no fp32 master copy, no optimizer state; DDP and the optimizer see only A and B.
 
 The adapter is a child of the layer's parent (`self_attention.lora_linear_qkv`, `mlp.lora_linear_fc1`),
@@ -30,7 +33,7 @@ from a generator seeded by (seed, layer, part) over the full tensor, then sliced
 starts from the same adapters.
 
 Hugging Face / peft names: `base_model.model.model.layers.{L}.self_attn.q_proj.lora_A.weight`
-[r, in] and `...lora_B.weight` [out, r] (`peft_key`).
+[r, in] and `...lora_B.weight` [out, r], `base_model.model.lm_head.lora_A.weight` (`peft_key`).
 """
 from __future__ import annotations
 
@@ -53,25 +56,33 @@ HF_TARGETS = {
     "gate_proj": ("mlp.linear_fc1", "gate"),
     "up_proj": ("mlp.linear_fc1", "up"),
     "down_proj": ("mlp.linear_fc2", None),
+    "lm_head": ("output_layer", None),
 }
+# peft's name of the output layer: a target of its own, outside "all-linear" (as in peft), held
+# by the last pipeline stage; its adapter's B has the padded vocabulary's rows (split over TP).
+HEAD = "lm_head"
+LAYER_TARGETS = tuple(t for t in HF_TARGETS if t != HEAD)
 # Each megatron linear: its parts in output-row order, and whether it is row-parallel.
 _LINEARS = {
     "self_attention.linear_qkv": (("q_proj", "k_proj", "v_proj"), False),
     "self_attention.linear_proj": (("o_proj",), True),
     "mlp.linear_fc1": (("gate_proj", "up_proj"), False),
     "mlp.linear_fc2": (("down_proj",), True),
+    "output_layer": ((HEAD,), False),
 }
 _HF_PARENT = {"self_attention": "self_attn", "mlp": "mlp"}
 
 
 def resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
-    """The HF module names to adapt, in HF_TARGETS order; "all-linear" is all of them."""
+    """The HF module names to adapt, in HF_TARGETS order. "all-linear" is every linear of the
+    decoder layers; as in peft it leaves out the output layer, which "lm_head" adds."""
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     if "all-linear" in names:
-        if len(names) > 1:
-            raise ValueError(f"lora.target_modules: 'all-linear' already names every linear; "
-                             f"drop the others ({[n for n in names if n != 'all-linear']})")
-        return tuple(HF_TARGETS)
+        others = [n for n in names if n not in ("all-linear", HEAD)]
+        if others:
+            raise ValueError(f"lora.target_modules: 'all-linear' already names every linear of "
+                             f"the layers; drop the others ({others})")
+        return LAYER_TARGETS + ((HEAD,) if HEAD in names else ())
     unknown = [n for n in names if n not in HF_TARGETS]
     if unknown or not names:
         raise ValueError(f"lora.target_modules: {unknown or names} not among the adaptable "
@@ -79,28 +90,38 @@ def resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(t for t in HF_TARGETS if t in names)
 
 
-def part_shapes(arch, target: str) -> tuple[int, int]:
-    """(out, in) of an HF module, unsharded."""
+
+def part_shapes(arch, target: str, vocab_rows: Optional[int] = None) -> tuple[int, int]:
+    """(out, in) of an HF module, unsharded; lm_head's out is `vocab_rows` (the padded
+    vocabulary of the megatron model) or else the HF vocabulary."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
+    if target == HEAD:
+        return (vocab_rows or arch.vocab_size), h
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[target]
 
 
-def hf_module(layer: int, target: str) -> str:
-    """The Hugging Face causal LM's name of a targeted module (its weight: `<name>.weight`)."""
+def hf_module(layer: Optional[int], target: str) -> str:
+    """The Hugging Face causal LM's name of a targeted module (its weight: `<name>.weight`);
+    lm_head has no layer."""
+    if target == HEAD:
+        return HEAD
     parent = _HF_PARENT[HF_TARGETS[target][0].split(".")[0]]
     return f"model.layers.{layer}.{parent}.{target}"
 
 
-def peft_key(layer: int, target: str, which: str) -> str:
+def peft_key(layer: Optional[int], target: str, which: str) -> str:
     """peft's name of an adapter tensor on a Hugging Face causal LM (`which`: "A" or "B")."""
     return f"base_model.model.{hf_module(layer, target)}.lora_{which}.weight"
 
 
-def checkpoint_key(layer: int, target: str, which: str) -> str:
+def checkpoint_key(layer: Optional[int], target: str, which: str) -> str:
     """The adapter tensor's name in a dist checkpoint (LoRAAdapter.sharded_state_dict under its
-    layer, stored whole whatever the TP/PP: convert_hf's DistCheckpointReader.read takes it)."""
+    layer, or the model for lm_head; stored whole whatever the TP/PP: convert_hf's
+    DistCheckpointReader.read takes it)."""
+    if target == HEAD:
+        return f"lora_output_layer.lora_{which}.{HEAD}"
     parent, child = HF_TARGETS[target][0].split(".")
     return f"decoder.layers.{layer}.{parent}.lora_{child}.lora_{which}.{target}"
 
@@ -119,11 +140,12 @@ def _generator(seed: int, layer: int, target: str, which: str) -> torch.Generato
     return g
 
 
-def initial_values(arch, r: int, init, seed: int, layer: int, target: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def initial_values(arch, r: int, init, seed: int, layer: Optional[int], target: str,
+                   vocab_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Full fp32 A [r, in], B [out, r] as peft initialises them (`init`: True, "gaussian" or
-    False), from a generator of their own: the same values at every layout."""
-    out, inp = part_shapes(arch, target)
+    False), from a generator of their own: the same values at every layout (lm_head's padding
+    rows, which differ with TP, come after the real ones)."""
+    out, inp = part_shapes(arch, target, vocab_rows)
     a, b = torch.empty(r, inp), torch.zeros(out, r)
     if init == "gaussian":
         torch.nn.init.normal_(a, std=1.0 / r, generator=_generator(seed, layer, target, "A"))
@@ -150,11 +172,12 @@ class LoRAAdapter(torch.nn.Module):
     column-parallel layer; [s(/TP), b, out] for a row-parallel one).
     """
 
-    def __init__(self, linear: torch.nn.Module, linear_name: str, layer: int, targets: Sequence[str],
-                 arch, *, r: int, alpha: float, dropout: float, init, seed: int):
+    def __init__(self, linear: torch.nn.Module, linear_name: str, layer: Optional[int],
+                 targets: Sequence[str], arch, *, r: int, alpha: float, dropout: float, init,
+                 seed: int):
         super().__init__()
         parts, self.row_parallel = _LINEARS[linear_name]
-        self.linear_name, self.layer = linear_name, layer
+        self.linear_name, self.layer = linear_name, layer  # layer: None for the output layer
         self.parts = tuple(parts)
         self.targets = tuple(t for t in parts if t in targets)
         self.r, self.scale, self.dropout = r, alpha / r, dropout
@@ -162,13 +185,15 @@ class LoRAAdapter(torch.nn.Module):
         self.tp_group = linear.tp_group
         self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.num_groups = arch.num_kv_heads // self.tp_size  # KV groups of this rank's qkv rows
-        self.out_local = {t: part_shapes(arch, t)[0] // (1 if self.row_parallel else self.tp_size)
-                          for t in self.parts}
         weight = linear.weight
+        # The output layer's rows: the vocabulary as padded for this model (and TP).
+        self.vocab_rows = weight.shape[0] * self.tp_size if linear_name == "output_layer" else None
+        self.out_local = {t: part_shapes(arch, t, self.vocab_rows)[0]
+                          // (1 if self.row_parallel else self.tp_size) for t in self.parts}
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         for t in self.targets:
-            a, b = initial_values(arch, r, init, seed, layer, t)
+            a, b = initial_values(arch, r, init, seed, layer, t, self.vocab_rows)
             for which, full, store in (("A", a, self.lora_A), ("B", b, self.lora_B)):
                 dim = tp_shard_dim(t, which)
                 p = torch.nn.Parameter(tp_slice(full, dim, self.tp_rank, self.tp_size)
@@ -261,7 +286,11 @@ class LoRAAdapter(torch.nn.Module):
                     if key not in tensors:
                         raise KeyError(f"lora: the adapter has no {key!r}")
                     full = tensors[key]
-                    want = (self.r, part_shapes_of(self, t)[1]) if which == "A" else (part_shapes_of(self, t)[0], self.r)
+                    out, inp = part_shapes_of(self, t)
+                    if t == HEAD and which == "B" and full.shape[0] < out:
+                        # peft's lm_head has the HF vocabulary's rows; ours adds the padding.
+                        full = F.pad(full, (0, 0, 0, out - full.shape[0]))
+                    want = (self.r, inp) if which == "A" else (out, self.r)
                     if tuple(full.shape) != want:
                         raise ValueError(f"lora: {key} is {tuple(full.shape)}, this model's is {want}")
                     shard = tp_slice(full, tp_shard_dim(t, which), self.tp_rank, self.tp_size)
@@ -345,7 +374,7 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
             raise ValueError("lora: mixture-of-experts layers are not supported (layer "
                              f"{layer} has no dense mlp.linear_fc1); set lora.enable=false")
         for linear_name, (parts, _) in _LINEARS.items():
-            mine = [t for t in parts if t in targets]
+            mine = [t for t in parts if t in targets and t != HEAD]
             if not mine:
                 continue
             parent_name, child = linear_name.split(".")
@@ -356,13 +385,28 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
                     f"lora: layer {layer}'s {linear_name} is a {type(linear).__name__}; LoRA "
                     "adapts megatron's own ColumnParallelLinear / RowParallelLinear (the local "
                     "layer spec: build_gpt_model(use_te=False))")
-            adapter = LoRAAdapter(linear, linear_name, layer, mine, arch, r=lora.r,
-                                  alpha=lora.alpha, dropout=lora.dropout,
-                                  init=lora.init_lora_weights, seed=seed)
-            parent.add_module(f"lora_{child}", adapter)
-            linear.register_forward_hook(_hook(adapter))
-            adapters.append(adapter)
+            adapters.append(_adapt(parent, child, linear, linear_name, layer, mine, arch, lora, seed))
+    if HEAD in targets and getattr(model, "post_process", False):
+        if "output_layer" in trainable:
+            raise ValueError("lora.target_modules: lm_head on a model whose output layer trains "
+                             "whole (a critic's value head); drop lm_head")
+        if getattr(model, "share_embeddings_and_output_weights", False):
+            raise ValueError("lora.target_modules: lm_head is tied to embed_tokens in this model "
+                             "(tie_word_embeddings); an adapter on it would untie them in the "
+                             "generation weights and the merged export. Drop lm_head")
+        adapters.append(_adapt(model, "output_layer", model.output_layer, "output_layer", None,
+                               [HEAD], arch, lora, seed))
     return adapters
+
+
+def _adapt(parent, child, linear, linear_name, layer, targets, arch, lora, seed) -> LoRAAdapter:
+    """A LoRAAdapter for `parent.<child>`, registered as `parent.lora_<child>` and added to the
+    linear's output by a forward hook."""
+    adapter = LoRAAdapter(linear, linear_name, layer, targets, arch, r=lora.r, alpha=lora.alpha,
+                          dropout=lora.dropout, init=lora.init_lora_weights, seed=seed)
+    parent.add_module(f"lora_{child}", adapter)
+    linear.register_forward_hook(_hook(adapter))
+    return adapter
 
 
 def adapters_of(chunks: torch.nn.Module | Iterable[torch.nn.Module]) -> list[LoRAAdapter]:
@@ -388,7 +432,8 @@ def merged_weights(chunks) -> dict[str, LoRAAdapter]:
     """{global weight name (repartition.global_param_names' spelling): its adapter}."""
     out = {}
     for a in adapters_of(chunks):
-        out[f"decoder.layers.{a.layer}.{a.linear_name}.weight"] = a
+        layer = "" if a.layer is None else f"decoder.layers.{a.layer}."
+        out[f"{layer}{a.linear_name}.weight"] = a
     return out
 
 
