@@ -86,23 +86,6 @@ def _batch(num: int, seq: int, vocab: int, seed: int):
     )
 
 
-def _matmul_ceiling(n: int = 8192, repeats: int = 10) -> float:
-    """bf16 dense matmul FLOP/s on random data, median of CUDA-event-timed repeats (same run)."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / sorted(times)[len(times) // 2]
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
@@ -126,6 +109,7 @@ def main(argv=None) -> dict:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from bench.roofline import matmul_ceiling
     from verl_mcore.config.schema import ActorConfig, OptimConfig
     from verl_mcore.distributed import cpu_compat
     from verl_mcore.engine.actor import Actor
@@ -198,7 +182,7 @@ def main(argv=None) -> dict:
     seconds, tokens, flops = rates[len(rates) // 2]  # the median update by achieved FLOP/s
     mean = seconds
     peak = peak_flops()
-    ceiling = _matmul_ceiling() if cuda else None
+    ceiling = matmul_ceiling() if cuda else None
     result = {
         "shape": args.shape, "lora_r": args.lora, "seq": args.seq, "samples": args.samples, "tokens_per_update": tokens,
         "micro_batches": n_micro, "max_tokens": actor_cfg.max_tokens_per_microbatch, "dtype": args.dtype,

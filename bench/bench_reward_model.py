@@ -12,7 +12,7 @@ at most --max-tokens tokens (`RewardModelScorer.score`: forward only, the value 
 sequence's last token). Each of --iters calls after --warmup gets a fresh random batch and is
 timed with CUDA events (CPU: perf_counter); the median is reported, with the forward FLOPs per
 second against the dense bf16 matmul ceiling measured in the same run (bench_actor's
-_matmul_ceiling; CPU: engine/flops.py's fp32 one).
+bench/roofline.matmul_ceiling; CPU: engine/flops.py's fp32 one).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def _timed(fn):
 
 
 def main(argv=None) -> dict:
-    from bench.bench_actor import _init_single_rank, _matmul_ceiling
+    from bench.bench_actor import _init_single_rank
+    from bench.roofline import matmul_ceiling
     from bench.grpo_common import make_model_dir
     from verl_mcore import build
     from verl_mcore.config import Config
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
     median = statistics.median(seconds)
     seq = args.prompt + args.response
     flops = sequence_flops(scorer.engine.config, 1, [seq] * args.samples, training=False)
-    ceiling = _matmul_ceiling() if torch.cuda.is_available() else measured_matmul_ceiling()
+    ceiling = matmul_ceiling() if torch.cuda.is_available() else measured_matmul_ceiling()
     out = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "samples": args.samples, "tokens_per_sample": seq, "seconds_median": median,

@@ -8,7 +8,9 @@ Both generate `batch` x `new_tokens` tokens from the same random `prompt_len`-to
 plain sampling (temperature 1, no top-p/top-k) and forced lengths (no stop token), from the same
 weights (a random HF Qwen2 model, copied into a megatron GPTModel through models/weight_map).
 Each is run once to warm up (CUDA graphs, kernels, allocator), then timed between
-`torch.cuda.synchronize()` calls. Prints tokens/s for both and their ratio, plus one JSON line
+`torch.cuda.synchronize()` calls. Prints tokens/s for both and their ratio, the engine's share of
+the hardware's bound for the setting (bench/roofline.py: weights + KV per decoding step at the
+copy bandwidth, prefill at the matmul ceiling, both measured in this run), plus one JSON line
 (also written to --json).
 
 Needs one CUDA GPU and megatron-core (no TransformerEngine: the local spec with SDPA attention).
@@ -211,6 +213,19 @@ def main(argv=None) -> int:
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "layers": arch.num_layers, "cuda_graphs": not args.no_graphs}
 
+    # The hardware's bound for this setting, from this run's copy bandwidth and matmul ceiling.
+    from bench.roofline import copy_bandwidth, generation_bound, matmul_ceiling
+
+    bw, ceiling = copy_bandwidth(), matmul_ceiling()
+    bound = generation_bound(arch, [args.prompt_len] * args.batch, args.new_tokens, bw, ceiling)
+    result.update(copy_bytes_per_s=bw, matmul_flops_per_s=ceiling, bound_seconds=bound.seconds,
+                  bound_decode_seconds=bound.decode_seconds,
+                  bound_prefill_seconds=bound.prefill_seconds,
+                  bound_tokens_per_s=tokens / bound.seconds)
+    print(f"bound: {tokens / bound.seconds:,.0f} tokens/s (decode {bound.decode_seconds:.3f} s of "
+          f"weights + KV at {bw / 1e12:.2f} TB/s copy bandwidth; prefill {bound.prefill_seconds:.3f} s "
+          f"at {ceiling / 1e12:.0f} TFLOP/s matmul ceiling)")
+
     engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=args.batch,
                           gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs)
     result["fused_decode"] = engine.fused
@@ -222,9 +237,10 @@ def main(argv=None) -> int:
     outs, native_s = timed(lambda: engine.generate(prompt_lists, sp))
     assert all(len(o.token_ids) == args.new_tokens for o in outs)
     result.update(native_seconds=native_s, native_first_call_seconds=cold,
-                  native_tokens_per_s=tokens / native_s, native_stats=engine.last_stats)
+                  native_tokens_per_s=tokens / native_s, native_stats=engine.last_stats,
+                  share_of_bound=bound.seconds / native_s)
     print(f"native engine : {tokens / native_s:10.0f} tokens/s  ({native_s:.2f} s; first call "
-          f"{cold:.2f} s incl. graph capture)")
+          f"{cold:.2f} s incl. graph capture); {bound.seconds / native_s:.0%} of the bound")
 
     for wanted, part in ((args.compare_unfused, lambda: result.update(
             compare_unfused(engine, model, arch, args, prompt_lists, sp, tokens))),

@@ -106,6 +106,7 @@ def rollout_rows(found: dict) -> list[dict]:
             "native_over_hf": _ratio(r["native_tokens_per_s"], r.get("hf_tokens_per_s")),
             "unfused_tokens_per_s": r.get("unfused_tokens_per_s"),
             "first_token_agreement": r.get("first_token_agreement"),
+            "bound_tokens_per_s": r.get("bound_tokens_per_s"), "share_of_bound": r.get("share_of_bound"),
         })
     return rows
 
@@ -218,13 +219,15 @@ def _rollout_md(rows: list[dict]) -> list[str]:
         return []
     table = [[f"{r['batch']} x ({r['prompt_len']} prompt + {r['new_tokens']} new)",
               _f(r["native_tokens_per_s"], ",.0f"), _f(r["hf_tokens_per_s"], ",.0f"),
-              _f(r["native_over_hf"], ".1f", "x"),
+              _f(r["native_over_hf"], ".1f", "x"), _f(r.get("bound_tokens_per_s"), ",.0f"),
+              _f(None if r.get("share_of_bound") is None else 100 * r["share_of_bound"], ".0f", "%"),
               f"{r['layers']} layers, " + ("CUDA graphs" if r["cuda_graphs"] else "no CUDA graphs")
               + (", fused decode" if r["fused_decode"] else ", unfused decode")] for r in rows]
     out = ["Rollout (bench/bench_rollout.py: Qwen2.5-1.5B shape, random weights, bf16, one GPU; "
            "sampling at temperature 1, forced lengths; each timed after a warm-up call):", "",
            markdown_table(["prompts x tokens", "native tokens/s", "transformers tokens/s",
-                           "native / transformers", "settings"], table)]
+                           "native / transformers", "bound tokens/s (same run)",
+                           "share of bound", "settings"], table)]
     notes = []
     for r in rows:
         extra = [f"without the fused decode kernels {r['unfused_tokens_per_s']:,.0f} tokens/s"

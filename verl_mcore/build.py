@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
+from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
 from verl_mcore.models.hub import cache_advice, local_dir
 
 log = logging.getLogger("verl_mcore.build")
@@ -317,13 +318,6 @@ def build_critic(cfg: Config, groups, info: ModelInfo):
                           recompute=c.recompute_activations, lr_decay_steps=steps)
     return Critic(engine, c, mini_batch_size=mini * cfg.rollout.n, ppo_epochs=epochs,
                   agg_mode=cfg.actor.loss_agg_mode, norm_len=float(cfg.data.max_response_length))
-
-
-def unwrap(module):
-    """The bare GPTModel inside DDP / Float16Module wrappers."""
-    while not hasattr(module, "decoder") and hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):

@@ -56,8 +56,9 @@ def test_entry_from_the_h200_runs(tmp_path):
     assert any(line.startswith("- not in this run: kernels.json") for line in head)
 
     assert table_rows(entry, "prompts x tokens") == [
-        ["128 x (256 prompt + 256 new)", "22,666", "1,273", "17.8x", "28 layers, CUDA graphs, fused decode"],
-        ["64 x (1024 prompt + 1024 new)", "12,715", "785", "16.2x", "28 layers, CUDA graphs, fused decode"],
+        # runs from before bench/roofline.py: no bound recorded
+        ["128 x (256 prompt + 256 new)", "22,666", "1,273", "17.8x", "", "", "28 layers, CUDA graphs, fused decode"],
+        ["64 x (1024 prompt + 1024 new)", "12,715", "785", "16.2x", "", "", "28 layers, CUDA graphs, fused decode"],
     ]
     assert "| shape | seq | samples | micro-batch token budget | tokens/s | TFLOP/s | MFU vs 989 peak | " \
            "vs measured matmul ceiling | peak GiB |" in entry
@@ -96,6 +97,13 @@ def test_goals_follow_the_numbers(tmp_path):
         "trl_grpo.json": {"step": {"seconds": 5 * 28.16823255999998}},
     })
     assert [g["met"] for g in summary["goals"]] == [True, False, True]
+
+
+def test_the_rollout_share_of_the_bound_is_in_the_table(tmp_path):
+    entry, _ = render(tmp_path, edit={"rollout.json": {"bound_tokens_per_s": 82_500.0,
+                                                       "share_of_bound": 22666 / 82_500}})
+    row = table_rows(entry, "prompts x tokens")[0]
+    assert row[4:6] == ["82,500", "27%"]
 
 
 def test_missing_parts_are_listed_and_their_goals_not_measured(tmp_path):

@@ -33,10 +33,9 @@ from verl_mcore.engine.logprobs import response_logprobs
 
 
 def _model_vocab(engine: MegatronEngine) -> int:
-    module = engine.model[0]
-    while not hasattr(module, "vocab_size") and hasattr(module, "module"):
-        module = module.module
-    return int(module.vocab_size)
+    from verl_mcore.models.gpt import unwrap
+
+    return int(unwrap(engine.model[0]).vocab_size)
 
 
 def loss_mask(mb) -> torch.Tensor:

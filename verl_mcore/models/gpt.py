@@ -22,6 +22,13 @@ from verl_mcore.models.rope import install_packed_rope, install_rope
 from verl_mcore.models.weight_map import ROLES
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def have_transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401

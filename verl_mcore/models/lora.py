@@ -306,12 +306,6 @@ def part_shapes_of(adapter: LoRAAdapter, target: str) -> tuple[int, int]:
     return out, inp
 
 
-def _bare(module: torch.nn.Module) -> torch.nn.Module:
-    while not hasattr(module, "decoder") and hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def _hook(adapter: LoRAAdapter):
     def add_adapter(linear, args, output):
         if not adapter.enabled:
@@ -362,7 +356,9 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
     targets = resolve_targets(lora.target_modules)
     if lora.r < 1:
         raise ValueError(f"lora.r must be at least 1, got {lora.r}")
-    model = _bare(model)
+    from verl_mcore.models.gpt import unwrap
+
+    model = unwrap(model)
     model.requires_grad_(False)
     for name in trainable:
         if hasattr(model, name):

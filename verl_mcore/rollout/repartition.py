@@ -26,20 +26,15 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from verl_mcore.models.gpt import unwrap
 from verl_mcore.models.weight_map import ParamMap, tp_merge
 
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and not hasattr(module, "decoder"):
-        module = module.module
-    return module
-
-
 def global_param_names(chunk: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters of one model chunk keyed by layout-independent names (global layer index)."""
-    model = _unwrap(chunk)
+    model = unwrap(chunk)
     out = {}
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
@@ -58,8 +53,8 @@ def check_same_padded_vocab(train_chunks: Iterable[torch.nn.Module], gen_model: 
     """Refuse, before any weight moves, a generation model whose padded vocabulary differs from
     the training model's: only equal sizes let TP_t vocabulary shards concatenate into TP_g ones
     (otherwise the copy fails on a shape mid-way, or a padding row lands on a real id)."""
-    train = sorted({_unwrap(c).vocab_size for c in train_chunks})
-    gen = _unwrap(gen_model).vocab_size
+    train = sorted({unwrap(c).vocab_size for c in train_chunks})
+    gen = unwrap(gen_model).vocab_size
     if train != [gen]:
         raise ValueError(
             f"repartition: the generation model pads the vocabulary to {gen} rows, the training "

@@ -1,0 +1,36 @@
+"""bench/roofline.py's bound: the arithmetic behind each rollout's "share of bound"."""
+import pytest
+
+from bench.bench_actor import _arch
+from bench.roofline import generation_bound, kv_bytes_per_token, weight_bytes
+
+ARCH = _arch("1.5b", 4096)  # Qwen2.5-1.5B: tied embeddings, QKV bias
+
+
+def test_the_shapes_bytes():
+    assert kv_bytes_per_token(ARCH) == 28672  # 2 · 28 layers · 2 KV heads · 128 · 2 bytes
+    # 1,543,714,304 parameters (Qwen2.5-1.5B, tied), the input embedding's rows aside: its
+    # matrix is the output layer's, read once.
+    assert weight_bytes(ARCH) == 2 * 1_543_714_304
+
+
+@pytest.mark.parametrize("batch,prompt,new,tokens_per_s", [
+    (128, 256, 256, 82_000), (64, 1024, 1024, 40_000), (512, 512, 512, 97_000)])
+def test_the_issue_bounds_at_4_2_tb_s(batch, prompt, new, tokens_per_s):
+    """The bounds issue 22 quotes (H200: ~4.2 TB/s copy, ~750 TFLOP/s bf16 matmul)."""
+    bound = generation_bound(ARCH, [prompt] * batch, new, 4.2e12, 750e12)
+    assert batch * new / bound.seconds == pytest.approx(tokens_per_s, rel=0.06)
+
+
+def test_sequences_leave_the_decode_when_done():
+    """Two sequences, 3 and 1 new tokens after prompts of 4 and 6. The second's one token comes
+    from its prefill, so no decoding step reads its cache; the first's are read at 5 and 6
+    tokens. With 3 new tokens each, both are read in both steps."""
+    bw = 1e12
+    b = generation_bound(ARCH, [4, 6], [3, 1], bw, 1e15)
+    kv = kv_bytes_per_token(ARCH)
+    assert b.decode_steps == 2
+    assert b.decode_seconds == pytest.approx((2 * weight_bytes(ARCH) + kv * (5 + 6)) / bw)
+    same = generation_bound(ARCH, [4, 6], 3, bw, 1e15)
+    assert same.prefill_seconds == b.prefill_seconds
+    assert same.decode_seconds == pytest.approx((2 * weight_bytes(ARCH) + kv * (5 + 6 + 7 + 8)) / bw)
