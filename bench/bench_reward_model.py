@@ -11,8 +11,8 @@ scoring --samples sequences of --prompt + --response random tokens in packed mic
 at most --max-tokens tokens (`RewardModelScorer.score`: forward only, the value at each
 sequence's last token). Each of --iters calls after --warmup gets a fresh random batch and is
 timed with CUDA events (CPU: perf_counter); the median is reported, with the forward FLOPs per
-second against the dense bf16 matmul ceiling measured in the same run (bench_actor's
-bench/roofline.matmul_ceiling; CPU: engine/flops.py's fp32 one).
+second against the dense bf16 matmul ceiling measured in the same run
+(bench/roofline.matmul_ceiling; CPU: engine/flops.py's fp32 one).
 """
 from __future__ import annotations
 

@@ -49,25 +49,23 @@ def test_quickstart_reward_rises(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_with_lora_learns(tmp_path):
-    """actor.lora.enable=true on the quickstart: the adapters alone raise the reward. Its tiny
-    model is made with weights of std 0.08: at transformers' default 0.02 the frozen head turns
-    a unit-RMS hidden state into logits of at most ~1.3 (|row| 0.16 × |h| 8), which caps what
-    any adapter below it can do (measured: 0.02 -> 0.03 in 120 steps). At 0.08 the
-    full-parameter run goes 0.04 -> 0.98 in 100 steps, LoRA (r=8, lr 1e-2) 0.04 -> 0.2 in 60:
-    slower, as adapters on 2 layers of width 64 are, but rising steadily."""
-    from tools.make_tiny_model import make_tiny_model
-
-    model = make_tiny_model(str(tmp_path / "model"), initializer_range=0.08)
-    run = subprocess.run(_cmd(model, tmp_path / "run", "trainer.total_steps=60",
+def test_quickstart_with_lora_learns(tiny_model, tmp_path):
+    """actor.lora.enable=true on the quickstart (its config's lora section: r=16, alpha=16 on
+    every linear and lm_head, lr 2e-3): the adapters alone raise the reward on the quickstart's
+    own model. Measured over the full 300 steps: 0.02 -> 0.96 by steps 280-300 and 0.99 after,
+    where the full-parameter run is at 0.96 by steps 160-180 (without lm_head the frozen head
+    of this std-0.02 model caps the logits near uniform: 0.02 -> 0.03 in 120 steps). Shortened
+    here to 200 steps, at which the score is ~0.35 and rising."""
+    run = subprocess.run(_cmd(tiny_model, tmp_path / "run", "trainer.total_steps=200",
                               "trainer.val_every=0", "checkpoint.save_every=0",
-                              "actor.lora.enable=true", "actor.optim.lr=1e-2"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                              "actor.lora.enable=true"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     scores = [r["critic/score/mean"] for r in _rows(tmp_path / "run")]
-    first, last = sum(scores[:15]) / 15, sum(scores[-15:]) / 15
-    assert first < 0.1 and last > 2.5 * first, (first, last)
-    assert "actor LoRA:" in run.stdout + run.stderr  # the start-up line with its trainable count
+    first, last = sum(scores[:20]) / 20, sum(scores[-20:]) / 20
+    assert first < 0.1 and last > 0.25 and last > 4 * first, (first, last)
+    out = run.stdout + run.stderr
+    assert "actor LoRA:" in out and "lm_head" in out  # the start-up line with its targets
 
 
 def _wait_for_step(run_dir: Path, step: int, proc, timeout: float) -> None:
