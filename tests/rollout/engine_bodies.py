@@ -6,6 +6,7 @@ import torch
 # Prompts of different lengths; more of them than the engine's slots, so finished slots refill.
 PROMPTS = [[5, 17, 42, 99, 7], [3, 200, 11], [150, 151, 152, 153, 154, 155, 9], [77], [12, 240, 8, 31]]
 MAX_NEW = 8
+SAMPLED_CUTS = {"sampled_t1": {}, "sampled_top_k": {"top_k": 20}, "sampled_top_p": {"top_p": 0.9}}
 
 
 def hf_greedy(hf_dir: str, prompts, max_new: int):
@@ -110,6 +111,11 @@ def _engine_body(rank, tp_gen: int, hf_dir: str):
     # Batch invariance: more slots (other batching and slot order) give the same samples.
     wide = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=16)
     res["sampled_wide"] = run(sampled, wide)
+    # Each path of the sampler at temperature 1: the vocabulary-order CDF, top-k, top-p alone
+    # (test_native_engine compares them, and "sampled", between TP_g = 1 and 2).
+    for name, cut in SAMPLED_CUTS.items():
+        res[name] = run(SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3,
+                                       logprobs=True, **cut))
     # Stop tokens: the fourth greedy token of prompt 0 and the last of prompt 1.
     greedy = {o[0]: o[2] for o in res["greedy"]}
     stops = (greedy[0][3], greedy[1][-1])

@@ -15,6 +15,13 @@ def hf_model(tmp_path_factory):
     return out, tokens, logps
 
 
+@pytest.fixture(scope="module")
+def one_rank(hf_model):
+    """The engine body at TP_g = 1 (also the reference for TP_g = 2's seeded samples)."""
+    [res] = run_on_ranks(eb.engine_body, 1, args=(hf_model[0], 1), timeout=240)
+    return res
+
+
 def _check_engine(res, hf_tokens, hf_logps):
     greedy = sorted(res["greedy"])
     assert [g[2] for g in greedy] == hf_tokens
@@ -52,17 +59,25 @@ def _check_engine(res, hf_tokens, hf_logps):
 
 
 @pytest.mark.distributed
-def test_native_engine_one_rank(hf_model):
-    hf_dir, tokens, logps = hf_model
-    [res] = run_on_ranks(eb.engine_body, 1, args=(hf_dir, 1), timeout=240)
-    _check_engine(res, tokens, logps)
+def test_native_engine_one_rank(hf_model, one_rank):
+    _, tokens, logps = hf_model
+    _check_engine(one_rank, tokens, logps)
 
 
 @pytest.mark.distributed
-def test_native_engine_tp2_identical_ranks(hf_model):
+def test_native_engine_tp2_identical_ranks(hf_model, one_rank):
     hf_dir, tokens, logps = hf_model
     results = run_on_ranks(eb.engine_body, 2, args=(hf_dir, 2), timeout=240)
     _check_engine(results[0], tokens, logps)
+    # The vocab-parallel sampler draws the tokens TP_g = 1 draws under the same seeds (top-k and
+    # top-p, top-k alone, top-p alone, neither); the log-probs differ by the float rounding of
+    # the TP_g = 2 model's reductions.
+    for name in ["sampled", "sampled_other_seed", *eb.SAMPLED_CUTS]:
+        ours, ref = results[0][name], one_rank[name]
+        assert [o[:3] for o in ours] == [o[:3] for o in ref], name
+        if ref[0][3] is not None:
+            diff = max(abs(a - b) for x, y in zip(ours, ref) for a, b in zip(x[3], y[3]))
+            assert diff < 1e-5, (name, diff)
     assert [o[2] for o in results[0]["greedy_sequence_parallel"]] == tokens
     assert results[0]["sequence_parallel_restored"] and results[0]["sequence_parallel_flags"] > 10
     assert results[0]["mismatch_error"] is True and results[0]["mismatch_invalid_error"] is True

@@ -16,9 +16,11 @@ their cache rows copied), then every decoding step advances all slots by one tok
 samples a stop token or reaches max_new_tokens frees its slot for the next waiting one. Each slot
 has its own position and cache length; attention masks keys beyond a slot's length.
 
-Sampling: the vocab-parallel logits are all-gathered within the generation TP group, padding rows
-(ids >= the real vocabulary) are cut, and `sampling.sample` picks tokens with counter-based random
-numbers; TP rank 0's tokens are broadcast so every rank of the group continues with the same ones.
+Sampling: `sampling.sample` picks tokens with counter-based random numbers from the logits of the
+real vocabulary (padding ids >= it cut). Under TP_g > 1 the vocab-parallel logits are not gathered:
+`tp_sampling.sample_vocab_parallel` draws from the shards the tokens `sample` would draw (up to float
+rounding at CDF boundaries), exchanging a few numbers per sequence within the generation TP group;
+every rank of the group gets the same tokens.
 
 On CUDA the decode step (embedding .. logits) is captured in CUDA graphs: small-batch decoding is
 otherwise dominated by per-kernel launch overhead. With the csrc/ extension the step also runs
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 
 from verl_mcore.ops import decode as decode_ops
 from verl_mcore.rollout import sampling as sampling_mod
+from verl_mcore.rollout import tp_sampling
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 
 # Attention over the cache covers a multiple of this many positions (CUDA graph buckets).
@@ -273,7 +276,6 @@ class NativeEngine(RolloutEngine):
             raise ValueError(f"NativeEngine: vocab_size {vocab_size} exceeds the model's padded "
                              f"vocabulary {padded}")
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
-        self.tp_src = dist.get_global_rank(self.tp_group, 0) if self.tp_group is not None else None
         self.repartitioner = repartitioner
         self.keep_weights_buffer = keep_weights_buffer
         self.max_num_seqs = max_num_seqs
@@ -380,14 +382,6 @@ class NativeEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- forward passes
 
-    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
-        """[b, V_local] -> [b, vocab_size] (full, padding cut) on every rank of the group."""
-        if self.tp_group is not None:
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.tp_group))]
-            dist.all_gather(parts, local.contiguous(), group=self.tp_group)
-            local = torch.cat(parts, dim=-1)
-        return local[:, : self.vocab_size]
-
     def _prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
         """Run `prompts` (right-padded, causal) into cache `slots`; logits of each prompt's last
         token [n, V_local]."""
@@ -481,12 +475,15 @@ class NativeEngine(RolloutEngine):
 
     def _pick(self, logits_local: torch.Tensor, sp: SamplingParams, u: Optional[np.ndarray]
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Sample from vocab-parallel logits; TP rank 0's tokens win (identical on all ranks)."""
-        full = self._gather_vocab(logits_local)
-        u_t = None if u is None else torch.from_numpy(u).to(full.device)
-        tokens = sampling_mod.sample(full, sp.temperature, sp.top_p, sp.top_k, u_t)
+        """Tokens [b] (and their log-probs) from vocab-parallel logits [b, V_local], the same on
+        every rank of the TP group."""
+        u_t = None if u is None else torch.from_numpy(u).to(logits_local.device)
         if self.tp_group is not None:
-            dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
+            return tp_sampling.sample_vocab_parallel(
+                logits_local, sp.temperature, sp.top_p, sp.top_k, u_t, vocab_size=self.vocab_size,
+                group=self.tp_group, logprobs=sp.logprobs)
+        full = logits_local[:, : self.vocab_size]
+        tokens = sampling_mod.sample(full, sp.temperature, sp.top_p, sp.top_k, u_t)
         logp = sampling_mod.token_logprobs(full, tokens, sp.temperature) if sp.logprobs else None
         return tokens, logp
 
