@@ -195,8 +195,10 @@ def _cases() -> list[Case]:
             "micro_batch_size: 3}, {name: full, type: reward_model, dtype: fp32, path: {model}-rm}]",),
              expect=("reward/half/mean", "reward/full/mean")),
         # LoRA: the reference is the actor's base (adapters off), generation gets merged
-        # weights, the checkpoints hold the adapters only (resumed here).
+        # weights, the checkpoints hold the adapters only (resumed here); lm_head too (the tiny
+        # model is untied), its B over the padded vocabulary.
         Case("lora-grpo", ("actor.lora.enable=true", "actor.lora.init_lora_weights=gaussian",
+                           "actor.lora.target_modules=[all-linear,lm_head]",
                            "actor.use_kl_loss=true", "actor.optim.lr=1e-3"), resume=True,
              expect=("actor/kl_loss", "rollout/logprob_diff_max")),
         Case("lora-ppo-bf16", (GAE, "actor.lora.enable=true", "critic.lora.enable=true",
