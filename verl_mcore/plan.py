@@ -281,12 +281,10 @@ def lora_layer_params(dims: ModelDims, lora, tp: int) -> int:
     """LoRA adapter parameters of one decoder layer on one TP rank: A [r, in] and B [out, r] of
     each targeted HF module, the one models/lora.tp_shard_dim names split over TP (B of a
     column-parallel module, A of a row-parallel one), the other whole on every rank."""
-    from verl_mcore.models.lora import HEAD, part_shapes, resolve_targets, tp_shard_dim
+    from verl_mcore.models.lora import layer_targets, part_shapes, tp_shard_dim
 
     n = 0
-    for target in resolve_targets(lora.target_modules):
-        if target == HEAD:
-            continue  # the output layer's: lora_head_params
+    for target in layer_targets(lora.target_modules):  # lm_head's: lora_head_params
         out, inp = part_shapes(dims, target)
         n += lora.r * inp // (1 if tp_shard_dim(target, "A") is None else tp)
         n += out // (1 if tp_shard_dim(target, "B") is None else tp) * lora.r
@@ -297,9 +295,9 @@ def lora_head_params(dims: ModelDims, lora, tp: int, divisible_by: Optional[int]
     """The output layer's adapter (lora.target_modules lm_head) on one TP rank of the last
     stage: A [r, h] whole, B [V/t, r] split, V padded as the model's (`divisible_by`; None:
     the HF vocabulary, as peft's)."""
-    from verl_mcore.models.lora import HEAD, resolve_targets
+    from verl_mcore.models.lora import adapts_head
 
-    if HEAD not in resolve_targets(lora.target_modules):
+    if not adapts_head(lora.target_modules):
         return 0
     vocab = padded_vocab(dims, tp, divisible_by) if divisible_by else dims.vocab_size
     return lora.r * (dims.hidden_size + vocab // tp)
@@ -393,13 +391,12 @@ def lora_activation_bytes_per_token_layer(dims: ModelDims, lora, tp: int, sequen
     rank's sequence shard for a row-parallel one under sequence parallelism); with lora.dropout
     the dropped input and its 1-byte mask; under sequence parallelism a column-parallel
     adapter's gathered input, which megatron's own linear does not keep."""
-    from verl_mcore.models.lora import HEAD, HF_TARGETS, part_shapes, resolve_targets, tp_shard_dim
+    from verl_mcore.models.lora import HF_TARGETS, layer_targets, part_shapes, tp_shard_dim
 
     b, s = dtype_bytes, tp if sequence_parallel else 1
     linears: dict[str, list[str]] = {}
-    for target in resolve_targets(lora.target_modules):
-        if target == HEAD:
-            continue  # not a layer's (training_bytes adds it to the last stage's logits)
+    # lm_head's x·Aᵀ is not a layer's: training_bytes adds it to the last stage's logits
+    for target in layer_targets(lora.target_modules):
         linears.setdefault(HF_TARGETS[target][0], []).append(target)
     n = 0
     for parts in linears.values():
@@ -485,9 +482,11 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     out = {"parameters": b * n, "gradients": 4 * trained, "optimizer": optimizer,
            "activations": activations}
     if role == "actor" and stage == pp - 1:
+        from verl_mcore.models.lora import adapts_head
+
         vocab_l = padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by) // tp
         out["logits"] = 2 * 2 * tokens * vocab_l
-        if role in lora_roles(cfg) and lora_head_params(dims, getattr(cfg, role).lora, 1):
+        if role in lora_roles(cfg) and adapts_head(getattr(cfg, role).lora.target_modules):
             out["logits"] += tokens * getattr(cfg, role).lora.r * b  # the lm_head adapter's x·Aᵀ
     return out
 

@@ -23,8 +23,9 @@ Sharding, for TP rank t of T (the layer's own TP group):
 - the output layer (target "lm_head", outside "all-linear" as in peft; untied models only) is
   column-parallel over the vocabulary: B [V_padded / T, r] split, A [r, h] replicated; the
   padding rows export cut off and load as zeros.
-Under PP each stage holds the adapters of its own layers (the last one, lm_head's). Everything else is frozen: no
-gradients, no fp32 master copy, no optimizer state; DDP and the optimizer see only A and B.
+Under PP each stage holds the adapters of its own layers (the last one, lm_head's). Everything
+else is frozen: no gradients, no fp32 master copy, no optimizer state; DDP and the optimizer see
+only A and B.
 
 The adapter is a child of the layer's parent (`self_attention.lora_linear_qkv`, `mlp.lora_linear_fc1`),
 not of the linear: the base weight keeps its name (loaders, the repartition and checkpoints find it
@@ -89,6 +90,15 @@ def resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
                          f"modules {list(HF_TARGETS)} (or 'all-linear')")
     return tuple(t for t in HF_TARGETS if t in names)
 
+
+def layer_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
+    """The targets inside the decoder layers (resolve_targets without lm_head)."""
+    return tuple(t for t in resolve_targets(target_modules) if t != HEAD)
+
+
+def adapts_head(target_modules: str | Sequence[str]) -> bool:
+    """Whether lm_head (the output layer) is among the targets."""
+    return HEAD in resolve_targets(target_modules)
 
 
 def part_shapes(arch, target: str, vocab_rows: Optional[int] = None) -> tuple[int, int]:
@@ -353,7 +363,7 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     fold_frozen_dgrad()
-    targets = resolve_targets(lora.target_modules)
+    targets = layer_targets(lora.target_modules)
     if lora.r < 1:
         raise ValueError(f"lora.r must be at least 1, got {lora.r}")
     from verl_mcore.models.gpt import unwrap
@@ -370,7 +380,7 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
             raise ValueError("lora: mixture-of-experts layers are not supported (layer "
                              f"{layer} has no dense mlp.linear_fc1); set lora.enable=false")
         for linear_name, (parts, _) in _LINEARS.items():
-            mine = [t for t in parts if t in targets and t != HEAD]
+            mine = [t for t in parts if t in targets]
             if not mine:
                 continue
             parent_name, child = linear_name.split(".")
@@ -382,7 +392,7 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
                     "adapts megatron's own ColumnParallelLinear / RowParallelLinear (the local "
                     "layer spec: build_gpt_model(use_te=False))")
             adapters.append(_adapt(parent, child, linear, linear_name, layer, mine, arch, lora, seed))
-    if HEAD in targets and getattr(model, "post_process", False):
+    if adapts_head(lora.target_modules) and getattr(model, "post_process", False):
         if "output_layer" in trainable:
             raise ValueError("lora.target_modules: lm_head on a model whose output layer trains "
                              "whole (a critic's value head); drop lm_head")
