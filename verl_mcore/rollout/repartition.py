@@ -64,6 +64,20 @@ def check_same_padded_vocab(train_chunks: Iterable[torch.nn.Module], gen_model: 
             "(verl_mcore.build.padded_vocab gives the run's size)")
 
 
+def tensor_kind(name: str, gated_linear_unit: bool) -> str:
+    """How a GPTModel tensor is split over TP (the kinds of models/weight_map.py). Read from the
+    name: megatron only marks parameters as tensor-parallel when it initialises them."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return "vocab"
+    if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+        return "qkv"
+    if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")):
+        return "row"
+    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+        return "gate_up" if gated_linear_unit else "qkv"  # qkv: contiguous rows
+    return "replicated"
+
+
 @dataclass
 class RepartitionStats:
     bytes_received: int = 0
@@ -157,7 +171,8 @@ class Repartitioner:
 
     def _catalog(self) -> list[_Entry]:
         """Agree, across the pipeline group, on who owns each generation tensor."""
-        mine = {n: (tuple(p.shape), p.dtype, self._kind(n)) for n, p in self.train_params.items()}
+        mine = {n: (tuple(p.shape), p.dtype, tensor_kind(n, self.gated))
+                for n, p in self.train_params.items()}
         if tie := ("output_layer.weight" not in self.gen_params):
             mine.pop("output_layer.weight", None)  # the last stage's copy of a tied embedding
         all_stages: list = [None] * len(self.pp_ranks)
@@ -170,19 +185,6 @@ class Repartitioner:
                                    f"(tied embeddings: {tie})")
             entries.append(_Entry(name, owners[0], *all_stages[owners[0]][name]))
         return entries
-
-    def _kind(self, name: str) -> str:
-        """How a GPTModel tensor is split over TP (the kinds of models/weight_map.py). Read from the
-        name: megatron only marks parameters as tensor-parallel when it initialises them."""
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            return "vocab"
-        if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
-            return "qkv"
-        if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")):
-            return "row"
-        if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
-            return "gate_up" if self.gated else "qkv"  # qkv: contiguous rows
-        return "replicated"
 
     @torch.no_grad()
     def run(self) -> RepartitionStats:
