@@ -70,10 +70,6 @@ class CrossSetPlan:
         if shared:
             raise ValueError(f"rank(s) {sorted(shared)} are in both the actor and the rollout set")
 
-    @property
-    def replicas(self) -> int:
-        return len(self.rollout_ranks) // self.tp_gen
-
     def actor_rank(self, tp: int, dp: int, pp: int) -> int:
         """The actor set's global rank at these coordinates, CP rank 0 (CP ranks hold the same
         weights; megatron order tp-cp-dp-pp, tp fastest)."""
@@ -140,6 +136,7 @@ class CrossSetTransfer:
         self.buffer = FlatParameterBuffer(gen_model) if self.receives else None
         self.gen_params = global_param_names(gen_model) if self.receives else {}
         self.entries = self._catalog(gated_linear_unit, group)
+        self.routes = [plan.routes(e.owner_stage, e.kind) for e in self.entries]  # fixed per run
 
     def _catalog(self, gated: bool, group) -> list[_Entry]:
         """Every generation tensor in the rollout model's order, with the stage that owns it and
@@ -158,12 +155,11 @@ class CrossSetTransfer:
             raise ValueError(f"cross-set transfer: actor rank(s) {missing} are not in its group")
         entries, problems = [], []
         for name, gen_shape in first.items():
-            owners = sorted({m[name][2] for m in held.values() if name in m})
-            if not owners:
+            copies = [m[name] for m in held.values() if name in m]
+            if not copies:
                 problems.append(f"{name}: no stage of the actor holds it")
                 continue
-            shard, dtype, stage = next(m[name] for m in held.values()
-                                       if name in m and m[name][2] == owners[0])
+            shard, dtype, stage = min(copies, key=lambda c: c[2])  # a tied copy: the first stage's
             kind = tensor_kind(name, gated)
             expected = self.plan.generation_shape(shard, kind)
             if expected != gen_shape:
@@ -192,9 +188,9 @@ class CrossSetTransfer:
         if self.receives:
             self.buffer.restore()
             stats.generation_bytes = self.buffer.nbytes
-        for entry in self.entries:
+        for entry, routes in zip(self.entries, self.routes):
             works, outgoing, incoming = [], {}, []
-            for route in self.plan.routes(entry.owner_stage, entry.kind):
+            for route in routes:
                 if self.rank in route.senders:
                     key = route.piece  # one tensor per piece, shared by the ranks it goes to
                     if key not in outgoing:
