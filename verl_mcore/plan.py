@@ -1,16 +1,20 @@
 """Dry-run planner: layout and per-GPU memory of a config on an allocation, no GPU needed.
 
     python -m verl_mcore.plan --config configs/ppo_llama3_70b.yaml --nodes 8 --gpus-per-node 8 \
-        [--gpu-memory-gb 80] [--host-memory-gb 1000] [--json] [a.b=c ...]
+        [--gpu-memory-gb 80] [--host-memory-gb 1000] [--gpu-kind h100|h200] \
+        [--response-fraction 1.0] [--json] [a.b=c ...]
 
 It validates the config for the world size (the same `config.validate` the trainer runs), prints
 which global ranks form each TP / PP / DP / generation group and on which node they sit, and
 estimates the peak GPU memory of each phase of a step; with LoRA also what trains and what LoRA
-saves at the peak against the same config without it. Exit status: 0 fits, 2 invalid config
-(a size does not divide, ...), 3 a phase does not fit (the message names single knob changes
-that would make it fit, found by re-planning with each). Runs in seconds: it reads the model
-shape from `model.path`'s config.json (a Hub id's from the Hugging Face cache, never downloaded),
-or from KNOWN_SHAPES for a hub id not in the cache.
+saves at the peak against the same config without it. Last, the step-time model of
+verl_mcore/plan_time.py (its docstring has the formulas and the measured rates they use): the
+modelled seconds per step colocated and with a rollout set of its own (placement.rollout, sync
+or rollout.mode=one_step_off), and the fastest layout's lines to paste. Exit status: 0 fits,
+2 invalid config (a size does not divide, ...), 3 a phase does not fit (the message names single
+knob changes that would make it fit, found by re-planning with each). Runs in seconds: it reads
+the model shape from `model.path`'s config.json (a Hub id's from the Hugging Face cache, never
+downloaded), or from KNOWN_SHAPES for a hub id not in the cache.
 
 Memory model (bytes per GPU; P = parameters held by this rank; T = tokens of one micro-batch on
 this rank; t = TP, p = PP, d = DP, c = CP; b = bytes of the model dtype: 2 for bf16/fp16, 4 fp32).
@@ -592,13 +596,16 @@ def _reference_weights(cfg: Config) -> bool:
     return _uses_reference(cfg) and not cfg.actor.lora.enable
 
 
-def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs) -> dict[str, int]:
-    """Per-GPU bytes of the engine's share of the generation phase."""
+def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs,
+                     own_set: bool = False) -> dict[str, int]:
+    """Per-GPU bytes of the engine's share of the generation phase on `world` generation GPUs;
+    `own_set`: a rollout set of its own (placement.rollout), whose weights are always a copy."""
     p, r, d = cfg.parallel, cfg.rollout, cfg.data
     tp_g = r.tensor_parallel_size
     dp_g = world // tp_g
     tp_t, div = p.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by
-    if tp_g == tp_t and p.pipeline_model_parallel_size == 1 and not cfg.actor.lora.enable:
+    if tp_g == tp_t and p.pipeline_model_parallel_size == 1 and not cfg.actor.lora.enable \
+            and not own_set:
         weights = 0  # the training layout already is the generation layout
     else:  # bf16, every layer of this rank's TP_g slice, vocabulary padded as training pads it;
         # with LoRA always a copy of its own, holding the merged W + (alpha/r)·B·A
@@ -1034,11 +1041,46 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="keep gradients and optimizer states on the GPU in every phase: the same as "
                          "trainer.offload_between_phases=false (default: the config's setting; auto "
                          "offloads only when a phase would not fit otherwise)")
+    ap.add_argument("--gpu-kind", choices=["h100", "h200"], default=None,
+                    help="hardware rates for the step-time model and its rollout split "
+                         "(verl_mcore/plan_time.py; default: h200 above 100 GiB per GPU, else h100)")
+    ap.add_argument("--response-fraction", type=float, default=1.0,
+                    help="mean response length / data.max_response_length for the step-time "
+                         "model (1.0: every response runs to the limit)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--full", action="store_true",
                     help="list every group and node (default: the first 8 of each)")
     ap.add_argument("overrides", nargs="*", metavar="a.b.c=value")
-    return ap.parse_intermixed_args(argv)
+    args = ap.parse_intermixed_args(argv)
+    if not 0 < args.response_fraction <= 1:
+        ap.error(f"--response-fraction {args.response_fraction}: give a number in (0, 1]")
+    return args
+
+
+def rollout_split(cfg: Config, dims: ModelDims, world: int, knobs: Knobs,
+                  args: argparse.Namespace) -> dict:
+    """The step-time model's layouts and recommendation (plan_time.py): {"text", "json"}. A
+    recommended rollout set is checked with config.validate once the schema has
+    placement.rollout."""
+    from verl_mcore import plan_time
+
+    kind = args.gpu_kind or ("h200" if knobs.gpu_memory_gib > 100 else "h100")
+    hw = plan_time.HARDWARE[kind]
+    why = plan_time.not_modelled(cfg)
+    if why:
+        return {"text": f"Rollout / training split: not modelled: {why}", "json": {"not_modelled": why}}
+    cands = plan_time.splits(cfg, dims, world, knobs, hw, args.response_fraction)
+    text = plan_time.split_report(cfg, cands, hw, args.response_fraction)
+    best = plan_time.recommend(cands)
+    if best is not None and not best.colocated and hasattr(cfg.placement, "rollout"):
+        try:
+            validate(Config.load(args.config, args.overrides + best.overrides().split()),
+                     world, dims.shape(), knobs.gpus_per_node)
+        except ConfigError as e:
+            text += f"\n  config.validate rejects the recommended layout: {e}"
+    return {"text": text, "json": {"hardware": asdict(hw), "response_fraction": args.response_fraction,
+                                   "candidates": [s.as_dict() for s in cands],
+                                   "recommended": best.as_dict() if best else None}}
 
 
 def main(argv=None) -> int:
@@ -1064,10 +1106,11 @@ def main(argv=None) -> int:
     lora = lora_savings(cfg, dims, world, knobs, memory) if lora_roles(cfg) else None
     knobs = replace(knobs, offload=offload)
     bad = misfits(memory, knobs)
+    split = rollout_split(cfg, dims, world, knobs, args)
     if args.json:
         print(json.dumps({"world_size": world, "nodes": nodes, "gpus_per_node": gpn,
                           "model": asdict(dims), "offload": {"enabled": offload, "why": offload_why},
-                          "memory": memory, "does_not_fit": bad}
+                          "memory": memory, "does_not_fit": bad, "rollout_split": split["json"]}
                          | ({"lora": lora} if lora else {}), indent=1))
     else:
         names = None
@@ -1087,6 +1130,7 @@ def main(argv=None) -> int:
             print(f"LoRA saves {lora['saved_bytes'] / GiB:.1f} GiB per GPU at the peak: "
                   f"{lora['peak_phase']} {lora['peak_bytes'] / GiB:.1f} GiB, without LoRA "
                   f"{lora['peak_phase_without']} {lora['peak_bytes_without'] / GiB:.1f} GiB")
+        print(split["text"])
     if bad:
         found = suggest(cfg, args.overrides, args.config, dims, world, nodes, knobs, bad)
         msg = [f"plan: does not fit: {', '.join(bad)} on {knobs.gpu_memory_gib:g} GiB GPUs"
