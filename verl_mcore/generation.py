@@ -8,6 +8,11 @@ generate, and put the engine back to sleep so training gets its memory.
 The weight-sync check compares the engine's log-probs of a few freshly sampled sequences with the
 actor's own (training-layout, any PP) log-probs of the same tokens; a broken repartition stops
 the run with `rollout/logprob_diff_max` in the message instead of training on another model.
+
+With a rollout set of its own (placement.rollout) the phase is split over two sets: the rollout
+ranks hold the engine (`RolloutSetPhase`: its weights arrive through rollout/cross_set.py), the
+actor ranks send them (`WeightSender`), and the weight-sync check runs across the two
+(rollout/sync_check.check_across_sets). Both sides call begin / end together.
 """
 from __future__ import annotations
 
@@ -31,22 +36,31 @@ class GenerationPhase:
         self.awake = False
 
     def begin(self, step: int, prompts: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
+        """Wake the engine and bring it the actor's weights; with `prompts`, the weight-sync
+        check on a few of them."""
         self.engine.wake()
         self.awake = True
         metrics = dict(self.engine.load_weights())
-        check = self.cfg.logprob_check
-        if check.enable and prompts is not None:
-            from verl_mcore.rollout.sync_check import check_weight_sync
-
-            length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
-            sampling = SamplingParams(n=1, temperature=self.cfg.temperature, top_p=1.0, top_k=-1,
-                                      max_new_tokens=length, stop_token_ids=self.eos,
-                                      seed=self.cfg.seed + 7919 * step + self.groups.gen_dp_rank,
-                                      logprobs=True)
-            metrics.update(check_weight_sync(self.engine, self.actor_logprobs,
-                                             list(prompts)[:check.num_sequences], sampling,
-                                             check.max_abs_diff, group=self._set_group()))
+        if self.cfg.logprob_check.enable and prompts is not None:
+            metrics.update(self.check(step, list(prompts)[:self.cfg.logprob_check.num_sequences]))
         return metrics
+
+    def check_sampling(self, step: int) -> SamplingParams:
+        """How the weight-sync check samples (short responses, every token's log-prob)."""
+        check = self.cfg.logprob_check
+        length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
+        return SamplingParams(n=1, temperature=self.cfg.temperature, top_p=1.0, top_k=-1,
+                              max_new_tokens=length, stop_token_ids=self.eos,
+                              seed=self.cfg.seed + 7919 * step + self.groups.gen_dp_rank,
+                              logprobs=True)
+
+    def check(self, step: int, prompts) -> dict[str, float]:
+        """The weight-sync check against the actor on these ranks (rollout/sync_check.py)."""
+        from verl_mcore.rollout.sync_check import check_weight_sync
+
+        return check_weight_sync(self.engine, self.actor_logprobs, prompts,
+                                 self.check_sampling(step), self.cfg.logprob_check.max_abs_diff,
+                                 group=self._set_group())
 
     def generate(self, prompt_ids, sampling: SamplingParams):
         assert self.awake, "GenerationPhase.generate outside begin()/end()"
@@ -87,18 +101,120 @@ def build_generation_phase(cfg, groups, info, actor) -> GenerationPhase:
 
     r = cfg.rollout
     model, repartitioner = build_generation_model(cfg, groups, info, actor)
+    engine = _engine(cfg, groups, info, model, repartitioner)
+    return GenerationPhase(engine, actor, groups, r, info.eos_token_ids,
+                           cfg.data.max_response_length, info.pad_token_id)
+
+
+def _engine(cfg, groups, info, model, repartitioner):
+    """The engine named by rollout.engine over `model` (the generation layout's weights, which
+    `repartitioner` fills) on `groups`' generation TP group."""
+    r = cfg.rollout
     if r.engine == "vllm":
         from verl_mcore.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine.from_config(cfg, groups, info, model, repartitioner)
-    else:
-        from verl_mcore.rollout.native import NativeEngine
+        return VLLMEngine.from_config(cfg, groups, info, model, repartitioner)
+    from verl_mcore.rollout.native import NativeEngine
 
-        engine = NativeEngine(model, vocab_size=info.arch.vocab_size,
-                              tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
-                              repartitioner=repartitioner,
-                              keep_weights_buffer=r.keep_weights_buffer,
-                              max_num_seqs=r.max_num_seqs,
-                              gpu_memory_utilization=r.gpu_memory_utilization)
-    return GenerationPhase(engine, actor, groups, r, info.eos_token_ids,
-                           cfg.data.max_response_length, info.pad_token_id)
+    return NativeEngine(model, vocab_size=info.arch.vocab_size,
+                        tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
+                        repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
+                        max_num_seqs=r.max_num_seqs,
+                        gpu_memory_utilization=r.gpu_memory_utilization)
+
+
+class _CrossSetCheck:
+    """check_across_sets' arguments that do not change from step to step."""
+
+    def __init__(self, cfg, place, info):
+        self.max_abs_diff = cfg.rollout.logprob_check.max_abs_diff
+        self.kwargs = dict(link=place.link, rollout_groups=place.groups["rollout"],
+                           rollout_leader=place.placement.leader("rollout"),
+                           actor_leader=place.placement.leader("actor"),
+                           vocab_size=info.arch.vocab_size, pad_token_id=info.pad_token_id)
+
+    def __call__(self, engine, actor, prompts, sampling) -> dict[str, float]:
+        from verl_mcore.rollout.sync_check import check_across_sets
+
+        return check_across_sets(engine, actor, prompts, sampling, self.max_abs_diff,
+                                 **self.kwargs)
+
+
+class RolloutSetPhase(GenerationPhase):
+    """The generation phase on a rollout set's rank: the engine's weights come from the actor
+    set (the engine's repartitioner is the receiving CrossSetTransfer), and the weight-sync
+    check runs across the two sets."""
+
+    def __init__(self, engine, groups, rollout_cfg, eos_token_ids, max_new_tokens, pad_token_id,
+                 cross_check: _CrossSetCheck):
+        super().__init__(engine, None, groups, rollout_cfg, eos_token_ids, max_new_tokens,
+                         pad_token_id)
+        self.cross_check = cross_check
+
+    def check(self, step: int, prompts) -> dict[str, float]:
+        return self.cross_check(self.engine, None, prompts, self.check_sampling(step))
+
+
+class WeightSender:
+    """The actor ranks' side of a rollout set's generation phase: `begin` sends this rank's
+    training shards to the rollout set (rollout/cross_set.py) and, when the rollout set checks
+    the weights, recomputes the checked sequences' log-probs with the actor."""
+
+    def __init__(self, transfer, actor, rollout_cfg, cross_check: _CrossSetCheck):
+        self.transfer, self.actor, self.cfg = transfer, actor, rollout_cfg
+        self.cross_check = cross_check
+
+    def begin(self, step: int, prompts=None) -> dict[str, float]:
+        stats = self.transfer.run()
+        metrics = {"rollout/transfer_seconds": stats.seconds,
+                   "rollout/transfer_bytes_sent": float(stats.bytes_sent)}
+        if self.cfg.logprob_check.enable and prompts is not None:  # as the rollout set decides
+            metrics.update(self.cross_check(None, self.actor, None, None))
+        return metrics
+
+    def end(self) -> None:
+        pass
+
+
+def build_rollout_set_phase(cfg, place, info, actor):
+    """placement.rollout's two sides: a RolloutSetPhase on the rollout set's ranks, a
+    WeightSender on the actor's, None elsewhere. Collective over the two sets (the transfer
+    agrees its catalog of tensors there, once)."""
+    from verl_mcore.build import _transformer_config, role_lora, role_padded_vocab
+    from verl_mcore.distributed.groups import GroupLayout
+    from verl_mcore.engine.engine import DTYPES, training_device
+    from verl_mcore.models.gpt import build_gpt_model, unwrap
+    from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
+
+    r, sets = cfg.rollout, place.placement.sets
+    a = sets["actor"]
+    plan = CrossSetPlan(GroupLayout(len(a.ranks), a.tp, a.pp, a.cp, ranks=a.ranks, vpp=a.vpp),
+                        sets["rollout"].ranks, r.tensor_parallel_size)
+    lora = role_lora(cfg, "actor")
+    cross_check = _CrossSetCheck(cfg, place, info)
+    if place.runs("rollout"):
+        groups = place.groups["rollout"]
+        config = _transformer_config(cfg, info, cfg.actor.dtype, r.tensor_parallel_size, 1)
+        config.perform_initialization = False  # the transfer writes every weight
+        gen = build_gpt_model(info.arch, config, role="actor", pg_collection=groups.gen,
+                              pre_process=True, post_process=True,
+                              padded_vocab=role_padded_vocab(cfg, info.arch, "rollout",
+                                                             r.tensor_parallel_size),
+                              use_te=False if lora else None)
+        gen = gen.to(device=training_device(), dtype=DTYPES[cfg.actor.dtype]).eval()
+        gen.requires_grad_(False)
+        transfer = CrossSetTransfer(plan, place.rank, True, gen_model=gen, group=place.link)
+        return RolloutSetPhase(_engine(cfg, groups, info, gen, transfer), groups, r,
+                               info.eos_token_ids, cfg.data.max_response_length,
+                               info.pad_token_id, cross_check)
+    if place.runs("actor"):
+        chunks = [unwrap(m) for m in actor.engine.model]
+        merge = None
+        if lora:
+            from verl_mcore.models.lora import merged_weights
+
+            merge = merged_weights(chunks)
+        transfer = CrossSetTransfer(plan, place.rank, True, train_chunks=chunks, merge=merge,
+                                    group=place.link)
+        return WeightSender(transfer, actor, r, cross_check)
+    return None

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from verl_mcore import build, plan
 from verl_mcore.config import Config, ConfigError
 from verl_mcore.engine.engine import training_device
-from verl_mcore.generation import build_generation_phase
+from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
+from verl_mcore.rollouts import RolloutSchedule
 from verl_mcore.reward.manager import RewardFailureError
 from verl_mcore.val_metrics import ValMetricError, ValMetrics, ValSamples
 
@@ -57,6 +58,8 @@ class Rollout:
     group_ids   [B] int64, one id per prompt: samples of the same prompt share it (GRPO, RLOO)
     responses   [B] decoded response texts
     finish      [B] "stop" | "length"
+    engine_log_probs  [B, R] the engine's log-prob of each response token (0 elsewhere), or
+                None when it was not asked for (Trainer.sampling)
     """
 
     train: Any
@@ -64,10 +67,14 @@ class Rollout:
     group_ids: torch.Tensor
     responses: list
     finish: list
+    engine_log_probs: Optional[torch.Tensor] = None
 
     def to(self, device) -> "Rollout":
         """The rollout with its tensors on `device` (the step's rule: engine/batch.py)."""
-        return dataclasses.replace(self, train=self.train.to(device), group_ids=self.group_ids.to(device))
+        lp = self.engine_log_probs
+        return dataclasses.replace(self, train=self.train.to(device),
+                                   group_ids=self.group_ids.to(device),
+                                   engine_log_probs=None if lp is None else lp.to(device))
 
 
 class StageTimer:
@@ -182,6 +189,9 @@ class Trainer:
             int(process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds() // 60) + 1,
             cfg.parallel.expert_model_parallel_size)
         self.groups = self.place.groups["actor"]  # the actor set's (None on the other ranks)
+        # The generating set's (the rollout set's with placement.rollout): its replicas share
+        # out each prompt batch; None on the ranks that only receive the samples.
+        self.gen_groups = self.place.groups[self.place.generating_set]
         _seed_everything(cfg.trainer.seed, self.rank)
         self.place.seed_rng(cfg.trainer.seed)
         self.watchdog = Watchdog(cfg.trainer.collective_timeout_s, self.rank)
@@ -204,7 +214,9 @@ class Trainer:
                                                "checking the validation metrics")
         self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
         rm_infos = inputs.reward_models
-        self.loader = build.build_prompt_loader(cfg, self.train_data, self.groups)
+        self.loader = build.build_prompt_loader(cfg, self.train_data, self.gen_groups)
+        self.schedule = RolloutSchedule(self, cfg.rollout.max_staleness
+                                        if cfg.rollout.mode == "one_step_off" else 0)
         if self.rank == 0:  # what the data stage kept, before minutes of model building
             from verl_mcore.data.report import log_data_stage
 
@@ -235,8 +247,15 @@ class Trainer:
             with build.role_seed(seed, "reward_model"):
                 self.reward_models = (build.build_reward_models(cfg, groups["reward_model"], self.info, rm_infos)
                                       if runs("reward_model") else {})
-            self.rollout = (build_generation_phase(cfg, self.groups, self.info, self.actor)
-                            if runs("actor") else None)
+            # The engine's side: a GenerationPhase where it runs (the actor's ranks, or those of
+            # placement.rollout), the WeightSender on the actor's ranks of a rollout set.
+            self.rollout, self.sender = None, None
+            if self.place.generating_set == "rollout":
+                side = build_rollout_set_phase(cfg, self.place, self.info, self.actor)
+                self.rollout, self.sender = ((None, side) if isinstance(side, WeightSender)
+                                             else (side, None))
+            elif runs("actor"):
+                self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
         self.reward_model_names = list(rm_infos)
         for role in (self.actor, self.critic):
             if role is not None:
@@ -306,18 +325,16 @@ class Trainer:
         phase = lambda name: _both(self.watchdog.phase(name, step=step), timer(name))  # noqa: E731
         t0 = time.perf_counter()
 
-        prompts = next(self.loader)  # this generation replica's prompts
-        offload_metrics = self.offload_training_state()  # generation gets the memory
-        with phase("sync"):
-            sync_metrics = self.begin_generation(step, prompts)  # weights + sync check
-        with phase("gen"):
-            rollout = self.generate(prompts, self.sampling(cfg.rollout.n, cfg.rollout.temperature))
-            baseline = None
-            if cfg.algorithm.adv_estimator == "remax":
-                baseline = self.generate(prompts, self.sampling(1, 0.0, seed_offset=1))
-            self.end_generation()  # release the KV cache (and the weight buffer) before training
+        # The batch this step trains on: sampled now with the weights of step - 1 (sync), or
+        # during an earlier step (one_step_off); rollouts.py. A rank of placement.rollout only
+        # samples: its step ends with the metrics.
+        sampled, gen_metrics = self.schedule.take(step, phase)
+        if sampled is None:
+            return self.step_metrics(step, gen_metrics, timer, t0, tokens=0.0)
         # The step's tensors live on the training device from here on (engine/batch.py).
-        rollout = rollout.to(self.device)
+        rollout = rollout_from_part(sampled.part, sampled.part.prompt_of, self.info).to(self.device)
+        baseline = (rollout_from_part(sampled.baseline, sampled.baseline.prompt_of, self.info)
+                    if sampled.baseline is not None else None)
         batch = rollout.train
         # The log-prob passes first: placed, the actor set runs them while the reward set scores.
         entropy = None
@@ -333,7 +350,7 @@ class Trainer:
                 baseline = self.score(baseline)[0].repeat_interleave(cfg.rollout.n)
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
-        metrics: dict[str, float] = {}
+            metrics: dict[str, float] = dict(self.off_policy(rollout, batch))
         if self.place.has("critic"):  # leaves the values before its update in batch.values
             metrics.update(self.fit_critic(step, batch, token_rewards, phase))
         with phase("adv"):
@@ -343,14 +360,20 @@ class Trainer:
             with phase("actor"):  # placed, alongside the critic set's update
                 actor_metrics = self.update(step, "actor", batch)
             metrics.update(actor_metrics)
-        metrics.update(sync_metrics)
-        metrics.update(offload_metrics)
+        metrics.update(self.schedule.fill(step, phase))  # one_step_off: sampled meanwhile
+        metrics.update(gen_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
         metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))
+        return self.step_metrics(step, metrics, timer, t0, tokens=float(batch.seq_lens.sum()))
+
+    def step_metrics(self, step: int, metrics: dict, timer: "StageTimer", t0: float,
+                     tokens: float) -> dict[str, float]:
+        """The step's metrics on every rank: this rank's, its phase times and memory, merged
+        over the sets (a failure of one set's update stops every rank here)."""
+        cfg = self.cfg
         metrics.update(timer.metrics())
         seconds = time.perf_counter() - t0
-        tokens = float(batch.seq_lens.sum())
         metrics["timing_s/step"] = seconds
         metrics["perf/throughput"] = tokens / seconds / self.world
         # Peak since the process started (model building included), as before per-phase resets.
@@ -401,19 +424,51 @@ class Trainer:
         # Actor.is_on_policy_step, from the config: every set decides alike, the actor set or not.
         on_policy = (cfg.actor.ppo_epochs == 1
                      and cfg.actor.ppo_mini_batch_size * cfg.rollout.n == batch.num_samples)
+        # Samples of older weights (one_step_off), or weighed against the engine's log-probs
+        # (rollout.tis_cap): the ratio's denominator is the actor's current policy.
+        off_policy = cfg.rollout.mode == "one_step_off" or cfg.rollout.tis_cap is not None
         return (cfg.actor.recompute_old_log_probs == "always" or cfg.algorithm.use_kl_in_reward
-                or not on_policy)
+                or not on_policy or off_policy)
 
-    def begin_generation(self, step: int, prompts=None) -> dict[str, float]:
-        """The actor's weights into the generation layout, and the weight-sync check on the
-        step's prompts (on the actor set; nothing elsewhere)."""
+    @property
+    def sends_weights(self) -> bool:
+        """Whether this rank sends the actor's weights to a rollout set of its own."""
+        return self.sender is not None
+
+    def begin_generation(self, step: int, prompt_ids=None) -> dict[str, float]:
+        """The actor's weights into the generation layout (the engine's ranks receive them, a
+        rollout set's from the actor's ranks), and with `prompt_ids` (the next batch's, on the
+        engine's ranks; True on the sending ones) the weight-sync check on a few of them;
+        nothing elsewhere."""
+        if self.sender is not None:
+            return self.sender.begin(step, prompt_ids)
         if self.rollout is None:
             return {}
-        return self.rollout.begin(step, prompts.input_ids) if prompts is not None else self.rollout.begin(step)
+        return self.rollout.begin(step, prompt_ids)
 
     def end_generation(self) -> None:
         if self.rollout is not None:
             self.rollout.end()
+
+    def off_policy(self, rollout: "Rollout", batch) -> dict[str, float]:
+        """How far the engine's sampling policy is from the actor's recomputed old log-probs:
+        `rollout/engine_vs_trainer_logp_diff` (mean |difference| over response tokens; in
+        one_step_off it includes the staleness), and with rollout.tis_cap the truncated
+        importance weights min(pi_old / pi_engine, cap) the actor's loss multiplies each token
+        by (algo/policy_loss.truncated_is_weights). Nothing without the engine's log-probs."""
+        from verl_mcore.algo.policy_loss import truncated_is_weights
+
+        if rollout.engine_log_probs is None or batch.old_log_probs is None:
+            return {}
+        mask = batch.response_mask
+        engine = rollout.engine_log_probs.to(mask.device)
+        diff = ((batch.old_log_probs - engine).abs() * mask).sum() / mask.sum().clamp(min=1)
+        metrics = {"rollout/engine_vs_trainer_logp_diff": float(diff)}
+        if self.cfg.rollout.tis_cap is not None:
+            batch.is_weights, tis = truncated_is_weights(batch.old_log_probs, engine, mask,
+                                                         self.cfg.rollout.tis_cap)
+            metrics.update(tis)
+        return metrics
 
     def old_log_probs(self, batch):
         """(old log-probs [B, R], entropies [B, R]) of the actor's current weights, on the actor
@@ -437,20 +492,39 @@ class Trainer:
         return self.place.on("reference", lambda: self.reference.compute_ref_log_prob(batch),
                              batch.response_mask.shape, share=share)
 
-    def sampling(self, n: int, temperature: float, seed_offset: int = 0):
+    def sampling(self, n: int, temperature: float, seed_offset: int = 0,
+                 batch: Optional[int] = None):
+        """How to sample batch number `batch` + 1 (None: the one after the steps done so far);
+        the seed depends on the batch, the offset and the replica, not on when it is sampled.
+        The engine's log-probs come along where the trainer reads them (a rollout set of its
+        own, rollout.tis_cap)."""
         from verl_mcore.rollout.base import SamplingParams
 
         r = self.cfg.rollout
         greedy = temperature == 0
+        index = self.step_index if batch is None else batch
         return SamplingParams(
             n=n, temperature=temperature, top_p=1.0 if greedy else r.top_p,
             top_k=-1 if greedy else r.top_k, max_new_tokens=self.cfg.data.max_response_length,
             stop_token_ids=self.info.eos_token_ids,
-            seed=r.seed + 1000003 * (self.step_index + seed_offset) + self._gen_replica(),
+            seed=r.seed + 1000003 * (index + seed_offset) + self._gen_replica(),
+            logprobs=self.cfg.placement.rollout is not None or r.tis_cap is not None,
         )
 
     def generate(self, prompts, sampling) -> Rollout:
-        """Sample responses for this replica's prompts and gather the global rollout batch.
+        """Sample responses for this replica's prompts; the global rollout batch on every
+        rank (generate_part)."""
+        batch = self.generate_part(prompts, sampling)
+        return rollout_from_part(batch, batch.prompt_of, self.info)
+
+    def generate_part(self, prompts, sampling):
+        """Sample responses for this replica's prompts and gather the global rollout batch
+        (rollout.gather.RolloutPart) on every rank: sample_part, then share_part."""
+        return self.share_part(prompts, *self.sample_part(prompts, sampling))
+
+    def sample_part(self, prompts, sampling):
+        """(the generating set's batch, None) on its ranks, (None, the error) where its
+        sampling failed, (None, None) on the ranks that only receive.
 
         Global order: generation replica, then prompt, then sample, so the n samples of a prompt
         are consecutive (mini-batches keep GRPO groups together) and group ids count prompts.
@@ -458,20 +532,25 @@ class Trainer:
         """
         from verl_mcore.rollout.gather import RolloutPart, gather_rollout
 
-        vocab = self.info.arch.vocab_size
-        batch = None
-        if self.rollout is not None:  # the actor set samples; placed, the others receive it
+        if self.rollout is None:
+            return None, None
+        vocab, groups = self.info.arch.vocab_size, self.rollout.groups
+        try:
             outputs = self.rollout.generate(prompts.input_ids, sampling)
             mine = None
-            if self.groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
+            if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
                 mine = RolloutPart.from_outputs(prompts, outputs, vocab)
-            batch = gather_rollout(mine, self.groups, vocab)
-        batch = self.place.share_rollout(batch, prompts, vocab)
-        return rollout_from_part(batch, batch.prompt_of, self.info)
+            return gather_rollout(mine, groups, vocab), None
+        except Exception as e:  # noqa: BLE001 - raised on every rank by share_part
+            return None, e
+
+    def share_part(self, prompts, batch, failure=None):
+        """The generating set's batch on every rank (a failure there raises on every rank)."""
+        return self.place.share_rollout(batch, prompts, self.info.arch.vocab_size, failure)
 
     def _gen_replica(self) -> int:
-        """This rank's generation replica (0 off the actor set, which samples nothing)."""
-        return self.groups.gen_dp_rank if self.groups is not None else 0
+        """This rank's generation replica (0 where no engine runs, which samples nothing)."""
+        return self.rollout.groups.gen_dp_rank if self.rollout is not None else 0
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
         """Rule / custom / model scores [B] on the training device: the reward models score the
@@ -481,7 +560,9 @@ class Trainer:
         from verl_mcore.tracking import MetricAccumulator
 
         n = len(rollout.responses)
-        mine = list(range(self.rank, n, self.world))
+        # Split over the training ranks (a rollout set of its own samples meanwhile).
+        scorers = self.place.training_ranks
+        mine = list(range(scorers.index(self.rank), n, len(scorers)))
         model_scores = {  # on the reward models' set, then on every rank
             name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
                 rollout.train, rollout.rows, rollout.responses), [n]).cpu()
@@ -495,8 +576,8 @@ class Trainer:
                                  model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
                 out.extras)
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, part)
+        gathered: list = [None] * len(scorers)
+        dist.all_gather_object(gathered, part, group=self.place.training)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
         failed, firsts, routes, extras = 0, [], [None] * n, {}
@@ -516,7 +597,7 @@ class Trainer:
         acc = MetricAccumulator()
         for name, values in out.metrics.items():
             acc.add_mean(name, values, weight=max(1, len(mine)))
-        metrics = {k: v for k, v in acc.reduce().items()}
+        metrics = dict(acc.reduce(group=self.place.training))
         for name, values in per_source.items():
             metrics[f"reward/{name}/mean"] = float(values.mean())
         for name, values in model_scores.items():  # the whole batch's, on every rank
@@ -654,7 +735,7 @@ class Trainer:
         from verl_mcore.data import PromptLoader
 
         r = self.cfg.rollout
-        rank, replicas = build.prompt_shard(self.groups)
+        rank, replicas = build.prompt_shard(self.gen_groups)
         loader = PromptLoader(self.val_data, len(self.val_data) if self.cfg.data.val_batch_size is None
                               else self.cfg.data.val_batch_size, rank=rank, world_size=replicas,
                               shuffle=False, drop_last=False, num_epochs=1)
@@ -663,6 +744,8 @@ class Trainer:
         self.begin_generation(step)
         for prompts in loader:
             rollout = self.generate(prompts, self.sampling(r.val_n, r.val_temperature, seed_offset=7))
+            if not self.place.trains:  # a rank of placement.rollout: it sampled, others score
+                continue
             scores, _, extras = self.score(rollout)
             if samples is not None:
                 samples.add(rollout, scores.tolist(), extras,
@@ -673,8 +756,12 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def trainer_state(self) -> dict:
-        return {"step": self.step_index, "loader": self.loader.state_dict(),
-                "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_updates": self.skipped_updates}
+        """What a resume needs beside the models: the loader's position before the first batch
+        not yet trained on, and the batches sampled ahead of it (one_step_off: rollouts.py)."""
+        rollouts = self.schedule.state_dict()
+        return {"step": self.step_index, "loader": rollouts["loader"],
+                "rollout_queue": rollouts["queue"], "kl_ctrl": self.kl_ctrl.state_dict(),
+                "skipped_updates": self.skipped_updates}
 
     def save_checkpoint(self, step: int) -> None:
         with self.watchdog.phase("checkpoint", step=step):
@@ -703,7 +790,8 @@ class Trainer:
         state = resume.apply_to_state(changes, state)
         self.step_index = int(state["step"])
         self.last_good_step = self.step_index
-        self.loader.load_state_dict(state["loader"])
+        self.schedule.load_state_dict({"loader": state["loader"],
+                                       "queue": state.get("rollout_queue", [])}, self.step_index)
         if state["kl_ctrl"] is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skipped_updates = int(state.get("skipped_updates", 0))
@@ -766,8 +854,13 @@ def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
     pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
     train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
                                  part.response_lens, pad, prompt_of=part.prompt_of)
+    engine_log_probs = None
+    if part.logprobs is not None:  # response-aligned like the trainer's own log-probs
+        engine_log_probs = torch.zeros(train.response_mask.shape, dtype=torch.float32)
+        engine_log_probs[train.response_mask.bool()] = part.logprobs
     return Rollout(train=train, rows=part.sample_rows(), group_ids=group_ids.to(torch.int64),
-                   responses=decode_responses(info.tokenizer, part), finish=part.finish_reasons())
+                   responses=decode_responses(info.tokenizer, part), finish=part.finish_reasons(),
+                   engine_log_probs=engine_log_probs)
 
 
 @contextlib.contextmanager

@@ -72,7 +72,10 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     # Colocated: the actor set is the world, so sharing the batch with other sets is a no-op.
     place = RolePlacement(Placement.resolve(cfg, world_size), {"actor": groups}, rank)
     fake = SimpleNamespace(groups=groups, info=INFO, world=world_size, place=place,
-                           rollout=SimpleNamespace(generate=lambda ids, sampling: outputs))
+                           rollout=SimpleNamespace(generate=lambda ids, sampling: outputs,
+                                                   groups=groups))
+    for name in ("generate_part", "sample_part", "share_part"):  # the methods generate calls
+        setattr(fake, name, getattr(Trainer, name).__get__(fake))
     new = Trainer.generate(fake, prompts, sampling=None)
     shared = [new.rows[i] is new.rows[j] for i in range(len(new.rows)) for j in range(i)
               if new.group_ids[i] == new.group_ids[j]]

@@ -37,6 +37,7 @@ __all__ = [
     "ppo_loss",
     "reinforce_loss",
     "should_compute_entropy",
+    "truncated_is_weights",
 ]
 
 LOG_RATIO_CLAMP = 20.0
@@ -92,6 +93,7 @@ def ppo_loss(
     mask: Tensor,
     denoms: LossDenominators,
     params: PolicyLossParams,
+    token_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip range and dual clip, per token:
 
@@ -109,7 +111,7 @@ def ppo_loss(
     negative = advantages < 0
     lower_clipped = negative & (clip1 > dual_bound)
     loss_mat = torch.where(negative, torch.minimum(clip1, dual_bound), clip1)
-    loss = aggregate_loss(loss_mat, mask, params.agg_mode, denoms)
+    loss = aggregate_loss(_weighted(loss_mat, token_weights), mask, params.agg_mode, denoms)
     return loss, {
         "pg_loss": loss.detach(),
         "pg_clipfrac": masked_token_mean(clipped.to(loss_mat.dtype), mask, denoms),
@@ -125,6 +127,7 @@ def gspo_loss(
     mask: Tensor,
     denoms: LossDenominators,
     params: PolicyLossParams,
+    token_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level, length-normalised ratio.
 
@@ -141,7 +144,7 @@ def gspo_loss(
     log_ratio = seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     loss_mat, clipped = _clipped_surrogate(ratio, advantages, params)
-    loss = aggregate_loss(loss_mat, mask, params.agg_mode, denoms)
+    loss = aggregate_loss(_weighted(loss_mat, token_weights), mask, params.agg_mode, denoms)
     return loss, {
         "pg_loss": loss.detach(),
         "pg_clipfrac": masked_token_mean(clipped.to(loss_mat.dtype), mask, denoms),
@@ -157,6 +160,7 @@ def reinforce_loss(
     mask: Tensor,
     denoms: LossDenominators,
     params: PolicyLossParams,
+    token_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Plain policy gradient (REINFORCE; GPG): l_t = -A_t * log_prob_t, no ratio, no clipping.
 
@@ -164,7 +168,8 @@ def reinforce_loss(
     `params` are not used.
     """
     _check_shapes("reinforce_loss", log_prob, old_log_prob, advantages, mask)
-    loss = aggregate_loss(-advantages * log_prob, mask, params.agg_mode, denoms)
+    loss = aggregate_loss(_weighted(-advantages * log_prob, token_weights), mask, params.agg_mode,
+                          denoms)
     no_clip = torch.zeros_like(log_prob, dtype=loss.dtype)
     return loss, {
         "pg_loss": loss.detach(),
@@ -174,10 +179,9 @@ def reinforce_loss(
     }
 
 
-# name (actor.policy_loss) -> fn(log_prob, old_log_prob, advantages, mask, denoms, params)
-PolicyLossFn = Callable[
-    [Tensor, Tensor, Tensor, Tensor, LossDenominators, PolicyLossParams], tuple[Tensor, dict[str, Tensor]]
-]
+# name (actor.policy_loss) -> fn(log_prob, old_log_prob, advantages, mask, denoms, params,
+#                               token_weights)
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "ppo": ppo_loss,
     "gspo": gspo_loss,
@@ -194,13 +198,45 @@ def compute_policy_loss(
     mask: Tensor,
     denoms: LossDenominators,
     params: PolicyLossParams,
+    token_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dispatch to `POLICY_LOSSES[name]` (actor.policy_loss)."""
+    """Dispatch to `POLICY_LOSSES[name]` (actor.policy_loss). token_weights: constant per-token
+    factors of the loss (truncated_is_weights), None for 1."""
     try:
         fn = POLICY_LOSSES[name]
     except KeyError:
         raise ValueError(f"unknown policy loss {name!r} (actor.policy_loss); choose one of {sorted(POLICY_LOSSES)}") from None
-    return fn(log_prob, old_log_prob, advantages, mask, denoms, params)
+    return fn(log_prob, old_log_prob, advantages, mask, denoms, params, token_weights)
+
+
+def _weighted(loss_mat: Tensor, token_weights: Optional[Tensor]) -> Tensor:
+    return loss_mat if token_weights is None else loss_mat * token_weights
+
+
+def truncated_is_weights(old_log_prob: Tensor, engine_log_prob: Tensor, mask: Tensor,
+                         cap: float) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights `[B, R]` of the trainer's policy against the engine's:
+
+        w_t = min(exp(old_log_prob_t - engine_log_prob_t), cap)     (0 where mask is 0)
+
+    old_log_prob: the actor's recomputed log-probs of the sampled tokens; engine_log_prob: the
+    engine's own (the policy that actually sampled: older weights in one_step_off, another
+    numeric path always). The policy loss multiplies each token's loss by w_t (a constant),
+    which corrects the gradient for sampling from the engine's policy; the cap bounds the
+    variance. This is verl's token-level truncated IS (`tis_imp_ratio_cap`; rollout_is with
+    level=token, mode=truncate) and NeMo-RL's truncated importance sampling. The log-ratio is
+    clamped to [-20, 20] as in the losses. Metrics: the mean weight and the fraction of tokens
+    the cap truncated (`rollout/tis_clip_fraction`)."""
+    same_device("truncated_is_weights", old_log_prob=old_log_prob,
+                engine_log_prob=engine_log_prob, mask=mask)
+    if cap <= 0:
+        raise ValueError(f"rollout.tis_cap={cap} must be > 0")
+    ratio = (old_log_prob - engine_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    valid = mask.bool()
+    weights = torch.where(valid, ratio.clamp(max=cap), ratio.new_zeros(())).detach()
+    count = valid.sum().clamp(min=1)
+    return weights, {"rollout/tis_weight_mean": float(weights[valid].sum() / count),
+                     "rollout/tis_clip_fraction": float(((ratio > cap) & valid).sum() / count)}
 
 
 # ---------------------------------------------------------------------------------------------

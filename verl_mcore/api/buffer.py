@@ -92,10 +92,16 @@ class Experiences:
             offset += len(local)
         info = first.policy.info
         pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
-        rollout = Rollout(train=TrainBatch.concat([p.rollout.train for p in parts], pad),
+        train = TrainBatch.concat([p.rollout.train for p in parts], pad)
+        engine = [p.rollout.engine_log_probs for p in parts]
+        if all(e is not None for e in engine):  # rollout.tis_cap: widened like the batch
+            engine = torch.cat([torch.nn.functional.pad(e, (0, train.response_width - e.shape[1]))
+                                for e in engine])
+        rollout = Rollout(train=train,
                           rows=[r for p in parts for r in p.rollout.rows], group_ids=torch.cat(ids),
                           responses=[r for p in parts for r in p.rollout.responses],
-                          finish=[f for p in parts for f in p.rollout.finish])
+                          finish=[f for p in parts for f in p.rollout.finish],
+                          engine_log_probs=None if isinstance(engine, list) else engine)
         names = list(dict.fromkeys(k for p in parts for k in p.extras))
         extras = {k: [v for p in parts for v in p.extras.get(k, [None] * p.num_samples)]
                   for k in names}

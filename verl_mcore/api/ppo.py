@@ -106,7 +106,7 @@ class PPOTrainer:
                 batch.ref_log_probs = self.reference.compute_ref_log_prob(batch)
         with timer("adv"):
             token_rewards, kl_metrics = p.token_rewards(batch, scores)
-        metrics: dict[str, float] = {}
+            metrics: dict[str, float] = dict(p.off_policy(rollout, batch))  # rollout.tis_cap
         if p.critic is not None:  # leaves the values before its update in batch.values
             metrics.update(p.fit_critic(step, batch, token_rewards, timer))
         with timer("adv"):

@@ -86,6 +86,16 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 256  # sequences decoded together; finished slots are refilled
     keep_weights_buffer: bool = False  # keep the generation weight buffer between steps
+    # sync: each step trains on responses sampled with its own weights. one_step_off (needs
+    # placement.rollout): the rollout set samples the batch of step t + max_staleness while the
+    # actor set trains step t, with the weights of t - 1, so generation and training overlap and a
+    # sample lags the policy it trains by up to max_staleness versions.
+    mode: Literal["sync", "one_step_off"] = "sync"
+    max_staleness: int = 1  # one_step_off: batches sampled ahead (policy versions a sample lags)
+    # Truncated importance sampling against the engine's own log-probs (verl's
+    # tis_imp_ratio_cap): each token's policy loss is weighted by min(pi_old / pi_engine, tis_cap),
+    # pi_old the actor's recomputed log-probs. null: off.
+    tis_cap: Optional[float] = None
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
     # Validation sampling
     val_n: int = 1
@@ -401,6 +411,10 @@ class PlacementConfig:
     reference: RoleSet = None
     critic: RoleSet = None
     reward_model: RoleSet = None  # every reward model of reward.sources
+    # The generation engine on ranks of its own (rollout.tensor_parallel_size ranks a replica),
+    # apart from every training role; the actor's weights reach it point to point after each
+    # update (rollout/cross_set.py). null: the engine runs on the actor's ranks.
+    rollout: RoleSet = None
 
 
 @dataclass

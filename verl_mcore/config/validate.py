@@ -40,7 +40,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "parallel.expert_model_parallel_size": ("[1, inf)", ""),
     "rollout.tensor_parallel_size": ("[1, inf)", ""),
     **{f"placement.{role}.{k}": ("[1, inf)", "null: parallel.*'s")
-       for role in ("actor", "reference", "critic", "reward_model")
+       for role in ("actor", "reference", "critic", "reward_model", "rollout")
        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")},
     "rollout.n": ("[1, inf)", ""),
     "rollout.temperature": ("[0, inf)", "0: greedy"),
@@ -49,6 +49,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.seed": ("[0, inf)", ""),
     "rollout.gpu_memory_utilization": ("(0, 1]", ""),
     "rollout.max_num_seqs": ("[1, inf)", ""),
+    "rollout.max_staleness": ("[1, inf)", "rollout.mode=one_step_off: batches sampled ahead"),
+    "rollout.tis_cap": ("(0, inf)", "null: no importance weights"),
     "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", ""),
@@ -267,8 +269,11 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
     if not errors:
         sets = Placement.resolve(cfg, world_size, gpus_per_node).sets
         actor_world = len(sets["actor"].ranks)
-        errors = _layout_errors(cfg, actor_world, shape) + _role_layout_errors(sets, shape)
-        errors += _batch_errors(cfg, actor_world, sets.get("critic")) if batches else []
+        # The generation replicas: the rollout set's (placement.rollout), else the actor's.
+        gen_world = len(sets["rollout"].ranks) if "rollout" in sets else actor_world
+        errors = _layout_errors(cfg, actor_world, shape, gen_world) + _role_layout_errors(sets, shape)
+        errors += _batch_errors(cfg, actor_world, sets.get("critic"), gen_world) if batches else []
+        errors += _rollout_mode_errors(cfg)
         errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
         errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
         errors += _lora_errors(cfg, sets, shape)
@@ -276,8 +281,12 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
-def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list[str]:
+def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape],
+                   gen_world: Optional[int] = None) -> list[str]:
+    """`world`: the actor's ranks; `gen_world`: the generation replicas' (None: the actor's)."""
     p, errs = cfg.parallel, []
+    gen_world = world if gen_world is None else gen_world
+    own_set = cfg.placement.rollout is not None
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
     tp_g = cfg.rollout.tensor_parallel_size
@@ -289,10 +298,14 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape]) -> list
     elif ep > 1 and (world // (tp * pp * cp)) % ep != 0:
         errs.append(f"data-parallel size {world // (tp * pp * cp)} is not divisible by "
                     f"parallel.expert_model_parallel_size={ep}")
-    if tp % tp_g != 0:
+    if own_set and max(tp, tp_g) % min(tp, tp_g):
+        errs.append(f"rollout.tensor_parallel_size={tp_g} and parallel.tensor_model_parallel_size"
+                    f"={tp}: one must divide the other (the rollout set's shards nest in the "
+                    "actor's)")
+    elif not own_set and tp % tp_g != 0:
         errs.append(f"rollout.tensor_parallel_size={tp_g} must divide "
                     f"parallel.tensor_model_parallel_size={tp} (generation TP re-slices training TP)")
-    if world % tp_g != 0:
+    if not own_set and gen_world % tp_g != 0:  # placement.rollout's own size: placement.py
         errs.append(f"world size {world} is not divisible by rollout.tensor_parallel_size={tp_g}")
     vpp = p.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1 and pp == 1:
@@ -358,16 +371,20 @@ def _role_layout_errors(sets: dict, shape: Optional[ModelShape]) -> list[str]:
     return errs
 
 
-def _batch_errors(cfg: Config, world: int, critic_set=None) -> list[str]:
-    """`world`: the actor's ranks; `critic_set`: the critic's RoleSet (placement)."""
+def _batch_errors(cfg: Config, world: int, critic_set=None,
+                  gen_world: Optional[int] = None) -> list[str]:
+    """`world`: the actor's ranks; `critic_set`: the critic's RoleSet (placement); `gen_world`:
+    the generation replicas' ranks (None: the actor's)."""
     errs = []
+    gen_world = world if gen_world is None else gen_world
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if world % max(1, cfg.parallel.tensor_model_parallel_size
                            * cfg.parallel.pipeline_model_parallel_size
                            * cfg.parallel.context_parallel_size):
         return errs
     dp = data_parallel_size(cfg, world)
-    dp_g = world // cfg.rollout.tensor_parallel_size if world % cfg.rollout.tensor_parallel_size == 0 else None
+    tp_g = cfg.rollout.tensor_parallel_size
+    dp_g = gen_world // tp_g if gen_world % tp_g == 0 else None
     errs += _rollout_batch_fits(cfg)
     if d.train_batch_size % a.ppo_mini_batch_size:
         errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
@@ -381,8 +398,9 @@ def _batch_errors(cfg: Config, world: int, critic_set=None) -> list[str]:
                     f"actor.micro_batch_size_per_gpu={a.micro_batch_size_per_gpu} (or set "
                     "actor.max_tokens_per_microbatch for token-budget micro-batches)")
     if dp_g and d.train_batch_size % dp_g:
+        where = ("placement.rollout's ranks" if cfg.placement.rollout is not None else "world")
         errs.append(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
-                    f"{dp_g} generation groups (world / rollout.tensor_parallel_size)")
+                    f"{dp_g} generation groups ({where} / rollout.tensor_parallel_size)")
     if cfg.uses_critic:
         c = cfg.critic
         dp = critic_set.dp if critic_set is not None else dp
@@ -397,6 +415,16 @@ def _batch_errors(cfg: Config, world: int, critic_set=None) -> list[str]:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
         errs.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of the "
                     f"same prompt: set rollout.n >= 2 (got {r.n})")
+    return errs
+
+
+def _rollout_mode_errors(cfg: Config) -> list[str]:
+    """rollout.mode / tis_cap against the placement and the algorithm."""
+    r, errs = cfg.rollout, []
+    if r.mode == "one_step_off" and cfg.placement.rollout is None:
+        errs.append("rollout.mode=one_step_off overlaps generation with training on GPUs of their "
+                    "own: set placement.rollout to the generation ranks (e.g. the last GPUs of "
+                    "the job), or use rollout.mode=sync")
     return errs
 
 

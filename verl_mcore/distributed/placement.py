@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 ROLES = ("actor", "reference", "critic", "reward_model")
+# Every set placement.* can name: the model roles, and the generation engine's own ranks.
+SETS = ROLES + ("rollout",)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ def run_roles(cfg) -> list[str]:
         roles.append("critic")
     if any(s.type == "reward_model" for s in cfg.reward.sources):
         roles.append("reward_model")
+    if cfg.placement.rollout is not None:
+        roles.append("rollout")
     return roles
 
 
@@ -163,7 +167,7 @@ def _resolve(cfg, world: int, gpus_per_node: Optional[int]) -> tuple[Optional[Pl
     roles = run_roles(cfg)
     errors: list[str] = []
     given: dict[str, RoleSetConfig] = {}
-    for role in ROLES:
+    for role in SETS:
         spec = getattr(cfg.placement, role)
         if spec is None:
             continue
@@ -191,6 +195,13 @@ def _resolve(cfg, world: int, gpus_per_node: Optional[int]) -> tuple[Optional[Pl
         if role == "actor" and (spec.tensor_model_parallel_size or spec.pipeline_model_parallel_size):
             errors.append("placement.actor: the actor's layout is parallel.tensor_model_parallel_size"
                           " / pipeline_model_parallel_size; set it there")
+            continue
+        if role == "rollout":
+            if spec.tensor_model_parallel_size or spec.pipeline_model_parallel_size:
+                errors.append("placement.rollout: the rollout set's layout is "
+                              "rollout.tensor_parallel_size (TP_g, no pipeline); set it there")
+            else:  # TP_g replicas, each holding every layer
+                sets[role] = RoleSet(tuple(ranks), cfg.rollout.tensor_parallel_size, 1)
             continue
         sets[role] = _with_layout(RoleSet(tuple(ranks), 1, 1), p, spec.tensor_model_parallel_size,
                                   spec.pipeline_model_parallel_size)
@@ -253,6 +264,8 @@ def _set_errors(sets: dict, world: int, cfg) -> list[str]:
     p = cfg.parallel
     default = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size)
     for i, (role, s) in enumerate(items):
+        if role == "rollout":
+            continue  # its own rules below
         size = s.tp * s.pp * s.cp
         # Colocated at parallel.*: config/validate.py's world-size rule says it for the job.
         everywhere = len(s.ranks) == world and (s.tp, s.pp, s.cp) == default
@@ -279,7 +292,9 @@ def _set_errors(sets: dict, world: int, cfg) -> list[str]:
         errors.append(f"rank(s) {format_ranks(idle)} of the job's {world} run no role: add them to "
                       f"a role in placement.*, or start {world - len(idle)} ranks")
     actor, tp_g = sets["actor"], cfg.rollout.tensor_parallel_size
-    if len(actor.ranks) % tp_g and len(actor.ranks) < world:  # else validate's world rule
+    if "rollout" in sets:
+        errors += _rollout_set_errors(sets, tp_g)
+    elif len(actor.ranks) % tp_g and len(actor.ranks) < world:  # else validate's world rule
         errors.append(f"rollout.tensor_parallel_size={tp_g} does not fit the actor's "
                       f"{len(actor.ranks)} rank(s) {format_ranks(actor.ranks)}: each generation "
                       f"replica is TP_g ranks of the actor set")
@@ -289,35 +304,86 @@ def _set_errors(sets: dict, world: int, cfg) -> list[str]:
     return errors
 
 
+def _rollout_set_errors(sets: dict, tp_g: int) -> list[str]:
+    """placement.rollout: GPUs of its own (no training role on them), whole TP_g replicas, and
+    not rank 0, which keeps the run's records (metrics, validation, checkpoint bookkeeping)."""
+    errors, ranks = [], sets["rollout"].ranks
+    for role, s in sets.items():
+        shared = set(ranks) & set(s.ranks)
+        if role != "rollout" and shared:
+            errors.append(f"placement.rollout ({format_ranks(ranks)}) shares rank(s) "
+                          f"{format_ranks(shared)} with placement.{role}: the rollout set runs on "
+                          f"GPUs of its own (leave placement.rollout unset to generate on the "
+                          f"actor's ranks)")
+    if len(ranks) % tp_g:
+        errors.append(f"placement.rollout: {len(ranks)} rank(s) {format_ranks(ranks)} do not "
+                      f"divide into replicas of rollout.tensor_parallel_size={tp_g}")
+    if 0 in ranks:
+        errors.append(f"placement.rollout ({format_ranks(ranks)}) holds rank 0, which keeps the "
+                      f"run's records (metrics, validation, checkpoints): give the rollout set "
+                      f"other ranks, e.g. the job's last GPUs")
+    return errors
+
+
 class RolePlacement:
     """This rank's view of a Placement: its process groups per role and the exchanges.
 
     groups[role]: the role's ParallelGroups on its ranks, None on the others.
     """
 
-    def __init__(self, placement: Placement, groups: dict, rank: int):
+    def __init__(self, placement: Placement, groups: dict, rank: int, training=None, link=None):
         self.placement, self.groups, self.rank = placement, groups, rank
+        # The training ranks (all but placement.rollout's; the world without one), over which
+        # the training phases exchange; and the actor set with the rollout set (the weights'
+        # way there), None without a rollout set.
+        self.training, self.link = training, link
+        self.training_ranks = tuple(r for r in range(placement.world)
+                                    if "rollout" not in placement.sets
+                                    or r not in placement.ranks("rollout"))
         self._held: Optional[tuple[str, BaseException]] = None  # (role, error) of `run`
 
     @classmethod
     def build(cls, placement: Placement, tp_gen: int, timeout_minutes: int,
               expert_model_parallel_size: int = 1) -> "RolePlacement":
         """Process groups of every set (collective: every rank builds every set's groups)."""
+        import datetime
+
         import torch.distributed as dist
 
         from verl_mcore.distributed.groups import GroupLayout, build_set_groups
 
         distinct = placement.distinct_sets()
-        actor = placement.sets["actor"]
-        layouts = [GroupLayout(len(s.ranks), s.tp, s.pp, s.cp, tp_gen if s == actor else 1,
+        # The generation layout lives on the set that generates: the rollout set when there is
+        # one, else the actor's.
+        generating = placement.sets.get("rollout", placement.sets["actor"])
+        layouts = [GroupLayout(len(s.ranks), s.tp, s.pp, s.cp, tp_gen if s == generating else 1,
                                ranks=s.ranks, vpp=s.vpp) for s in distinct]
         built = build_set_groups(layouts, timeout_minutes, expert_model_parallel_size)
         by_set = dict(zip(distinct, built))
-        return cls(placement, {role: by_set[s] for role, s in placement.sets.items()}, dist.get_rank())
+        training = link = None
+        if "rollout" in placement.sets:  # new_group is collective: every rank, this order
+            timeout = datetime.timedelta(minutes=timeout_minutes)
+            rollout = set(placement.ranks("rollout"))
+            training = dist.new_group([r for r in range(placement.world) if r not in rollout],
+                                      timeout=timeout)
+            link = dist.new_group(sorted(set(placement.ranks("actor")) | rollout), timeout=timeout)
+        return cls(placement, {role: by_set[s] for role, s in placement.sets.items()},
+                   dist.get_rank(), training, link)
 
     @property
     def colocated(self) -> bool:
         return self.placement.colocated
+
+    @property
+    def generating_set(self) -> str:
+        """The set whose ranks run the generation engine: "rollout" or "actor"."""
+        return "rollout" if "rollout" in self.placement.sets else "actor"
+
+    @property
+    def trains(self) -> bool:
+        """Whether this rank takes part in the training phases (every rank but the rollout
+        set's)."""
+        return self.rank in self.training_ranks
 
     def seed_rng(self, seed: int) -> None:
         """megatron's model-parallel RNG tracker, seeded for this rank's set (placed runs leave
@@ -339,7 +405,8 @@ class RolePlacement:
         return self.groups.get(role) is not None
 
     def _everywhere(self, role: str) -> bool:
-        return len(self.placement.ranks(role)) == self.placement.world
+        """Whether `role` runs on every training rank (nothing of it needs broadcasting)."""
+        return set(self.placement.ranks(role)) == set(self.training_ranks)
 
     def on(self, role: str, compute: Callable[[], torch.Tensor], shape: Sequence[int],
            dtype: torch.dtype = torch.float32, share: bool = True) -> Optional[torch.Tensor]:
@@ -387,18 +454,22 @@ class RolePlacement:
 
         flag = torch.tensor([0 if failure is None else self.rank + 1], dtype=torch.int64,
                             device=collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.training)
         if failure is not None:
             raise failure
         if int(flag[0]):
             raise RoleSetFailure(f"the {role} set (ranks {format_ranks(self.placement.ranks(role))}) "
                                  f"failed on rank {int(flag[0]) - 1}: its log has the error")
 
-    def _broadcast(self, tensor: Optional[torch.Tensor], src: int, shape, dtype) -> torch.Tensor:
+    def _broadcast(self, tensor: Optional[torch.Tensor], src: int, shape, dtype,
+                   group: Any = "training") -> torch.Tensor:
+        """`tensor` of global rank `src` on every rank of `group` (default: the training ranks;
+        None: the world)."""
         import torch.distributed as dist
 
         from verl_mcore.distributed.groups import collective_device
 
+        group = self.training if group == "training" else group
         device = collective_device()
         if self.rank == src:
             buf = tensor.detach().to(device=device, dtype=dtype).contiguous()
@@ -407,39 +478,31 @@ class RolePlacement:
                                    f"{tuple(shape)} was expected")
         else:
             buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        dist.broadcast(buf, src=src)
+        dist.broadcast(buf, src=src, group=group)
         return buf if tensor is None or self.rank == src else tensor
 
-    def share_rollout(self, part, prompts, vocab_size: int):
-        """The actor set's gathered rollout batch (rollout.gather.RolloutPart) on every rank: its
-        sizes, integers and tokens broadcast from the actor set's first rank; the dataset rows
-        are not sent, each rank takes them from its own copy of the step's prompts (`prompts`,
-        the global batch on ranks outside the actor set: their loader hands out all of it)."""
-        from verl_mcore.rollout.gather import RolloutPart, token_dtype
+    def share_rollout(self, part, prompts, vocab_size: int,
+                      failure: Optional[BaseException] = None):
+        """The generating set's gathered rollout batch (rollout.gather.RolloutPart; the rollout
+        set's with placement.rollout, else the actor's) on every rank, broadcast as tensors from
+        that set's first rank (rollout.gather.broadcast_part); the dataset rows are not sent,
+        each rank takes them from its own copy of the batch's prompts (`prompts`, the global
+        batch on ranks outside the generating set: their loader hands out all of it).
 
-        if len(self.placement.ranks("actor")) == self.placement.world:
+        `failure`: what stopped this generating rank's work; the first rank's is agreed in the
+        broadcast's header, so every rank raises instead of waiting for a batch that will not
+        come."""
+        from verl_mcore.rollout.gather import broadcast_part
+
+        generating = self.placement.ranks(self.generating_set)
+        if len(generating) == self.placement.world:
+            if failure is not None:
+                raise failure
             return part
-        src, mine = self.placement.leader("actor"), part is not None
-        sizes = None
-        if mine:
-            sizes = torch.tensor([len(part.prompt_lens), part.num_samples, part.prompt_ids.numel(),
-                                  part.response_ids.numel()], dtype=torch.int64)
-        prompts_n, samples, prompt_tokens, response_tokens = self._broadcast(
-            sizes, src, [4], torch.int64).tolist()
-        integers = self._broadcast(part.integers() if mine else None, src,
-                                   [prompts_n + 3 * samples], torch.int64)
-        tokens = self._broadcast(part.tokens() if mine else None, src,
-                                 [prompt_tokens + response_tokens], token_dtype(vocab_size))
-        if mine:
-            return part
-        if len(prompts.rows) < prompts_n:
-            raise RuntimeError(f"rank {self.rank}: the actor set's rollout has {prompts_n} prompts,"
-                               f" this rank's loader {len(prompts.rows)}")
-        integers, tokens = integers.cpu(), tokens.cpu()
-        lens = integers[:prompts_n]
-        response_lens, prompt_of, finish = integers[prompts_n:].view(3, samples)
-        return RolloutPart(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], response_lens,
-                           prompt_of, finish, list(prompts.rows[:prompts_n]))
+        src = generating[0]
+        rows = None if self.rank in generating else prompts.rows
+        return broadcast_part(part, src, None, vocab_size, rows, failure=failure,
+                              who=f"the {self.generating_set} set ({format_ranks(generating)})")
 
     def gather_metrics(self, metrics: dict, step: int) -> dict:
         """Every rank's metrics of the step merged on every rank (each role's from its own set),
@@ -468,9 +531,17 @@ class RolePlacement:
                 merged.setdefault(k, v)  # rank 0's first, then each set's own keys
         for s in self.placement.distinct_sets():
             name = "+".join(r for r, t in self.placement.sets.items() if t == s)
+            busy = 0.0
             for k, v in everyone[s.ranks[0]][0].items():
                 if k.startswith("timing_s/") and k != "timing_s/step":
-                    merged[f"timing_s/{name}/{k[len('timing_s/'):]}"] = v
+                    phase = k[len('timing_s/'):]
+                    merged[f"timing_s/{name}/{phase}"] = v
+                    busy += 0.0 if phase.startswith("wait") else v
+            # Busy share of the step (waiting for another set's batch is not busy): where the
+            # sets overlap, each set's share; what the planner's split balances.
+            step_s = everyone[s.ranks[0]][0].get("timing_s/step")
+            if step_s:
+                merged[f"perf/utilisation/{name}"] = min(1.0, busy / step_s)
         return merged
 
 

@@ -170,7 +170,8 @@ class Actor:
         # and its gradient is the gradient of logp.
         old_logp = f["old_log_probs"] if "old_log_probs" in f else logp.detach()
         loss, metrics = compute_policy_loss(
-            cfg.policy_loss, logp, old_logp, f["advantages"], mask, denoms, self.params
+            cfg.policy_loss, logp, old_logp, f["advantages"], mask, denoms, self.params,
+            f.get("is_weights"),
         )
         ent_term, ent_metrics = entropy_bonus(entropy, mask, denoms, cfg.entropy_coeff, cfg.loss_agg_mode)
         loss = loss + ent_term

@@ -21,6 +21,8 @@ response are padding (mask 0). Optional fields, needed by the role that reads th
     values         [B, R] float   critic values at rollout time, the clip centre (critic update)
     token_rewards  [B, R] float   the step's token rewards (a one-step critic update that computes
                                   the values and returns itself: engine/critic.py)
+    is_weights     [B, R] float   importance weights of each token's policy loss (rollout.tis_cap:
+                                  algo/policy_loss.truncated_is_weights)
 
 The engine receives the GLOBAL batch, the same on every rank of the data-parallel (DP) group, and
 returns global results ([B, R], original sample order) on every rank; it decides itself which DP
@@ -47,7 +49,8 @@ import torch
 from torch import Tensor
 
 # Response-aligned optional fields, in the order they are documented above.
-RESPONSE_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "returns", "values", "token_rewards")
+RESPONSE_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "returns", "values", "token_rewards",
+                   "is_weights")
 
 
 @dataclass
@@ -62,6 +65,7 @@ class TrainBatch:
     returns: Optional[Tensor] = None
     values: Optional[Tensor] = None
     token_rewards: Optional[Tensor] = None
+    is_weights: Optional[Tensor] = None
 
     def __post_init__(self):
         self.validate()

@@ -33,7 +33,9 @@ from verl_mcore.engine.batch import flatten_token_ids
 from verl_mcore.rollout.base import FinishReason, SampleOutput
 
 FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)  # code = index
-_SIZES = 5  # a part's sizes row: replica, prompts, samples, prompt tokens, response tokens
+# A part's sizes row: replica, prompts, samples, prompt tokens, response tokens, and 1 when it
+# carries the engine's log-probs (one per response token), else 0.
+_SIZES = 6
 
 
 def token_dtype(vocab_size: int) -> torch.dtype:
@@ -53,6 +55,8 @@ class RolloutPart:
     prompt_of      [B] int64   each sample's prompt (an index into the P prompts)
     finish         [B] int64   index into FINISH_REASONS
     rows           [P] dicts   each prompt's dataset row
+    logprobs       [sum(response_lens)] float32  the engine's log-prob of each response token
+                               (rollout/base.py says which), or None when not asked for
     """
 
     prompt_ids: Tensor
@@ -62,6 +66,7 @@ class RolloutPart:
     prompt_of: Tensor
     finish: Tensor
     rows: list
+    logprobs: Optional[Tensor] = None
 
     @classmethod
     def from_outputs(cls, prompts, outputs: Sequence[SampleOutput],
@@ -73,10 +78,13 @@ class RolloutPart:
         dtype = token_dtype(vocab_size)
         prompt_ids, prompt_lens = flatten_token_ids(prompts.input_ids[:count], dtype)
         response_ids, response_lens = flatten_token_ids([o.token_ids for o in outputs], dtype)
+        logprobs = None
+        if outputs and all(o.logprobs is not None for o in outputs):
+            logprobs = torch.tensor([lp for o in outputs for lp in o.logprobs], dtype=torch.float32)
         return cls(prompt_ids, prompt_lens, response_ids, response_lens,
                    prompt_of=torch.tensor([o.prompt_index for o in outputs], dtype=torch.int64),
                    finish=finish_codes([o.finish_reason for o in outputs]),
-                   rows=list(prompts.rows[:count]))
+                   rows=list(prompts.rows[:count]), logprobs=logprobs)
 
     @classmethod
     def from_samples(cls, samples, vocab_size: int) -> "RolloutPart":
@@ -95,7 +103,9 @@ class RolloutPart:
     def sizes(self, replica: int) -> Tensor:
         """[_SIZES] int64: what a receiver needs to allocate and cut this part."""
         return torch.tensor([replica, len(self.prompt_lens), self.num_samples,
-                             self.prompt_ids.numel(), self.response_ids.numel()], dtype=torch.int64)
+                             self.prompt_ids.numel(), self.response_ids.numel(),
+                             int(self.logprobs is not None)],
+                            dtype=torch.int64)
 
     def integers(self) -> Tensor:
         """[P + 3B] int64: prompt_lens | response_lens | prompt_of | finish."""
@@ -134,15 +144,19 @@ def gather_rollout(mine: Optional[RolloutPart], groups, vocab_size: int) -> Roll
                            torch.int64)
     sizes = torch.stack(sizes)
     order = sizes[:, 0].argsort().tolist()  # replica order (the group's rank order already)
-    prompts, samples, prompt_tokens, response_tokens = (sizes[:, i].tolist() for i in range(1, 5))
+    prompts, samples, prompt_tokens, response_tokens, with_logprobs = (sizes[:, i].tolist()
+                                                                        for i in range(1, 6))
     integers = gather.tensors(mine.integers() if lead else None,
                               [p + 3 * s for p, s in zip(prompts, samples)], torch.int64)
     tokens = gather.tensors(mine.tokens() if lead else None,
                             [p + r for p, r in zip(prompt_tokens, response_tokens)],
                             token_dtype(vocab_size))
+    lps = [None] * gather.n
+    if all(with_logprobs):  # the engine's log-probs, when every replica has them
+        lps = gather.tensors(mine.logprobs if lead else None, response_tokens, torch.float32)
     rows = gather.objects(mine.rows if lead else None)
-    parts = [_cut(integers[i], tokens[i], rows[i], prompts[i], samples[i], prompt_tokens[i])
-             for i in order]
+    parts = [_cut(integers[i], tokens[i], rows[i], prompts[i], samples[i], prompt_tokens[i],
+                  lps[i]) for i in order]
     return _concat(parts)
 
 
@@ -185,12 +199,12 @@ class _Gather:
 
 
 def _cut(integers: Tensor, tokens: Tensor, rows: list, prompts: int, samples: int,
-         prompt_tokens: int) -> RolloutPart:
+         prompt_tokens: int, logprobs: Optional[Tensor] = None) -> RolloutPart:
     """One replica's part from its unpadded integer and token buffers (views, no copies)."""
     lens = integers[:prompts]
     response_lens, prompt_of, finish = integers[prompts:].view(3, samples)
     return RolloutPart(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], response_lens,
-                       prompt_of, finish, rows)
+                       prompt_of, finish, rows, logprobs)
 
 
 def _concat(parts: list[RolloutPart]) -> RolloutPart:
@@ -203,7 +217,9 @@ def _concat(parts: list[RolloutPart]) -> RolloutPart:
         response_lens=torch.cat([p.response_lens for p in parts]),
         prompt_of=torch.cat([p.prompt_of + b for p, b in zip(parts, base)]),
         finish=torch.cat([p.finish for p in parts]),
-        rows=[row for p in parts for row in p.rows])
+        rows=[row for p in parts for row in p.rows],
+        logprobs=(torch.cat([p.logprobs for p in parts])
+                  if all(p.logprobs is not None for p in parts) else None))
 
 
 def decode_responses(tokenizer, part: RolloutPart, chunk: int = 1024) -> list[str]:
@@ -220,3 +236,65 @@ def decode_responses(tokenizer, part: RolloutPart, chunk: int = 1024) -> list[st
         lists = [flat[s - base:e - base] for s, e in zip(starts[lo:hi], ends[lo:hi])]
         texts += tokenizer.batch_decode(lists, skip_special_tokens=True)
     return texts
+
+
+class GenerationFailure(RuntimeError):
+    """Raised on the ranks that wait for a batch when the generating set's work failed."""
+
+
+def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int,
+                   rows: Optional[Sequence] = None, failure: Optional[BaseException] = None,
+                   who: str = "the generating set", with_rows: bool = True) -> RolloutPart:
+    """`part` of global rank `src` on every rank of `group` (None: the world), as tensors: a
+    header (failure flag, sizes), the integers, the tokens, the engine's log-probs when the part
+    has them. The dataset rows are not sent: a receiver passes its own copy of the batch's
+    (`rows`, at least as many as the part has prompts); a rank that holds the part passes
+    rows=None and gets its part back.
+
+    A `failure` on `src` goes out in the header instead of the batch: every rank raises (src its
+    own error, the others GenerationFailure naming `who`). with_rows=False: the receivers need no
+    dataset rows (theirs are None)."""
+    rank = dist.get_rank()
+    device = collective_device(group)
+    sending = rank == src
+    header = torch.zeros(6, dtype=torch.int64)
+    if sending:
+        if failure is not None:
+            header[0] = 1
+        else:
+            header[1:] = part.sizes(0)[1:]
+    header = header.to(device)
+    dist.broadcast(header, src=src, group=group)
+    failed, prompts_n, samples, prompt_tokens, response_tokens, with_logprobs = header.tolist()
+    if failed:
+        if failure is not None:
+            raise failure
+        raise GenerationFailure(f"{who} failed on rank {src} while generating: its log has the "
+                                "error")
+    if failure is not None:  # this rank failed, the sender did not: stop here as well
+        raise failure
+
+    def cast(local: Optional[Tensor], n: int, dtype) -> Tensor:
+        buf = (local.to(device=device, dtype=dtype).contiguous() if sending
+               else torch.empty(max(n, 1), dtype=dtype, device=device))
+        if sending and buf.numel() == 0:  # gloo refuses empty buffers
+            buf = torch.zeros(1, dtype=dtype, device=device)
+        dist.broadcast(buf, src=src, group=group)
+        return buf.cpu()[:n]
+
+    integers = cast(part.integers() if sending else None, prompts_n + 3 * samples, torch.int64)
+    tokens = cast(part.tokens() if sending else None, prompt_tokens + response_tokens,
+                  token_dtype(vocab_size))
+    logprobs = (cast(part.logprobs if sending else None, response_tokens, torch.float32)
+                if with_logprobs else None)
+    if not with_rows and not sending:
+        rows = [None] * prompts_n
+    if rows is None:
+        if not sending and part is None:
+            raise ValueError(f"rank {rank}: broadcast_part needs the batch's rows to receive")
+        return part
+    if len(rows) < prompts_n:
+        raise RuntimeError(f"rank {rank}: {who}'s batch has {prompts_n} prompts, this rank's "
+                           f"loader {len(rows)}")
+    return _cut(integers, tokens, list(rows[:prompts_n]), prompts_n, samples, prompt_tokens,
+                logprobs)

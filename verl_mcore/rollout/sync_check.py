@@ -12,7 +12,7 @@ The trainer side is a callable `(prompts, responses, temperature) -> per-sequenc
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,14 +109,69 @@ def check_weight_sync(engine: RolloutEngine, trainer: TrainerLogprobs,
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     worst, mean = stats[0].item(), total[0].item() / max(total[1].item(), 1.0)
+    return _verdict(worst, mean, int(total[1].item()), max_abs_diff)
+
+
+def _verdict(worst: float, mean: float, tokens: int, max_abs_diff: float) -> dict[str, float]:
+    """The check's metrics, or WeightSyncError above the bound (every rank saw the same
+    numbers, so every rank raises alike)."""
     metrics = {"rollout/logprob_diff_max": worst, "rollout/logprob_diff_mean": mean}
     logger.info("weight sync check: max |engine - trainer| log-prob %.3g, mean %.3g over %d tokens",
-                worst, mean, int(total[1].item()))
+                worst, mean, tokens)
     if not worst <= max_abs_diff:  # also catches NaN
         raise WeightSyncError(
             f"weight sync check failed: the rollout engine's log-probs differ from the trainer's by "
-            f"up to {worst:.4g} (mean {mean:.4g}) over {int(total[1].item())} sampled tokens, above "
+            f"up to {worst:.4g} (mean {mean:.4g}) over {tokens} sampled tokens, above "
             f"rollout.logprob_check.max_abs_diff={max_abs_diff}. The generation weights do not "
             "match the actor: check the repartition / weight push (or raise the bound for low "
             "precision).")
     return metrics
+
+
+def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling: SamplingParams,
+                      max_abs_diff: float, *, link, rollout_groups, rollout_leader: int,
+                      actor_leader: int, vocab_size: int, pad_token_id: int) -> dict[str, float]:
+    """The weight-sync check of a rollout set of its own (placement.rollout), right after the
+    actor's weights reached it: the rollout set samples one response per prompt of `prompts`
+    (each replica its own) with log-probs, the sequences go to the actor set as tensors
+    (rollout.gather.broadcast_part over `link`, the two sets' ranks), the actor recomputes the
+    log-probs of the same tokens with its training weights, and its verdict comes back to the
+    rollout set: every rank of both sets returns the same metrics or raises WeightSyncError.
+
+    Rollout ranks pass `engine` (and `prompts`), actor ranks `actor`; both call it together."""
+    import dataclasses
+
+    from verl_mcore.engine.batch import TrainBatch
+    from verl_mcore.rollout.gather import RolloutPart, broadcast_part, gather_rollout
+
+    class _Prompts:  # what RolloutPart.from_outputs reads of a PromptBatch
+        def __init__(self, ids):
+            self.input_ids, self.rows = ids, [None] * len(ids)
+
+    part = None
+    if engine is not None:
+        sp = dataclasses.replace(sampling, n=1, logprobs=True)
+        outputs = engine.generate(prompts, sp)
+        mine = (RolloutPart.from_outputs(_Prompts(list(prompts)), outputs, vocab_size)
+                if rollout_groups.gen_tp_rank == 0 else None)
+        part = gather_rollout(mine, rollout_groups, vocab_size)
+    part = broadcast_part(part, rollout_leader, link, vocab_size, with_rows=False,
+                          who="the rollout set")
+    device = collective_device(link)
+    verdict = torch.zeros(3, dtype=torch.float64)  # max |diff|, sum |diff|, tokens
+    if actor is not None:
+        batch = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
+                                     part.response_lens, pad_token_id, prompt_of=part.prompt_of)
+        logp, _ = actor.compute_log_prob(batch)
+        mask = batch.response_mask.cpu().bool()
+        trainer = logp.detach().cpu().double()[mask]
+        engine_lp = torch.zeros(mask.shape, dtype=torch.float64)
+        engine_lp[mask] = part.logprobs.double()[:int(mask.sum())]
+        diff = (engine_lp[mask] - trainer).abs()
+        if diff.numel():
+            verdict = torch.tensor([diff.max().item() if diff.numel() else 0.0, diff.sum().item(),
+                                    float(diff.numel())], dtype=torch.float64)
+    verdict = verdict.to(device)
+    dist.broadcast(verdict, src=actor_leader, group=link)
+    worst, total, count = verdict.cpu().tolist()
+    return _verdict(worst, total / max(count, 1.0), int(count), max_abs_diff)

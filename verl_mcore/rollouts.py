@@ -1,0 +1,182 @@
+"""Which batch each step trains on, with which weights it was sampled, and when (rollout.mode).
+
+Batch j is the j-th prompt batch of the loader and is trained on at step j; v_s are the actor's
+weights after s steps (v_0 the initial ones). k = 0 in sync mode, rollout.max_staleness in
+one_step_off.
+
+    sync          step s: the engine receives v_{s-1}, samples B_s, every rank gets it, the
+                  training ranks train on it. The engine runs on the actor's ranks (colocated,
+                  time-shared with training) or on a rollout set of its own (placement.rollout).
+    one_step_off  step s: the rollout set receives v_{s-1} and samples the batches up to
+                  B_{s+k} (at step 1: B_1 .. B_{1+k}); meanwhile the training ranks train on B_s,
+                  sampled during step s-k with v_{max(s-k-1, 0)}, and receive B_{s+k} at the end
+                  of the step. A sample thus lags the weights it trains by at most k versions
+                  (`rollout/staleness`); the actor recomputes its old log-probs (trainer), and
+                  rollout.tis_cap weights each token by the truncated ratio against the engine's
+                  own log-probs.
+
+Every rank runs the same program: the ranks that hold the engine sample (`make`), the others
+receive in the same order (Trainer.generate shares each batch as tensors from the generating
+set's first rank), so the exchanges meet without any rank waiting for a batch nobody sends. The
+rollout set's ranks never join a training phase: their step is `take` and the metrics.
+
+Checkpoints hold the batches sampled ahead (`state_dict`: their tokens, lengths, engine log-
+probs and versions as tensors, with the loader's position before the first of them); a resumed
+run draws those prompts again for their dataset rows and trains on the saved samples, so it
+continues exactly as the run that was stopped (tests/e2e/test_rollout_set.py).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class Sampled:
+    """One prompt batch's samples (rollout.gather.RolloutPart), the ReMax baseline's when the
+    algorithm has one, and the weights they were sampled with (`version`: steps completed)."""
+
+    index: int
+    version: int
+    part: Any
+    baseline: Any = None
+
+
+class RolloutSchedule:
+    """The step's rollout batch for `owner`, a Trainer (its loader, its generation phase, its
+    generate / begin_generation / end_generation, which every rank calls alike)."""
+
+    def __init__(self, owner, ahead: int):
+        self.owner = owner
+        self.ahead = ahead  # k: batches sampled ahead of the one trained on
+        self.queue: deque[Sampled] = deque()  # training ranks: sampled, not yet trained on
+        self.count = 0  # batches sampled (generating ranks) or received (the others) so far
+        self.prompts: deque = deque()  # drawn, not yet sampled: (loader state before, batch)
+        self.loader_before: deque = deque()  # the loader's state before each queued batch
+
+    # ------------------------------------------------------------------ the step
+
+    def take(self, step: int, phase) -> tuple[Optional[Sampled], dict[str, float]]:
+        """The batch step `step` trains on (None on the rollout set's ranks, which train nothing)
+        after this rank's part of sampling: the weights of step - 1 to the engine, then every
+        batch up to `step` (+ k ahead on the generating ranks)."""
+        o = self.owner
+        metrics = dict(o.offload_training_state())  # colocated: generation gets the memory
+        generates = o.rollout is not None
+        if generates or o.sends_weights:
+            with phase("sync"):  # weights + the weight-sync check on the next batch's prompts
+                first = self._peek_prompts() if generates else True
+                metrics.update(o.begin_generation(step, first))
+        self._advance(step + (self.ahead if generates else 0), step, phase)
+        o.end_generation()  # release the KV cache (and the weight buffer) before training
+        if not o.place.trains:
+            return None, metrics
+        sampled = self.queue.popleft()
+        self.loader_before.popleft()
+        assert sampled.index == step, f"batch {sampled.index} at step {step}"
+        if self.ahead:  # versions the batch lags the weights it trains (0 in sync mode)
+            metrics["rollout/staleness"] = float(step - 1 - sampled.version)
+        return sampled, metrics
+
+    def fill(self, step: int, phase) -> dict[str, float]:
+        """Training ranks, after the update: receive the batches sampled during this step (one
+        ahead in one_step_off; nothing in sync)."""
+        self._advance(step + self.ahead, step, phase)
+        return {}
+
+    def _advance(self, until: int, step: int, phase) -> None:
+        """Sample (or receive) batches until `until` of them exist; the weights are those the
+        engine holds now, the version step - 1. Phases: `gen` is the engine's sampling;
+        `wait_rollout` the time a rank waits for another set's batch (not busy time: the
+        per-set utilisation leaves it out, RolePlacement.gather_metrics)."""
+        o = self.owner
+        while self.count < until:
+            before, prompts = self._next_prompts()
+            index = self.count + 1
+            parts = []
+            for sampling in self._samplings(index):
+                with phase("gen" if o.rollout is not None else "wait_rollout"):
+                    batch, failure = o.sample_part(prompts, sampling)
+                with phase("wait_rollout"):
+                    parts.append(o.share_part(prompts, batch, failure))
+            self.count = index
+            if o.place.trains:
+                self.queue.append(Sampled(index, step - 1, *parts))
+                self.loader_before.append(before)
+
+    def _samplings(self, index: int) -> list:
+        """How batch `index` is sampled: its rollout.n responses per prompt, and ReMax's greedy
+        baseline (one per prompt) where the algorithm has one."""
+        o, r = self.owner, self.owner.cfg.rollout
+        out = [o.sampling(r.n, r.temperature, batch=index - 1)]
+        if o.cfg.algorithm.adv_estimator == "remax":
+            out.append(o.sampling(1, 0.0, batch=index - 1, seed_offset=1))
+        return out
+
+    def _next_prompts(self):
+        if self.prompts:
+            return self.prompts.popleft()
+        before = self.owner.loader.state_dict()
+        return before, next(self.owner.loader)
+
+    def _peek_prompts(self):
+        """The next batch's prompt ids, drawn now (the weight-sync check samples from them)."""
+        if not self.prompts:
+            before = self.owner.loader.state_dict()
+            self.prompts.append((before, next(self.owner.loader)))
+        return self.prompts[0][1].input_ids
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The loader's position before the first batch not yet trained on, and the batches
+        sampled ahead (training ranks; the actor set's first rank writes it)."""
+        loader = self.loader_before[0] if self.loader_before else self.owner.loader.state_dict()
+        return {"loader": loader, "queue": [_save(s) for s in self.queue]}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Continue after step `step`: the loader where the checkpoint had it, then the saved
+        batches back in the queue with their prompts' rows drawn again (every rank draws them,
+        the rollout set's to keep its loader in step)."""
+        o = self.owner
+        o.loader.load_state_dict(state["loader"])
+        self.queue.clear(), self.loader_before.clear(), self.prompts.clear()
+        for saved in state.get("queue", []):
+            before = o.loader.state_dict()
+            prompts = next(o.loader)
+            if o.place.trains:
+                self.queue.append(_load(saved, prompts.rows))
+                self.loader_before.append(before)
+        self.count = step + len(state.get("queue", []))
+
+
+def _save(s: Sampled) -> dict:
+    out = {"index": s.index, "version": s.version, "part": _part_tensors(s.part)}
+    if s.baseline is not None:
+        out["baseline"] = _part_tensors(s.baseline)
+    return out
+
+
+def _part_tensors(part) -> dict:
+    """A RolloutPart without its dataset rows (they come from the loader), as plain tensors."""
+    out = {"integers": part.integers(), "tokens": part.tokens(),
+           "sizes": torch.tensor([len(part.prompt_lens), part.num_samples,
+                                  part.prompt_ids.numel()], dtype=torch.int64)}
+    if part.logprobs is not None:
+        out["logprobs"] = part.logprobs
+    return out
+
+
+def _load(saved: dict, rows) -> Sampled:
+    def part(d):
+        from verl_mcore.rollout.gather import _cut
+
+        prompts, samples, prompt_tokens = d["sizes"].tolist()
+        return _cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
+                    prompt_tokens, d.get("logprobs"))
+
+    return Sampled(int(saved["index"]), int(saved["version"]), part(saved["part"]),
+                   part(saved["baseline"]) if "baseline" in saved else None)
