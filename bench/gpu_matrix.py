@@ -168,6 +168,11 @@ def _cases() -> list[Case]:
         Case("recompute-activations", (GAE, "actor.recompute_activations=true",
                                        "critic.recompute_activations=true")),
         Case("keep-weights-buffer", ("rollout.keep_weights_buffer=true",)),
+        # The engine's log-probs travel with the batch; each token's policy loss weighed by the
+        # truncated ratio against them (colocated: one GPU).
+        Case("rollout-tis-cap", ("rollout.tis_cap=2.0",),
+             expect=("rollout/tis_weight_mean", "rollout/tis_clip_fraction",
+                     "rollout/engine_vs_trainer_logp_diff")),
         # The reference's weights in host memory between its passes.
         Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
              expect=("actor/kl_loss",)),
@@ -218,6 +223,8 @@ CASES = _cases()
 # neither a case nor here, and on an entry here that a case runs or the schema no longer has.
 EXEMPT: dict[tuple[str, Any], str] = {
     ("rollout.engine", "vllm"): "vLLM is not installed on the device machine (README: Not run)",
+    ("rollout.mode", "one_step_off"): "needs placement.rollout, GPUs of its own: no machine of "
+    "several GPUs was lent; tests/e2e/test_rollout_set.py runs it on 4 CPU gloo ranks",
     ("trainer.device", "cpu"): "every case runs on --device (cuda on the H200)",
     ("trainer.device", "auto"): "every case runs on --device (cuda on the H200)",
     ("data.truncation", "truncate_left"): "host-side prompt loading (tests/data)",

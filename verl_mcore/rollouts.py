@@ -93,14 +93,20 @@ class RolloutSchedule:
         `wait_rollout` the time a rank waits for another set's batch (not busy time: the
         per-set utilisation leaves it out, RolePlacement.gather_metrics)."""
         o = self.owner
+        # Handing the batch over is waiting on a rollout set of its own (its receivers are busy
+        # training) and on every rank that receives; on the training ranks that sampled it, part
+        # of generating.
+        hand_over = "gen" if o.rollout is not None and o.place.trains else "wait_rollout"
         while self.count < until:
             before, prompts = self._next_prompts()
             index = self.count + 1
             parts = []
             for sampling in self._samplings(index):
-                with phase("gen" if o.rollout is not None else "wait_rollout"):
-                    batch, failure = o.sample_part(prompts, sampling)
-                with phase("wait_rollout"):
+                batch = failure = None
+                if o.rollout is not None:
+                    with phase("gen"):
+                        batch, failure = o.sample_part(prompts, sampling)
+                with phase(hand_over):
                     parts.append(o.share_part(prompts, batch, failure))
             self.count = index
             if o.place.trains:

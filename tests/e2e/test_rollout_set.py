@@ -8,7 +8,8 @@ on 4 gloo ranks: the actor on [0, 1] (DP=2), the rollout set on [2, 3] (TP_g=1: 
   generation and back for training), the actor's old log-probs recomputed, and the same
   truncated importance weights (rollout.tis_cap) against the engine's log-probs;
 - a one_step_off run stopped after step 2 and resumed equals the uninterrupted run (the batch
-  sampled ahead is in the checkpoint);
+  sampled ahead is in the checkpoint), and so does one whose rollout rank got SIGTERM during
+  step 2 (both sets stop after the step with a checkpoint; the requeued run carries on);
 - each rollout rank receives exactly its TP_g shard of the weights (the lower bound)."""
 from __future__ import annotations
 
@@ -48,12 +49,28 @@ def _overrides(model, run_dir, *extra, steps=3):
             "rollout.logprob_check.num_sequences=2", *extra]
 
 
-def _train(rank, world_size, overrides, lag):
+def _train(rank, world_size, overrides, lag, signal_at=None):
     from verl_mcore.config import Config
     from verl_mcore.trainer import Trainer
 
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)
-    return (_lagged(Trainer, lag) if lag else Trainer)(cfg).fit()
+    cls = _lagged(Trainer, lag) if lag else Trainer
+    if signal_at is not None:
+        cls = _signalled(cls, *signal_at)
+    return cls(cfg).fit()
+
+
+def _signalled(base, rank: int, step: int, signum):
+    """`rank` receives `signum` (as from Slurm) while it runs step `step`."""
+    import os
+
+    class Signalled(base):
+        def step(self, s):
+            if s == step and self.rank == rank:
+                os.kill(os.getpid(), signum)
+            return super().step(s)
+
+    return Signalled
 
 
 def _lagged(base, lag: int):
@@ -87,8 +104,8 @@ def _lagged(base, lag: int):
     return Lagged
 
 
-def _run(overrides, world, lag=0):
-    assert run_on_ranks(_train, world, args=(overrides, lag), timeout=900) == [0] * world
+def _run(overrides, world, lag=0, signal_at=None, code=0):
+    assert run_on_ranks(_train, world, args=(overrides, lag, signal_at), timeout=900) == [code] * world
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -139,6 +156,22 @@ def test_one_step_off_equals_the_lagged_reference_and_resumes(model, tmp_path):
     assert sorted(c) == [1, 2, 3, 4]
     for step in (3, 4):
         _assert_same(b[step], c[step], COMPARED + ["rollout/staleness"], f"resumed step {step}")
+
+    # Preempted: SIGTERM reaches a rollout rank during step 2; both sets stop after it with a
+    # checkpoint (EXIT_PREEMPTED), and the requeued run carries on as if never stopped.
+    import signal
+
+    from verl_mcore.distributed.preemption import EXIT_PREEMPTED
+
+    preempted = tmp_path / "preempted"
+    overrides = _overrides(model, preempted, *PLACED, *mode, "checkpoint.save_every=0", steps=4)
+    _run(overrides, 4, signal_at=(3, 2, signal.SIGTERM), code=EXIT_PREEMPTED)
+    assert sorted(_rows(preempted)) == [1, 2]
+    _run(overrides, 4)
+    d = _rows(preempted)
+    assert sorted(d) == [1, 2, 3, 4]
+    for step in (3, 4):
+        _assert_same(b[step], d[step], COMPARED + ["rollout/staleness"], f"requeued step {step}")
 
 
 def test_rollout_set_config_errors():
