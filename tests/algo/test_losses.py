@@ -207,3 +207,52 @@ def test_entropy_bonus():
     assert should_compute_entropy(0.0, log_entropy=False) is False
     assert should_compute_entropy(0.0, log_entropy=True) is True
     assert should_compute_entropy(1e-3, log_entropy=False) is True
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_truncated_is_weights_by_hand(seed):
+    from verl_mcore.algo.policy_loss import truncated_is_weights
+
+    b = loss_batch(seed)
+    mask, old = b["mask"], b["old_log_prob"]
+    g = torch.Generator().manual_seed(seed)
+    engine = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.7
+    cap = 1.5
+    weights, metrics = truncated_is_weights(old, engine, mask, cap)
+    for i in range(old.shape[0]):
+        for t in range(old.shape[1]):
+            ratio = math.exp(max(-20.0, min(20.0, float(old[i, t] - engine[i, t]))))
+            want = min(ratio, cap) if mask[i, t] else 0.0
+            assert math.isclose(float(weights[i, t]), want, rel_tol=1e-12, abs_tol=1e-15)
+    valid = mask.bool()
+    truncated = sum(1 for i, t in valid.nonzero().tolist()
+                    if math.exp(float(old[i, t] - engine[i, t])) > cap)
+    assert math.isclose(metrics["rollout/tis_clip_fraction"], truncated / int(valid.sum()))
+    assert not weights.requires_grad
+    with pytest.raises(ValueError, match="tis_cap"):
+        truncated_is_weights(old, engine, mask, 0.0)
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "reinforce"])
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_token_weights_scale_each_tokens_loss(name, mode):
+    """Weights w multiply each token's loss before aggregation: the weighted loss equals the
+    loss of the unweighted per-token terms times w, by hand, and w = 1 changes nothing."""
+    b = loss_batch(3)
+    mask = b["mask"]
+    denoms = LossDenominators.of(mask, norm_len=9.0)
+    params = PolicyLossParams(agg_mode=mode)
+    g = torch.Generator().manual_seed(7)
+    w = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2
+    args = (b["log_prob"], b["old_log_prob"], b["advantages"], mask, denoms, params)
+    plain, _ = compute_policy_loss(name, *args)
+    ones, _ = compute_policy_loss(name, *args, torch.ones_like(w))
+    weighted, _ = compute_policy_loss(name, *args, w)
+    assert torch.equal(plain, ones)
+    # Each token's term of the aggregated loss: the loss with that token's weight alone.
+    per_token = torch.zeros_like(w)
+    for i, t in mask.nonzero().tolist():
+        e = torch.zeros_like(w)
+        e[i, t] = 1.0
+        per_token[i, t] = compute_policy_loss(name, *args, e)[0]
+    assert torch.allclose(weighted, (per_token * w).sum(), rtol=1e-10, atol=1e-12)

@@ -115,3 +115,41 @@ def test_token_dtype_and_finish_codes():
     assert finish_codes(["length", "stop"]).tolist() == [1, 0]
     with pytest.raises(ValueError, match="'abort'"):
         finish_codes(["stop", "abort"])
+
+
+def _broadcast_body(rank, world_size, fail_on):
+    """Rank 1 holds a part with the engine's log-probs and sends it to ranks 0 and 2 (rows from
+    their own copy), or fails (`fail_on` == 1), or a receiver fails (`fail_on` == 2)."""
+    from verl_mcore.distributed import cpu_compat
+    from verl_mcore.rollout.gather import GenerationFailure, broadcast_part
+
+    cpu_compat.install()
+    prompts, outputs = _replica(0, [4], 2)
+    for o in outputs:
+        o.logprobs = [-0.25 * (k + 1) for k in range(len(o.token_ids))]
+    part = RolloutPart.from_outputs(prompts, outputs, VOCAB) if rank == 1 else None
+    failure = RuntimeError(f"engine broke on rank {rank}") if rank == fail_on else None
+    try:
+        got = broadcast_part(part, 1, None, VOCAB, None if rank == 1 else prompts.rows,
+                             failure=failure, who="the rollout set")
+    except GenerationFailure as e:
+        return ("GenerationFailure", str(e))
+    except RuntimeError as e:
+        return ("RuntimeError", str(e))
+    sent = RolloutPart.from_outputs(prompts, outputs, VOCAB)
+    same = all(torch.equal(getattr(got, f), getattr(sent, f)) for f in
+               ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "prompt_of",
+                "finish", "logprobs"))
+    return ("ok", same and got.rows == sent.rows)
+
+
+def test_broadcast_part_sends_the_batch_or_the_senders_failure():
+    assert run_on_ranks(_broadcast_body, 3, args=(None,)) == [("ok", True)] * 3
+    failed = run_on_ranks(_broadcast_body, 3, args=(1,))
+    assert failed[1] == ("RuntimeError", "engine broke on rank 1")
+    for rank in (0, 2):  # no rank waits for a batch that will not come
+        assert failed[rank][0] == "GenerationFailure" and "rollout set failed on rank 1" in failed[rank][1]
+    other = run_on_ranks(_broadcast_body, 3, args=(2,))  # another rank of the generating set
+    assert other[2] == ("RuntimeError", "engine broke on rank 2")
+    for rank in (0, 1):
+        assert other[rank][0] == "GenerationFailure" and "failed on rank 2" in other[rank][1]

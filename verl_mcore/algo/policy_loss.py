@@ -234,9 +234,9 @@ def truncated_is_weights(old_log_prob: Tensor, engine_log_prob: Tensor, mask: Te
     ratio = (old_log_prob - engine_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     valid = mask.bool()
     weights = torch.where(valid, ratio.clamp(max=cap), ratio.new_zeros(())).detach()
-    count = valid.sum().clamp(min=1)
-    return weights, {"rollout/tis_weight_mean": float(weights[valid].sum() / count),
-                     "rollout/tis_clip_fraction": float(((ratio > cap) & valid).sum() / count)}
+    count = max(int(valid.sum()), 1)
+    return weights, {"rollout/tis_weight_mean": float(weights[valid].sum()) / count,
+                     "rollout/tis_clip_fraction": int(((ratio > cap) & valid).sum()) / count}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -251,28 +251,23 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
     (`rows`, at least as many as the part has prompts); a rank that holds the part passes
     rows=None and gets its part back.
 
-    A `failure` on `src` goes out in the header instead of the batch: every rank raises (src its
-    own error, the others GenerationFailure naming `who`). with_rows=False: the receivers need no
-    dataset rows (theirs are None)."""
+    A `failure` on any rank (the sampling failed there) is agreed first, in one all-reduce:
+    then no batch is sent and every rank raises (a failed rank its own error, the others
+    GenerationFailure naming `who` and the first failed rank). with_rows=False: the receivers
+    need no dataset rows (theirs are None)."""
     rank = dist.get_rank()
     device = collective_device(group)
     sending = rank == src
-    header = torch.zeros(6, dtype=torch.int64)
-    if sending:
-        if failure is not None:
-            header[0] = 1
-        else:
-            header[1:] = part.sizes(0)[1:]
-    header = header.to(device)
-    dist.broadcast(header, src=src, group=group)
-    failed, prompts_n, samples, prompt_tokens, response_tokens, with_logprobs = header.tolist()
-    if failed:
+    failed = torch.tensor([0 if failure is None else rank + 1], dtype=torch.int64, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if int(failed[0]):
         if failure is not None:
             raise failure
-        raise GenerationFailure(f"{who} failed on rank {src} while generating: its log has the "
-                                "error")
-    if failure is not None:  # this rank failed, the sender did not: stop here as well
-        raise failure
+        raise GenerationFailure(f"{who} failed on rank {int(failed[0]) - 1} while generating: "
+                                "its log has the error")
+    header = (part.sizes(0)[1:] if sending else torch.zeros(5, dtype=torch.int64)).to(device)
+    dist.broadcast(header, src=src, group=group)
+    prompts_n, samples, prompt_tokens, response_tokens, with_logprobs = header.tolist()
 
     def cast(local: Optional[Tensor], n: int, dtype) -> Tensor:
         buf = (local.to(device=device, dtype=dtype).contiguous() if sending
