@@ -154,6 +154,11 @@ class RolloutSetPhase(GenerationPhase):
     def check(self, step: int, prompts) -> dict[str, float]:
         return self.cross_check(self.engine, None, prompts, self.check_sampling(step))
 
+    def end(self) -> None:
+        """No training shares these GPUs: the engine keeps its weights, KV cache and captured
+        graphs for the next batch (the transfer refills the weights in place)."""
+        self.awake = False
+
 
 class WeightSender:
     """The actor ranks' side of a rollout set's generation phase: `begin` sends this rank's

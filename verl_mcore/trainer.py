@@ -513,14 +513,9 @@ class Trainer:
 
     def generate(self, prompts, sampling) -> Rollout:
         """Sample responses for this replica's prompts; the global rollout batch on every
-        rank (generate_part)."""
-        batch = self.generate_part(prompts, sampling)
+        rank (sample_part, then share_part)."""
+        batch = self.share_part(prompts, *self.sample_part(prompts, sampling))
         return rollout_from_part(batch, batch.prompt_of, self.info)
-
-    def generate_part(self, prompts, sampling):
-        """Sample responses for this replica's prompts and gather the global rollout batch
-        (rollout.gather.RolloutPart) on every rank: sample_part, then share_part."""
-        return self.share_part(prompts, *self.sample_part(prompts, sampling))
 
     def sample_part(self, prompts, sampling):
         """(the generating set's batch, None) on its ranks, (None, the error) where its

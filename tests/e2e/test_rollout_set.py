@@ -13,13 +13,11 @@ on 4 gloo ranks: the actor on [0, 1] (DP=2), the rollout set on [2, 3] (TP_g=1: 
 - each rollout rank receives exactly its TP_g shard of the weights (the lower bound)."""
 from __future__ import annotations
 
-import json
-import math
-import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_placement import _assert_same, _rows
 from tests.multiproc import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,16 +104,6 @@ def _lagged(base, lag: int):
 
 def _run(overrides, world, lag=0, signal_at=None, code=0):
     assert run_on_ranks(_train, world, args=(overrides, lag, signal_at), timeout=900) == [code] * world
-
-
-def _rows(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
-def _assert_same(a: dict, b: dict, keys, what: str):
-    for k in keys:
-        assert k in a and k in b, f"{what}: {k} missing"
-        assert math.isclose(a[k], b[k], rel_tol=2e-4, abs_tol=2e-5), f"{what}: {k} {a[k]} vs {b[k]}"
 
 
 @pytest.mark.distributed

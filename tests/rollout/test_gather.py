@@ -74,7 +74,7 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     fake = SimpleNamespace(groups=groups, info=INFO, world=world_size, place=place,
                            rollout=SimpleNamespace(generate=lambda ids, sampling: outputs,
                                                    groups=groups))
-    for name in ("generate_part", "sample_part", "share_part"):  # the methods generate calls
+    for name in ("sample_part", "share_part"):  # the methods generate calls
         setattr(fake, name, getattr(Trainer, name).__get__(fake))
     new = Trainer.generate(fake, prompts, sampling=None)
     shared = [new.rows[i] is new.rows[j] for i in range(len(new.rows)) for j in range(i)

@@ -15,10 +15,10 @@ from verl_mcore.trainer import Trainer
 
 
 # The Trainer methods an API object runs: what they read of a Trainer, the objects set.
-TRAINER_PHASES = ("sampling", "generate", "generate_part", "sample_part", "share_part",
-                  "_gen_replica", "score", "needs_old_log_probs",
-                  "old_log_probs", "ref_log_probs", "off_policy", "token_rewards", "fit_critic", "advantages",
-                  "update", "_update", "check_finite", "data_metrics", "offload_training_state",
+TRAINER_PHASES = ("sampling", "generate", "sample_part", "share_part", "_gen_replica", "score",
+                  "needs_old_log_probs", "old_log_probs", "ref_log_probs", "off_policy",
+                  "token_rewards", "fit_critic", "advantages", "update", "_update",
+                  "check_finite", "data_metrics", "offload_training_state",
                   "onload_training_state")
 
 
