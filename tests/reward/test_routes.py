@@ -84,6 +84,9 @@ def _trainer_score_body(rank, world_size, fns, classes):
     with RewardManager.from_config(_config(fns, classes)) as manager:
         trainer = SimpleNamespace(rank=rank, world=world_size, rewards=manager, reward_models={},
                                   reward_model_names=[],
+                                  # every rank scores (no rollout set of its own)
+                                  place=SimpleNamespace(training_ranks=tuple(range(world_size)),
+                                                        training=None),
                                   device=torch.device("cpu"),
                                   info=SimpleNamespace(tokenizer=_CharTokenizer()))
         scores, metrics, extras = Trainer.score(trainer, rollout)
