@@ -56,6 +56,9 @@ class RolloutSchedule:
         self.count = 0  # batches sampled (generating ranks) or received (the others) so far
         self.prompts: deque = deque()  # drawn, not yet sampled: (loader state before, batch)
         self.loader_before: deque = deque()  # the loader's state before each queued batch
+        # An error of this rank's part (the weights' way to the engine, a training phase) not
+        # yet told to the others: the next hand-over of a batch carries it to every rank.
+        self.failure: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ the step
 
@@ -69,7 +72,10 @@ class RolloutSchedule:
         if generates or o.sends_weights:
             with phase("sync"):  # weights + the weight-sync check on the next batch's prompts
                 first = self._peek_prompts() if generates else True
-                metrics.update(o.begin_generation(step, first))
+                try:
+                    metrics.update(o.begin_generation(step, first))
+                except Exception as e:  # noqa: BLE001 - every rank raises it at the hand-over
+                    self.failure = e
         self._advance(step + (self.ahead if generates else 0), step, phase)
         o.end_generation()  # release the KV cache (and the weight buffer) before training
         if not o.place.trains:
@@ -81,9 +87,11 @@ class RolloutSchedule:
             metrics["rollout/staleness"] = float(step - 1 - sampled.version)
         return sampled, metrics
 
-    def fill(self, step: int, phase) -> dict[str, float]:
+    def fill(self, step: int, phase, failure: Optional[BaseException] = None) -> dict[str, float]:
         """Training ranks, after the update: receive the batches sampled during this step (one
-        ahead in one_step_off; nothing in sync)."""
+        ahead in one_step_off; nothing in sync). `failure`: the step's training failed here;
+        the hand-over tells every rank (the rollout set is waiting in it)."""
+        self.failure = failure or self.failure
         self._advance(step + self.ahead, step, phase)
         return {}
 
@@ -106,6 +114,7 @@ class RolloutSchedule:
                 if o.rollout is not None:
                     with phase("gen"):
                         batch, failure = o.sample_part(prompts, sampling)
+                failure, self.failure = failure or self.failure, None
                 with phase(hand_over):
                     parts.append(o.share_part(prompts, batch, failure))
             self.count = index
@@ -152,7 +161,7 @@ class RolloutSchedule:
         self.queue.clear(), self.loader_before.clear(), self.prompts.clear()
         for saved in state.get("queue", []):
             before = o.loader.state_dict()
-            prompts = next(o.loader)
+            prompts = o.loader.next_global()  # the whole batch, whoever sampled which share
             if o.place.trains:
                 self.queue.append(_load(saved, prompts.rows))
                 self.loader_before.append(before)

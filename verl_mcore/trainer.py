@@ -321,7 +321,7 @@ class Trainer:
         return 0
 
     def step(self, step: int) -> dict[str, float]:
-        cfg, timer = self.cfg, StageTimer(peak_seen=self.memory_peak_bytes)
+        timer = StageTimer(peak_seen=self.memory_peak_bytes)
         phase = lambda name: _both(self.watchdog.phase(name, step=step), timer(name))  # noqa: E731
         t0 = time.perf_counter()
 
@@ -331,6 +331,24 @@ class Trainer:
         sampled, gen_metrics = self.schedule.take(step, phase)
         if sampled is None:
             return self.step_metrics(step, gen_metrics, timer, t0, tokens=0.0)
+        try:
+            metrics, tokens = self.train_on(step, sampled, phase)
+        except Exception as e:
+            if not self.place.has("rollout"):
+                raise
+            # A rollout set of its own waits to hand over its next batch (one_step_off) or at
+            # the step's end: the failure goes to it there, so no rank waits for this step.
+            self.schedule.fill(step, phase, failure=e)
+            self.place.hold("training", e)  # raised on every rank by step_metrics
+            return self.step_metrics(step, {}, timer, t0, tokens=0.0)
+        metrics.update(self.schedule.fill(step, phase))  # one_step_off: sampled meanwhile
+        metrics.update(gen_metrics)
+        return self.step_metrics(step, metrics, timer, t0, tokens)
+
+    def train_on(self, step: int, sampled, phase) -> tuple[dict[str, float], float]:
+        """The step's training on its batch: log-probs, rewards, advantages, the critic's and
+        the actor's updates. (metrics, tokens of the batch)."""
+        cfg = self.cfg
         # The step's tensors live on the training device from here on (engine/batch.py).
         rollout = rollout_from_part(sampled.part, sampled.part.prompt_of, self.info).to(self.device)
         baseline = (rollout_from_part(sampled.baseline, sampled.baseline.prompt_of, self.info)
@@ -360,12 +378,10 @@ class Trainer:
             with phase("actor"):  # placed, alongside the critic set's update
                 actor_metrics = self.update(step, "actor", batch)
             metrics.update(actor_metrics)
-        metrics.update(self.schedule.fill(step, phase))  # one_step_off: sampled meanwhile
-        metrics.update(gen_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
         metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))
-        return self.step_metrics(step, metrics, timer, t0, tokens=float(batch.seq_lens.sum()))
+        return metrics, float(batch.seq_lens.sum())
 
     def step_metrics(self, step: int, metrics: dict, timer: "StageTimer", t0: float,
                      tokens: float) -> dict[str, float]:
@@ -525,19 +541,23 @@ class Trainer:
         are consecutive (mini-batches keep GRPO groups together) and group ids count prompts.
         The batch crosses ranks as tensors, token ids in one flat buffer (rollout/gather.py).
         """
-        from verl_mcore.rollout.gather import RolloutPart, gather_rollout
+        from verl_mcore.rollout.gather import RolloutPart, agreed_failure, gather_rollout
 
         if self.rollout is None:
             return None, None
         vocab, groups = self.info.arch.vocab_size, self.rollout.groups
+        mine, failure = None, None
         try:
             outputs = self.rollout.generate(prompts.input_ids, sampling)
-            mine = None
             if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
                 mine = RolloutPart.from_outputs(prompts, outputs, vocab)
-            return gather_rollout(mine, groups, vocab), None
         except Exception as e:  # noqa: BLE001 - raised on every rank by share_part
-            return None, e
+            failure = e
+        # A replica that failed would leave the others waiting in the gather: agree first.
+        failure = agreed_failure(failure, groups.whole, "gathering the samples")
+        if failure is not None:
+            return None, failure
+        return gather_rollout(mine, groups, vocab), None
 
     def share_part(self, prompts, batch, failure=None):
         """The generating set's batch on every rank (a failure there raises on every rank)."""

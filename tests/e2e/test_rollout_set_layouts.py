@@ -343,10 +343,6 @@ def test_rollout_set_resumes_from_a_colocated_checkpoint(model, reward, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=(
-    "IndexError in RolloutPart.sample_rows: RolloutSchedule.load_state_dict (rollouts.py) gives "
-    "the saved global batch the rows of next(loader), which colocated is this rank's replica "
-    "share (2 of the 4 prompts), not the whole batch as on a training rank of a rollout set"))
 def test_colocated_resumes_from_a_one_step_off_checkpoint(model, reward, tmp_path):
     """From a one_step_off checkpoint (B3, sampled with v1, is in it) to the colocated 2-rank sync
     run (2 replicas): step 3 trains the saved B3 with v2, as the uninterrupted run did."""
@@ -432,12 +428,6 @@ def _assert_every_rank_stopped(outcomes, names, words):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=(
-    "the training ranks raise RewardFailureError in Trainer.score (rewards.check_failures) "
-    "without telling the rollout set, whose ranks wait at step 1 in phase wait_rollout handing "
-    "over the batch sampled ahead (RolloutSchedule._advance -> share_part -> broadcast_part's "
-    "collective over the world, which the training ranks join only in schedule.fill after "
-    "their update) until the watchdog ends them (exit 86)"))
 def test_reward_failure_in_one_step_off_stops_every_rank(model, reward, tmp_path):
     reward = tmp_path / "raising_reward.py"
     reward.write_text("def repeat_digit_score(data_source, solution_str, ground_truth, "
@@ -459,11 +449,6 @@ def test_corrupted_weight_transfer_stops_every_rank(model, reward, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=(
-    "WeightSyncError is agreed only over the actor and rollout sets (check_across_sets' "
-    "verdict over place.link); the critic's rank 1, outside them, skips the sync and waits in "
-    "phase wait_rollout for batch 1 (RolloutSchedule._advance -> share_part -> broadcast_part "
-    "over the world), which no rank sends, until the watchdog ends it (exit 86)"))
 def test_corrupted_weight_transfer_stops_the_critic_set_too(model, reward, tmp_path):
     overrides = _ov(model, reward, tmp_path / "run", *PPO, *OFF, *SHORT_TIMEOUT,
                            "placement.actor=[0]", "placement.critic=[1]",
@@ -474,11 +459,6 @@ def test_corrupted_weight_transfer_stops_the_critic_set_too(model, reward, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=(
-    "Trainer.sample_part catches the failure on rank 3 and skips gather_rollout, so rank 2 "
-    "waits in the replicas' gather (phase gen) and never reaches broadcast_part, whose failure "
-    "all-reduce ranks 0, 1 and 3 wait in (phase wait_rollout), until the watchdog ends them "
-    "(exit 86); the injected error is never reported"))
 def test_generation_failure_on_a_second_rollout_rank_stops_every_rank(model, reward, tmp_path):
     overrides = _ov(model, reward, tmp_path / "run", *PLACED, *OFF, *SHORT_TIMEOUT, steps=2)
     _assert_every_rank_stopped(_outcomes(overrides, "generation_fails"),

@@ -123,6 +123,15 @@ class PromptLoader:
         self.batch_in_epoch += 1
         return self.dataset.get_batch(mine.tolist())
 
+    def next_global(self) -> PromptBatch:
+        """The next global batch whole (every rank's share, in rank order), advancing as
+        `next` does: a saved batch of every replica's samples takes its rows from it."""
+        if self.batch_in_epoch >= self.batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        chosen = self.global_indices(self.epoch, self.batch_in_epoch)
+        self.batch_in_epoch += 1
+        return self.dataset.get_batch(chosen.tolist())
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
                 "shuffle": self.shuffle, "batch_size": self.batch_size,

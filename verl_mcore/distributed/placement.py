@@ -443,8 +443,13 @@ class RolePlacement:
         try:
             return work()
         except Exception as e:  # noqa: BLE001 - raised by gather_metrics on every rank
-            self._held = (role, e)
+            self.hold(role, e)
             return {}
+
+    def hold(self, role: str, failure: BaseException) -> None:
+        """Keep `failure` of `role`'s work until gather_metrics raises it on every rank (as
+        `run` does for an update)."""
+        self._held = (role, failure)
 
     def _agree(self, role: str, failure: Optional[BaseException]) -> None:
         """Raise on every rank when `role`'s phase failed on any of its ranks."""
@@ -522,8 +527,10 @@ class RolePlacement:
         for rank, (_, failed) in enumerate(everyone):
             if failed is not None:
                 role, kind, text = failed
+                ranks = (self.placement.ranks(role) if role in self.placement.sets
+                         else self.training_ranks)
                 raise _failure_class(kind)(
-                    f"the {role} set (ranks {format_ranks(self.placement.ranks(role))}) failed at "
+                    f"the {role} set (ranks {format_ranks(ranks)}) failed at "
                     f"step {step} on rank {rank}: {kind}: {text}")
         merged: dict = {}
         for rank in sorted(range(self.placement.world), key=lambda r: r != 0):
@@ -554,6 +561,8 @@ def _failure_class(kind: str) -> type:
     stops the same way: NonFiniteError commits pending saves), else RoleSetFailure."""
     from verl_mcore import trainer
     from verl_mcore.reward.manager import RewardFailureError
+    from verl_mcore.rollout.sync_check import WeightSyncError
 
-    known = {"NonFiniteError": trainer.NonFiniteError, "RewardFailureError": RewardFailureError}
+    known = {"NonFiniteError": trainer.NonFiniteError, "RewardFailureError": RewardFailureError,
+             "WeightSyncError": WeightSyncError}
     return known.get(kind, RoleSetFailure)

@@ -239,7 +239,36 @@ def decode_responses(tokenizer, part: RolloutPart, chunk: int = 1024) -> list[st
 
 
 class GenerationFailure(RuntimeError):
-    """Raised on the ranks that wait for a batch when the generating set's work failed."""
+    """Raised on the ranks that wait for a batch when another rank's work failed."""
+
+
+def agreed_failure(failure: Optional[BaseException], group, what: str
+                   ) -> Optional[BaseException]:
+    """One all-reduce over `group`: None when no rank failed, else on each rank its own error,
+    or the last failed rank's error class and message (GenerationFailure where the trainer has
+    no class of its own for it, placement._failure_class), naming that rank and `what` (where
+    they met). Every rank of the group must call it, failed or not, so that none waits in a
+    collective the failed rank never joins."""
+    if not dist.is_initialized():
+        return failure
+    flag = torch.tensor([0 if failure is None else dist.get_rank() + 1], dtype=torch.int64,
+                        device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag[0]):
+        return None
+    # What went wrong, from the failed rank (a few words, on the failure path only), so every
+    # rank's error names the cause, as the class the trainer treats specially where it has one.
+    src = int(flag[0]) - 1
+    box = [(type(failure).__name__, str(failure)) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if failure is not None:
+        return failure
+    from verl_mcore.distributed.placement import RoleSetFailure, _failure_class
+
+    kind, text = box[0]
+    cls = _failure_class(kind)
+    return (GenerationFailure if cls is RoleSetFailure else cls)(
+        f"rank {src} failed before {what}: {kind}: {text}")
 
 
 def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int,
@@ -251,20 +280,16 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
     (`rows`, at least as many as the part has prompts); a rank that holds the part passes
     rows=None and gets its part back.
 
-    A `failure` on any rank (the sampling failed there) is agreed first, in one all-reduce:
-    then no batch is sent and every rank raises (a failed rank its own error, the others
-    GenerationFailure naming `who` and the first failed rank). with_rows=False: the receivers
+    A `failure` on any rank (its sampling or training failed) is agreed first
+    (agreed_failure): then no batch is sent and every rank raises, a failed rank its own error,
+    the others GenerationFailure naming the first failed rank. with_rows=False: the receivers
     need no dataset rows (theirs are None)."""
     rank = dist.get_rank()
     device = collective_device(group)
     sending = rank == src
-    failed = torch.tensor([0 if failure is None else rank + 1], dtype=torch.int64, device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if int(failed[0]):
-        if failure is not None:
-            raise failure
-        raise GenerationFailure(f"{who} failed on rank {int(failed[0]) - 1} while generating: "
-                                "its log has the error")
+    failure = agreed_failure(failure, group, f"handing over {who}'s batch")
+    if failure is not None:
+        raise failure
     header = (part.sizes(0)[1:] if sending else torch.zeros(5, dtype=torch.int64)).to(device)
     dist.broadcast(header, src=src, group=group)
     prompts_n, samples, prompt_tokens, response_tokens, with_logprobs = header.tolist()
