@@ -145,11 +145,10 @@ def _broadcast_body(rank, world_size, fail_on):
 
 def test_broadcast_part_sends_the_batch_or_the_senders_failure():
     assert run_on_ranks(_broadcast_body, 3, args=(None,)) == [("ok", True)] * 3
-    failed = run_on_ranks(_broadcast_body, 3, args=(1,))
-    assert failed[1] == ("RuntimeError", "engine broke on rank 1")
-    for rank in (0, 2):  # no rank waits for a batch that will not come
-        assert failed[rank][0] == "GenerationFailure" and "rollout set failed on rank 1" in failed[rank][1]
-    other = run_on_ranks(_broadcast_body, 3, args=(2,))  # another rank of the generating set
-    assert other[2] == ("RuntimeError", "engine broke on rank 2")
-    for rank in (0, 1):
-        assert other[rank][0] == "GenerationFailure" and "failed on rank 2" in other[rank][1]
+    for fail_on in (1, 2):  # the sender, and another rank of the generating set
+        failed = run_on_ranks(_broadcast_body, 3, args=(fail_on,))
+        assert failed[fail_on] == ("RuntimeError", f"engine broke on rank {fail_on}")
+        for rank in {0, 1, 2} - {fail_on}:  # no rank waits for a batch that will not come
+            assert failed[rank] == ("GenerationFailure", f"rank {fail_on} failed before handing "
+                                    f"over the rollout set's batch: RuntimeError: engine broke "
+                                    f"on rank {fail_on}")
