@@ -22,8 +22,7 @@ of waiting in a collective. Those bodies return each rank's error rather than ra
 rank left waiting shows up as a timeout, or as a rank the watchdog ended (exit 86), naming it.
 
 The runs score with a reward that varies from sample to sample (VARIED_REWARD), so that every
-step updates the weights the comparisons depend on. Tests marked xfail document package bugs:
-each reason names the code where the run goes wrong.
+step updates the weights the comparisons depend on.
 """
 from __future__ import annotations
 
@@ -167,13 +166,6 @@ def _tied_copy(model: str, out: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason=(
-    "the placed run's checkpoint fails on the last PP stage: megatron-core's "
-    "LanguageModule.tie_embeddings_and_output_weights_state_dict reads "
-    "parallel_state.get_data_parallel_rank(with_context_parallel=True), which placed runs leave "
-    "uninitialised (engine/checkpoint.py _sharded_state_dict -> sharded_state_dict): "
-    "AssertionError 'data parallel group with context parallel combined is not initialized'. "
-    "The training itself equals the colocated run's when the saves are left out"))
 def test_tied_embeddings_pp2_to_rollout_set_equals_colocated(model, reward, tmp_path):
     """Tied embeddings at PP=2: the first and the last stage each hold the word embeddings; the
     rollout model's single copy comes from the first stage, which must equal the last's after

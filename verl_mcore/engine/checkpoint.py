@@ -67,6 +67,8 @@ rank 2 at TP=1 loads colocated at TP=2 × DP=2, and the other way round).
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import logging
@@ -803,9 +805,11 @@ def _sharded_state_dict(model_chunks, optimizer, optimizer_sharding, is_loading:
         _check_layout_matches(_unwrap(chunk))
     # The model's own data-parallel group for its replica ids: megatron's default reads
     # parallel_state, which a role set of its own does not initialise.
-    model_sd = {f"model{i}": _trainable_entries(
-        _unwrap(c), _unwrap(c).sharded_state_dict(metadata=_replica_metadata(c)))
-        for i, c in enumerate(model_chunks)}
+    model_sd = {}
+    for i, c in enumerate(model_chunks):
+        with _data_parallel_rank_of(c):
+            model_sd[f"model{i}"] = _trainable_entries(
+                _unwrap(c), _unwrap(c).sharded_state_dict(metadata=_replica_metadata(c)))
     sharded = dict(model_sd)
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
@@ -860,6 +864,26 @@ def _common_tensors_to_cpu(tree):
     if isinstance(tree, torch.Tensor) and tree.device.type != "cpu":
         return tree.detach().cpu()
     return tree
+
+
+@contextlib.contextmanager
+def _data_parallel_rank_of(chunk: torch.nn.Module):
+    """megatron's data-parallel rank set to the chunk's own (its DP × CP group) while its state
+    dict is built, where parallel_state is not initialised (a role set of its own): the tied
+    output layer of a last pipeline stage takes its replica id from
+    parallel_state.get_data_parallel_rank (LanguageModule.tie_embeddings_and_output_weights_
+    state_dict), which would otherwise raise."""
+    from megatron.core import parallel_state
+
+    pg = getattr(_unwrap(chunk), "pg_collection", None)
+    if parallel_state.model_parallel_is_initialized() or pg is None or not hasattr(pg, "dp_cp"):
+        yield
+        return
+    parallel_state.set_data_parallel_rank(pg.dp_cp.rank())
+    try:
+        yield
+    finally:
+        parallel_state.set_data_parallel_rank(None)
 
 
 def _replica_metadata(chunk: torch.nn.Module) -> Optional[dict]:
