@@ -3,6 +3,8 @@
     python bench/bench_rollout.py                 # Qwen2.5-1.5B-shaped random model, bf16
     python bench/bench_rollout.py --batch 32 --new-tokens 64 --no-graphs
     python bench/bench_rollout.py --json $OUT/rollout.json          # for bench/report.py
+    python bench/bench_rollout.py --batch 256 --prompt-len 512 --new-tokens 4096 \
+        --stop-tokens 100 --max-num-seqs 128     # long responses ending at varied lengths
 
 Both generate `batch` x `new_tokens` tokens from the same random `prompt_len`-token prompts with
 plain sampling (temperature 1, no top-p/top-k) and forced lengths (no stop token), from the same
@@ -192,6 +194,12 @@ def main(argv=None) -> int:
                    help="also time the engine without its fused decode kernels, and compare tokens")
     p.add_argument("--repartition", action="store_true",
                    help="time the Repartitioner copying the model into a separate generation model")
+    p.add_argument("--stop-tokens", type=int, default=0,
+                   help="K random token ids end a response (about K / vocabulary a step on the "
+                        "random model: lengths vary as real ones do; 0: every response runs to "
+                        "--new-tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's slots (default: --batch, every sequence at once)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the result here (bench/report.py reads it)")
     args = p.parse_args(argv)
@@ -226,21 +234,39 @@ def main(argv=None) -> int:
           f"weights + KV at {bw / 1e12:.2f} TB/s copy bandwidth; prefill {bound.prefill_seconds:.3f} s "
           f"at {ceiling / 1e12:.0f} TFLOP/s matmul ceiling)")
 
-    engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=args.batch,
+    engine = NativeEngine(model, vocab_size=arch.vocab_size,
+                          max_num_seqs=args.max_num_seqs or args.batch,
                           gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs)
     result["fused_decode"] = engine.fused
     print(f"fused decode: {engine.fused} ({engine.fused_decode_reason or 'supported'})")
-    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    stops = torch.randperm(arch.vocab_size, generator=gen)[:args.stop_tokens].tolist()
+    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=args.new_tokens, seed=0,
+                        stop_token_ids=stops)
     prompt_lists = prompts.tolist()
     # Same prompts first as a warm-up (captures the graphs of every attention-length bucket).
     _, cold = timed(lambda: engine.generate(prompt_lists, sp))
     outs, native_s = timed(lambda: engine.generate(prompt_lists, sp))
-    assert all(len(o.token_ids) == args.new_tokens for o in outs)
+    lengths = [len(o.token_ids) for o in outs]
+    if stops:  # the bound of the lengths the engine produced (the same seeds: the same samples)
+        tokens = sum(lengths)
+        bound = generation_bound(arch, [args.prompt_len] * args.batch, lengths, bw, ceiling)
+        result.update(bound_seconds=bound.seconds, bound_decode_seconds=bound.decode_seconds,
+                      bound_prefill_seconds=bound.prefill_seconds,
+                      bound_tokens_per_s=tokens / bound.seconds, stop_tokens=len(stops),
+                      response_length_mean=tokens / len(lengths),
+                      response_length_min=min(lengths), response_length_max=max(lengths))
+        print(f"responses: {len(stops)} stop ids, length mean {tokens / len(lengths):.0f} "
+              f"(min {min(lengths)}, max {max(lengths)}); bound of these lengths "
+              f"{tokens / bound.seconds:,.0f} tokens/s")
+    else:
+        assert all(n == args.new_tokens for n in lengths)
+    occupancy = engine.last_stats.get("rollout/slot_occupancy")
     result.update(native_seconds=native_s, native_first_call_seconds=cold,
                   native_tokens_per_s=tokens / native_s, native_stats=engine.last_stats,
-                  share_of_bound=bound.seconds / native_s)
+                  share_of_bound=bound.seconds / native_s, slot_occupancy=occupancy)
     print(f"native engine : {tokens / native_s:10.0f} tokens/s  ({native_s:.2f} s; first call "
-          f"{cold:.2f} s incl. graph capture); {bound.seconds / native_s:.0%} of the bound")
+          f"{cold:.2f} s incl. graph capture); {bound.seconds / native_s:.0%} of the bound; "
+          f"slot occupancy {occupancy:.0%}")
 
     for wanted, part in ((args.compare_unfused, lambda: result.update(
             compare_unfused(engine, model, arch, args, prompt_lists, sp, tokens))),

@@ -53,6 +53,14 @@ def _check_engine(res, hf_tokens, hf_logps):
         else:
             assert toks == full[: cut + 1] and reason == "stop"
     assert [o[4] for o in res["stopped"]].count("stop") >= 2
+    # Slot occupancy: a sequence of L tokens decodes in L - 1 steps (its first comes from the
+    # prefill), so the live slot-steps are the sum of L - 1; 5 sequences of varied lengths on 3
+    # slots leave some idle.
+    st = res["stopped_stats"]
+    live = sum(len(o[2]) - 1 for o in res["stopped"])
+    assert st["rollout/slot_occupancy"] * st["rollout/decode_steps"] * st["rollout/slots"] == \
+        pytest.approx(live)
+    assert 0.0 < st["rollout/slot_occupancy"] < 1.0
     assert [o[2] for o in res["short"]] == [t[:1] for t in hf_tokens]
     assert res["cache_after_sleep"]
     assert [o[2] for o in res["greedy_after_wake"]] == hf_tokens

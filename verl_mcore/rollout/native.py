@@ -545,11 +545,15 @@ class NativeEngine(RolloutEngine):
                 self._admit(st)  # then admit again if slots freed up (e.g. max_new_tokens = 1)
             else:
                 self._step(st)
+        # Occupancy: the share of slot-steps that decoded a live sequence (continuous batching
+        # refills a finished sequence's slot at the next admission).
+        occupancy = st.live_slot_steps / max(1, st.decode_steps * slots)
         self.last_stats = {"rollout/seconds": time.perf_counter() - start,
                            "rollout/response_tokens": float(sum(map(len, st.tokens))),
                            "rollout/prefill_tokens": float(st.prefill_tokens),
                            "rollout/decode_steps": float(st.decode_steps),
-                           "rollout/slots": float(slots)}
+                           "rollout/slots": float(slots),
+                           "rollout/slot_occupancy": occupancy}
         return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
                              token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
                              finish_reason=st.finish[s])
@@ -611,6 +615,7 @@ class NativeEngine(RolloutEngine):
         st.pos[active] += 1
         st.record(seq_ids, active, toks.tolist(), None if lps is None else lps.tolist())
         st.decode_steps += 1
+        st.live_slot_steps += len(active)
 
 
 class _Schedule:
@@ -631,7 +636,7 @@ class _Schedule:
         self.slot_seq = [-1] * slots  # sequence held by each slot (-1: free)
         self.pos = np.zeros(slots, dtype=np.int64)  # position of the token fed at the next step
         self.last = np.zeros(slots, dtype=np.int64)  # that token
-        self.prefill_tokens = self.decode_steps = 0
+        self.prefill_tokens = self.decode_steps = self.live_slot_steps = 0
 
     def free_slots(self) -> list[int]:
         return [i for i, s in enumerate(self.slot_seq) if s < 0]
