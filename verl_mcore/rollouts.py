@@ -110,11 +110,10 @@ class RolloutSchedule:
             index = self.count + 1
             parts = []
             for sampling in self._samplings(index):
-                batch = failure = None
-                if o.rollout is not None:
+                batch, failure, self.failure = None, self.failure, None
+                if o.rollout is not None:  # after an earlier failure it only agrees it
                     with phase("gen"):
-                        batch, failure = o.sample_part(prompts, sampling)
-                failure, self.failure = failure or self.failure, None
+                        batch, failure = o.sample_part(prompts, sampling, failure)
                 with phase(hand_over):
                     parts.append(o.share_part(prompts, batch, failure))
             self.count = index

@@ -533,9 +533,10 @@ class Trainer:
         batch = self.share_part(prompts, *self.sample_part(prompts, sampling))
         return rollout_from_part(batch, batch.prompt_of, self.info)
 
-    def sample_part(self, prompts, sampling):
+    def sample_part(self, prompts, sampling, failure: Optional[BaseException] = None):
         """(the generating set's batch, None) on its ranks, (None, the error) where its
-        sampling failed, (None, None) on the ranks that only receive.
+        sampling failed, or this rank's earlier `failure` (then it does not sample), on any of
+        them, (None, None) on the ranks that only receive.
 
         Global order: generation replica, then prompt, then sample, so the n samples of a prompt
         are consecutive (mini-batches keep GRPO groups together) and group ids count prompts.
@@ -546,11 +547,12 @@ class Trainer:
         if self.rollout is None:
             return None, None
         vocab, groups = self.info.arch.vocab_size, self.rollout.groups
-        mine, failure = None, None
+        mine = None
         try:
-            outputs = self.rollout.generate(prompts.input_ids, sampling)
-            if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
-                mine = RolloutPart.from_outputs(prompts, outputs, vocab)
+            if failure is None:
+                outputs = self.rollout.generate(prompts.input_ids, sampling)
+                if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
+                    mine = RolloutPart.from_outputs(prompts, outputs, vocab)
         except Exception as e:  # noqa: BLE001 - raised on every rank by share_part
             failure = e
         # A replica that failed would leave the others waiting in the gather: agree first.
