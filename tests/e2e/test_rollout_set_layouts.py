@@ -93,6 +93,17 @@ def _compare(a: dict, b: dict, steps, keys=COMPARED):
         _assert_same(a[step], b[step], keys, f"step {step}")
 
 
+def _placed_equals_colocated(model, reward, tmp_path, colocated_world: int, common, placed):
+    """Steps 1-2 of the colocated run on `colocated_world` ranks equal those of the run with
+    `placed` added on 4 ranks, each of whose rollout ranks received exactly its shard."""
+    colocated, run = tmp_path / "colocated", tmp_path / "placed"
+    _run(_ov(model, reward, colocated, *common, steps=2), colocated_world)
+    _run(_ov(model, reward, run, *common, *placed, steps=2), 4)
+    b = _rows(run)
+    _compare(_rows(colocated), b, (1, 2))
+    _shard_only(b)
+
+
 def _shard_only(rows: dict):
     """Each rollout rank received exactly its TP_g shard, and the check across the sets held."""
     for step, row in rows.items():
@@ -111,12 +122,7 @@ def test_actor_tp2_to_rollout_set_equals_colocated(model, reward, tmp_path, tp_g
     merging them; TP_g=2: one replica, each rank its own shard. Colocated on 2 ranks at the same
     TP and TP_g has the same replicas."""
     layout = ["parallel.tensor_model_parallel_size=2", f"rollout.tensor_parallel_size={tp_g}"]
-    colocated, placed = tmp_path / "colocated", tmp_path / "placed"
-    _run(_ov(model, reward, colocated, *layout, steps=2), 2)
-    _run(_ov(model, reward, placed, *layout, *PLACED, steps=2), 4)
-    b = _rows(placed)
-    _compare(_rows(colocated), b, (1, 2))
-    _shard_only(b)
+    _placed_equals_colocated(model, reward, tmp_path, 2, layout, PLACED)
 
 
 @pytest.mark.slow
@@ -125,12 +131,8 @@ def test_rollout_tp_above_the_actors_equals_colocated(model, reward, tmp_path):
     """Actor [0, 1] at TP=1, rollout [2, 3] at TP_g=2 (one replica): each rollout rank receives
     its piece of the actor's whole tensors (tp_slice on the sender). Colocated TP_g must divide
     TP, so the reference is the 1-rank run (one replica, the same prompts and seeds)."""
-    colocated, placed = tmp_path / "colocated", tmp_path / "placed"
-    _run(_ov(model, reward, colocated, steps=2), 1)
-    _run(_ov(model, reward, placed, *PLACED, "rollout.tensor_parallel_size=2", steps=2), 4)
-    b = _rows(placed)
-    _compare(_rows(colocated), b, (1, 2))
-    _shard_only(b)
+    _placed_equals_colocated(model, reward, tmp_path, 1, [],
+                             PLACED + ["rollout.tensor_parallel_size=2"])
 
 
 @pytest.mark.slow
@@ -138,12 +140,7 @@ def test_rollout_tp_above_the_actors_equals_colocated(model, reward, tmp_path):
 def test_actor_pp2_to_rollout_set_equals_colocated(model, reward, tmp_path):
     """PP=2 actor on [0, 1]: each stage sends the layers it owns to both replicas."""
     layout = ["parallel.pipeline_model_parallel_size=2", "rollout.tensor_parallel_size=1"]
-    colocated, placed = tmp_path / "colocated", tmp_path / "placed"
-    _run(_ov(model, reward, colocated, *layout, steps=2), 2)
-    _run(_ov(model, reward, placed, *layout, *PLACED, steps=2), 4)
-    b = _rows(placed)
-    _compare(_rows(colocated), b, (1, 2))
-    _shard_only(b)
+    _placed_equals_colocated(model, reward, tmp_path, 2, layout, PLACED)
 
 
 def _tied_copy(model: str, out: Path) -> str:
@@ -208,12 +205,7 @@ def test_lora_actor_with_rollout_set_equals_colocated(model, reward, tmp_path):
     """LoRA adapters merged on the sending side: the rollout set samples from W + (alpha/r)·B·A,
     in sync (= colocated) and in one_step_off (= the lagged reference)."""
     lora = ["actor.lora.enable=true"]
-    colocated, placed = tmp_path / "colocated", tmp_path / "placed"
-    _run(_ov(model, reward, colocated, *lora, steps=2), 2)
-    _run(_ov(model, reward, placed, *lora, *PLACED, steps=2), 4)
-    b = _rows(placed)
-    _compare(_rows(colocated), b, (1, 2))
-    _shard_only(b)
+    _placed_equals_colocated(model, reward, tmp_path, 2, lora, PLACED)
 
     # one_step_off: the adapters of step s - 1 merged into what the rollout set samples with.
     reference, off = tmp_path / "reference", tmp_path / "off"
