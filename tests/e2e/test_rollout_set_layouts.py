@@ -393,8 +393,26 @@ def _generation_fails_on_rank_3(rank):
     return lambda: setattr(GenerationPhase, "generate", original)
 
 
+def _check_fails_on_rank_3(rank):
+    """The engine raises on rollout rank 3 in its first call, which is the weight-sync check's
+    sampling (begin runs it before the batch is sampled)."""
+    from verl_mcore.rollout.native import NativeEngine
+
+    original, calls = NativeEngine.generate, []
+
+    def generate(self, prompt_ids, sampling):
+        calls.append(1)
+        if rank == 3 and len(calls) == 1:
+            raise RuntimeError("injected failure in the check's sampling on rank 3")
+        return original(self, prompt_ids, sampling)
+
+    NativeEngine.generate = generate
+    return lambda: setattr(NativeEngine, "generate", original)
+
+
 INJECT = {"corrupt_transfer": _corrupt_transfer_on_rank_3,
-          "generation_fails": _generation_fails_on_rank_3}
+          "generation_fails": _generation_fails_on_rank_3,
+          "check_fails": _check_fails_on_rank_3}
 
 
 def _outcomes(overrides, inject=None, timeout=120):
@@ -447,3 +465,15 @@ def test_generation_failure_on_a_second_rollout_rank_stops_every_rank(model, rew
     overrides = _ov(model, reward, tmp_path / "run", *PLACED, *OFF, *SHORT_TIMEOUT, steps=2)
     _assert_every_rank_stopped(_outcomes(overrides, "generation_fails"),
                                {"GenerationFailure", "RuntimeError"}, ["generat"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_failure_inside_the_cross_set_check_stops_every_rank(model, reward, tmp_path):
+    """The check's own sampling fails on one rollout rank: the other rollout rank (in the
+    set's gather), the actor set (waiting for the check's sequences) and then every rank (at the
+    batch's hand-over) stop naming it."""
+    overrides = _ov(model, reward, tmp_path / "run", *PLACED, *OFF, *SHORT_TIMEOUT, steps=2)
+    outcomes = _outcomes(overrides, "check_fails")
+    _assert_every_rank_stopped(outcomes, {"RuntimeError", "GenerationFailure"}, ["check"])
+    assert all("rank 3" in text for _, text, _ in outcomes), outcomes

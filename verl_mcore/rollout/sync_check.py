@@ -142,35 +142,48 @@ def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling:
     import dataclasses
 
     from verl_mcore.engine.batch import TrainBatch
-    from verl_mcore.rollout.gather import RolloutPart, broadcast_part, gather_rollout
+    from verl_mcore.rollout.gather import (RolloutPart, agreed_failure, broadcast_part,
+                                           gather_rollout)
 
     class _Prompts:  # what RolloutPart.from_outputs reads of a PromptBatch
         def __init__(self, ids):
             self.input_ids, self.rows = ids, [None] * len(ids)
 
-    part = None
+    # A failure on any rank of either set is agreed before the next exchange (agreed_failure),
+    # so the other set never waits in one its peer left.
+    part, failure = None, None
     if engine is not None:
-        sp = dataclasses.replace(sampling, n=1, logprobs=True)
-        outputs = engine.generate(prompts, sp)
-        mine = (RolloutPart.from_outputs(_Prompts(list(prompts)), outputs, vocab_size)
-                if rollout_groups.gen_tp_rank == 0 else None)
-        part = gather_rollout(mine, rollout_groups, vocab_size)
+        mine = None
+        try:
+            outputs = engine.generate(prompts, dataclasses.replace(sampling, n=1, logprobs=True))
+            if rollout_groups.gen_tp_rank == 0:
+                mine = RolloutPart.from_outputs(_Prompts(list(prompts)), outputs, vocab_size)
+        except Exception as e:  # noqa: BLE001 - raised on both sets by broadcast_part
+            failure = e
+        failure = agreed_failure(failure, rollout_groups.whole, "gathering the check's samples")
+        if failure is None:
+            part = gather_rollout(mine, rollout_groups, vocab_size)
     part = broadcast_part(part, rollout_leader, link, vocab_size, with_rows=False,
-                          who="the rollout set")
+                          failure=failure, who="the rollout set")
     device = collective_device(link)
     verdict = torch.zeros(3, dtype=torch.float64)  # max |diff|, sum |diff|, tokens
     if actor is not None:
-        batch = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
-                                     part.response_lens, pad_token_id, prompt_of=part.prompt_of)
-        logp, _ = actor.compute_log_prob(batch)
-        mask = batch.response_mask.cpu().bool()
-        trainer = logp.detach().cpu().double()[mask]
-        engine_lp = torch.zeros(mask.shape, dtype=torch.float64)
-        engine_lp[mask] = part.logprobs.double()[:int(mask.sum())]
-        diff = (engine_lp[mask] - trainer).abs()
-        if diff.numel():
-            verdict = torch.tensor([diff.max().item() if diff.numel() else 0.0, diff.sum().item(),
-                                    float(diff.numel())], dtype=torch.float64)
+        try:
+            batch = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
+                                         part.response_lens, pad_token_id,
+                                         prompt_of=part.prompt_of)
+            logp, _ = actor.compute_log_prob(batch)
+            # The response tokens in order, as the engine's flat log-probs have them.
+            trainer = logp.detach().cpu().double()[batch.response_mask.cpu().bool()]
+            diff = (part.logprobs.double() - trainer).abs()
+            if diff.numel():
+                verdict = torch.tensor([diff.max().item(), diff.sum().item(),
+                                        float(diff.numel())], dtype=torch.float64)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            failure = e
+    failure = agreed_failure(failure, link, "the weight-sync check's verdict")
+    if failure is not None:
+        raise failure
     verdict = verdict.to(device)
     dist.broadcast(verdict, src=actor_leader, group=link)
     worst, total, count = verdict.cpu().tolist()
