@@ -226,7 +226,7 @@ def _ranks_of(spec, key: str, world: int, gpus_per_node: Optional[int]) -> tuple
     try:
         if spec.ranks is not None:
             ranks = parse_ranks(spec.ranks, key)
-            where = f"GPU index / rank"
+            where = "GPU index / rank"
             beyond = [r for r in ranks if not 0 <= r < world]
             if beyond:
                 return [], [f"{key}: {where} {format_ranks(beyond)} is beyond the job's {world} "
