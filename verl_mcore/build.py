@@ -323,37 +323,50 @@ def build_critic(cfg: Config, groups, info: ModelInfo):
 def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
     """(generation model, repartitioner or None). When the generation layout equals the training
     layout (TP_g = TP_t, PP = 1) the actor's own model serves generation: nothing is copied."""
-    from verl_mcore.models.gpt import build_gpt_model
     from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
 
     lay = groups.layout  # the actor's set
     tp_g = lay.tp_gen
-    lora = role_lora(cfg, "actor")
     # With LoRA the generation model holds W + (alpha/r)·B·A, so it is a model of its own even
     # in the training layout: the base weights are never merged in place.
-    if not lora and generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
+    if not role_lora(cfg, "actor") and generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
         return unwrap(actor.engine.model[0]), None
-    config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
-    config.perform_initialization = False  # the repartition writes every weight
+    from verl_mcore.engine.engine import training_device
+
     # The training model's padded vocabulary, so its vocab shards concatenate into ours; the
-    # Repartitioner refuses two different sizes before any weight moves.
-    gen = build_gpt_model(info.arch, config, role="actor", pg_collection=groups.gen,
-                          pre_process=True, post_process=True,
-                          padded_vocab=padded_vocab(cfg, info.arch),
-                          use_te=False if lora else None)  # the training model's layer spec
-    device = next(unwrap(actor.engine.model[0]).parameters()).device
+    # Repartitioner refuses two different sizes before any weight moves. On the training
+    # model's device.
+    gen = generation_gpt(cfg, info, groups.gen, tp_g, padded_vocab(cfg, info.arch),
+                         training_device())
+    chunks = [unwrap(m) for m in actor.engine.model]
+    merge = lora_merge(cfg, chunks)
+    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True, merge=merge)
+
+
+def generation_gpt(cfg: Config, info: ModelInfo, pg_collection, tp_g: int, vocab: int, device):
+    """An empty generation-layout model (TP_g, every layer) in the actor's compute dtype, its
+    weights to be written by a repartition or a cross-set transfer."""
+    from verl_mcore.engine.engine import DTYPES
+    from verl_mcore.models.gpt import build_gpt_model
+
+    config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
+    config.perform_initialization = False  # every weight is written before use
+    gen = build_gpt_model(info.arch, config, role="actor", pg_collection=pg_collection,
+                          pre_process=True, post_process=True, padded_vocab=vocab,
+                          use_te=False if role_lora(cfg, "actor") else None)  # training's spec
     # Every tensor in the actor's compute dtype, as Float16Module casts the training model:
     # megatron allocates its linears in params_dtype, but the torch norms come in fp32.
-    from verl_mcore.engine.engine import DTYPES
+    return gen.to(device=device, dtype=DTYPES[cfg.actor.dtype]).eval().requires_grad_(False)
 
-    gen = gen.to(device=device, dtype=DTYPES[cfg.actor.dtype]).eval().requires_grad_(False)
-    chunks = [unwrap(m) for m in actor.engine.model]
-    merge = None
-    if lora:
-        from verl_mcore.models.lora import merged_weights
 
-        merge = merged_weights(chunks)
-    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True, merge=merge)
+def lora_merge(cfg: Config, chunks) -> Optional[dict]:
+    """{weight name: adapter} the generation weights receive merged (W + (alpha/r)·B·A), None
+    without LoRA on the actor."""
+    if not role_lora(cfg, "actor"):
+        return None
+    from verl_mcore.models.lora import merged_weights
+
+    return merged_weights(chunks)
 
 
 def build_reward_manager(cfg: Config):

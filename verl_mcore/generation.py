@@ -185,41 +185,29 @@ def build_rollout_set_phase(cfg, place, info, actor):
     """placement.rollout's two sides: a RolloutSetPhase on the rollout set's ranks, a
     WeightSender on the actor's, None elsewhere. Collective over the two sets (the transfer
     agrees its catalog of tensors there, once)."""
-    from verl_mcore.build import _transformer_config, role_lora, role_padded_vocab
+    from verl_mcore.build import generation_gpt, lora_merge, role_padded_vocab
     from verl_mcore.distributed.groups import GroupLayout
-    from verl_mcore.engine.engine import DTYPES, training_device
-    from verl_mcore.models.gpt import build_gpt_model, unwrap
+    from verl_mcore.engine.engine import training_device
+    from verl_mcore.models.gpt import unwrap
     from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
 
     r, sets = cfg.rollout, place.placement.sets
     a = sets["actor"]
     plan = CrossSetPlan(GroupLayout(len(a.ranks), a.tp, a.pp, a.cp, ranks=a.ranks, vpp=a.vpp),
                         sets["rollout"].ranks, r.tensor_parallel_size)
-    lora = role_lora(cfg, "actor")
     cross_check = _CrossSetCheck(cfg, place, info)
     if place.runs("rollout"):
         groups = place.groups["rollout"]
-        config = _transformer_config(cfg, info, cfg.actor.dtype, r.tensor_parallel_size, 1)
-        config.perform_initialization = False  # the transfer writes every weight
-        gen = build_gpt_model(info.arch, config, role="actor", pg_collection=groups.gen,
-                              pre_process=True, post_process=True,
-                              padded_vocab=role_padded_vocab(cfg, info.arch, "rollout",
-                                                             r.tensor_parallel_size),
-                              use_te=False if lora else None)
-        gen = gen.to(device=training_device(), dtype=DTYPES[cfg.actor.dtype]).eval()
-        gen.requires_grad_(False)
+        gen = generation_gpt(cfg, info, groups.gen, r.tensor_parallel_size,
+                             role_padded_vocab(cfg, info.arch, "rollout", r.tensor_parallel_size),
+                             training_device())
         transfer = CrossSetTransfer(plan, place.rank, True, gen_model=gen, group=place.link)
         return RolloutSetPhase(_engine(cfg, groups, info, gen, transfer), groups, r,
                                info.eos_token_ids, cfg.data.max_response_length,
                                info.pad_token_id, cross_check)
     if place.runs("actor"):
         chunks = [unwrap(m) for m in actor.engine.model]
-        merge = None
-        if lora:
-            from verl_mcore.models.lora import merged_weights
-
-            merge = merged_weights(chunks)
-        transfer = CrossSetTransfer(plan, place.rank, True, train_chunks=chunks, merge=merge,
-                                    group=place.link)
+        transfer = CrossSetTransfer(plan, place.rank, True, train_chunks=chunks,
+                                    merge=lora_merge(cfg, chunks), group=place.link)
         return WeightSender(transfer, actor, r, cross_check)
     return None
