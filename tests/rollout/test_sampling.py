@@ -89,3 +89,63 @@ def test_blocked_inverse_cdf_equals_flat_and_never_picks_zero_mass():
     assert same / total > 0.999
     edge = _invert_cdf_blocked(probs[:2], torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64))
     assert (probs[:2].gather(-1, edge.unsqueeze(-1)) > 0).all()
+
+
+def _bit_patterns(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Keys [m] uint64 and steps [m] int64: random ones, then every pairing of edge values
+    (0, 1, 2^63 - 1, 2^63, 2^64 - 1 as keys; up to 2^63 - 1 and the bits of -1 as steps)."""
+    edge_keys = np.array([0, 1, 2**63 - 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15], dtype=np.uint64)
+    edge_steps = np.array([0, 1, 2**31, 2**32 + 1, 2**62, 2**63 - 1, -1], dtype=np.int64)
+    keys = np.concatenate([rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False),
+                           sampling.sequence_keys(9, np.arange(n), np.zeros(n, dtype=np.int64)),
+                           np.repeat(edge_keys, len(edge_steps))])
+    steps = np.concatenate([rng.integers(0, 2**63, n, dtype=np.int64, endpoint=False),
+                            np.arange(n), np.tile(edge_steps, len(edge_keys))])
+    return keys, steps
+
+
+def _assert_bits_equal(got: torch.Tensor, want: np.ndarray) -> None:
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    same = got.cpu().numpy().view(np.int64) == want.view(np.int64)
+    assert same.all(), f"{int((~same).sum())} of {len(want)} differ, first at {np.argmin(same)}"
+
+
+def test_uniforms_device_bit_identical_to_numpy():
+    keys, steps = _bit_patterns(20000, np.random.default_rng(0))
+    got = sampling.uniforms_device(sampling.keys_to_tensor(keys), torch.from_numpy(steps))
+    _assert_bits_equal(got, sampling.uniforms(keys, steps))
+
+
+def test_uniforms_device_is_shape_only():
+    """Pure tensor ops with no data-dependent host reads: it runs on meta tensors (which have no
+    data), as a captured CUDA graph needs."""
+    keys = torch.empty(37, dtype=torch.int64, device="meta")
+    u = sampling.uniforms_device(keys, torch.empty(37, dtype=torch.int64, device="meta"))
+    assert u.device.type == "meta" and u.dtype == torch.float64 and u.shape == (37,)
+
+
+@pytest.mark.gpu
+def test_uniforms_device_on_cuda_and_in_a_cuda_graph():
+    keys, steps = _bit_patterns(4096, np.random.default_rng(1))
+    want = sampling.uniforms(keys, steps)
+    k, s = sampling.keys_to_tensor(keys, "cuda"), torch.from_numpy(steps).cuda()
+    torch.cuda.set_sync_debug_mode("error")  # a host sync inside raises
+    try:
+        u = sampling.uniforms_device(k, s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_bits_equal(u, want)
+    # Captured on other inputs, replayed on these.
+    static_k, static_s = torch.zeros_like(k), torch.zeros_like(s)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sampling.uniforms_device(static_k, static_s)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampling.uniforms_device(static_k, static_s)
+    static_k.copy_(k)
+    static_s.copy_(s)
+    graph.replay()
+    _assert_bits_equal(out, want)

@@ -37,6 +37,56 @@ def uniforms(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def keys_to_tensor(keys: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
+    """`sequence_keys` as an int64 tensor of the same bits (what `uniforms_device` reads)."""
+    return torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(device)
+
+
+def uniforms_device(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`uniforms` by torch ops on the keys' device, bit for bit: keys [b] int64 (the uint64 bits,
+    `keys_to_tensor`), steps [b] int64 -> [b] float64. No host sync, no data-dependent shapes:
+    it can run inside a captured CUDA graph."""
+    bits = _mix64_device(keys ^ _mix64_device(_mul_add_device(steps, int(_GOLDEN), 1)))
+    return _shr(bits, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+# uint64 arithmetic on int64 tensors that hold the same bits. Signed overflow is undefined in the
+# C++ of torch's kernels (and its uint64 tensors have no shifts or adds), so a product is formed
+# from 16-bit limbs whose partial sums stay below 2^35, and a right shift masks off the copies of
+# the sign bit that torch's arithmetic >> brings in.
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of the 64 bits by 0 < k < 64."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mul_add_device(x: torch.Tensor, c: int, a: int = 0) -> torch.Tensor:
+    """(x * c + a) mod 2^64 for the bits of x and constants 0 <= c < 2^64, 0 <= a < 2^16."""
+    x = x.to(torch.int64).contiguous()
+    # [..., 4] 16-bit limbs, least significant first (torch's CPUs and GPUs are little-endian)
+    limbs = x.view(torch.uint16).view(*x.shape, 4).to(torch.int64)
+    c0, c1, c2, c3 = ((c >> (16 * j)) & 0xFFFF for j in range(4))
+    # r_k = sum over i + j = k of x_i c_j < 4 * 2^32 (k < 4: the rest is a multiple of 2^64)
+    r = limbs * c0
+    r[..., 1:].add_(limbs[..., :3], alpha=c1)
+    r[..., 2:].add_(limbs[..., :2], alpha=c2)
+    r[..., 3:].add_(limbs[..., :1], alpha=c3)
+    if a:
+        r[..., 0].add_(a)
+    for k in range(3):  # carries; each limb's own 16 bits stay
+        r[..., k + 1].add_(r[..., k] >> 16)
+    # int64 -> uint16 keeps the low 16 bits (a defined, modular conversion)
+    return r.to(torch.uint16).view(torch.int64).squeeze(-1)
+
+
+def _mix64_device(x: torch.Tensor) -> torch.Tensor:
+    """`_mix64` on int64 tensors holding uint64 bits."""
+    x = _mul_add_device(x ^ _shr(x, 30), 0xBF58476D1CE4E5B9)
+    x = _mul_add_device(x ^ _shr(x, 27), 0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T)[token] [b] (float32) for logits [b, V]; T = 1 for greedy (T = 0)."""
     logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
