@@ -208,9 +208,10 @@ Tensor rmsnorm(Tensor residual, std::optional<Tensor> delta, Tensor weight, doub
   return out;
 }
 
-// qkv: [tokens, groups * (r + 2) * hd] contiguous; cos/sin: [max_pos, hd]; positions: int64 [tokens];
-// cache_k/cache_v: [slots, cache_len, groups, hd] contiguous. Returns q [tokens, groups * r, hd].
-Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor cache_k, Tensor cache_v,
+// qkv: [tokens, groups * (r + 2) * hd] contiguous; cos/sin: [max_pos, hd]; positions, rows: int64 [tokens];
+// cache_k/cache_v: [cache rows, groups, hd] contiguous (a paged cache's blocks, flattened). Returns q
+// [tokens, groups * r, hd]; k and v of token t go to cache row rows[t].
+Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor rows, Tensor cache_k, Tensor cache_v,
                   int64_t groups, int64_t r, int64_t hd, int64_t stream) {
   const char* op = "rope_cache";
   check_same(qkv, "qkv", qkv, op);
@@ -219,26 +220,45 @@ Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor c
   check_same(cache_k, "cache_k", qkv, op);
   check_same(cache_v, "cache_v", qkv, op);
   check_on_device(positions, "positions", qkv, op);
+  check_on_device(rows, "rows", qkv, op);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
               "verl_mcore._C.rope_cache: positions must be a contiguous int64 vector");
   const int64_t tokens = positions.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 1 && rows.size(0) == tokens,
+              "verl_mcore._C.rope_cache: rows must be a contiguous int64 vector like positions");
   TORCH_CHECK(qkv.numel() == tokens * groups * (r + 2) * hd, "verl_mcore._C.rope_cache: qkv has ", qkv.numel(),
               " elements, expected tokens x groups x (r + 2) x hd = ", tokens, " x ", groups, " x ", r + 2, " x ", hd);
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
               "verl_mcore._C.rope_cache: cos/sin must be [max_pos, ", hd, "]");
   TORCH_CHECK(hd % 2 == 0, "verl_mcore._C.rope_cache: head dim must be even, got ", hd);
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(0) >= tokens &&
-                  cache_k.size(2) == groups && cache_k.size(3) == hd,
-              "verl_mcore._C.rope_cache: caches must be [slots >= ", tokens, ", len, ", groups, ", ", hd, "], got ",
-              cache_k.sizes(), " and ", cache_v.sizes());
+  TORCH_CHECK(cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes() && cache_k.size(1) == groups &&
+                  cache_k.size(2) == hd,
+              "verl_mcore._C.rope_cache: caches must be [rows, ", groups, ", ", hd, "], got ", cache_k.sizes(),
+              " and ", cache_v.sizes());
   const c10::DeviceGuard guard(qkv.device());
   Tensor q = at::empty({tokens, groups * r, hd}, qkv.options());
   check_cuda(verl_mcore::rope_cache_launch(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                           positions.data_ptr<int64_t>(), q.data_ptr(), cache_k.data_ptr(),
-                                           cache_v.data_ptr(), float_dtype(qkv, "qkv", op), tokens, int(groups), int(r),
-                                           int(hd), cache_k.size(1), to_stream(stream)),
+                                           positions.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), q.data_ptr(),
+                                           cache_k.data_ptr(), cache_v.data_ptr(), float_dtype(qkv, "qkv", op), tokens,
+                                           int(groups), int(r), int(hd), to_stream(stream)),
              op);
   return q;
+}
+
+// keys, steps: int64 [n] contiguous on one GPU. Returns the sampler's uniforms, float64 [n].
+Tensor uniforms(Tensor keys, Tensor steps, int64_t stream) {
+  const char* op = "uniforms";
+  check_on_device(keys, "keys", keys, op);
+  check_on_device(steps, "steps", keys, op);
+  TORCH_CHECK(keys.scalar_type() == at::kLong && steps.scalar_type() == at::kLong && keys.is_contiguous() &&
+                  steps.is_contiguous() && keys.dim() == 1 && steps.sizes() == keys.sizes(),
+              "verl_mcore._C.uniforms: keys and steps must be contiguous int64 vectors of one length");
+  const c10::DeviceGuard guard(keys.device());
+  Tensor out = at::empty({keys.size(0)}, keys.options().dtype(at::kDouble));
+  check_cuda(verl_mcore::uniforms_launch(keys.data_ptr<int64_t>(), steps.data_ptr<int64_t>(),
+                                         out.data_ptr<double>(), keys.size(0), to_stream(stream)),
+             op);
+  return out;
 }
 
 }  // namespace
@@ -258,4 +278,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "[residual += delta;] rmsnorm(residual) * weight (decode step)",
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("stream"));
   m.def("rope_cache", &rope_cache, "rotary q/k of fused QKV rows; k, v into the KV cache (decode step)");
+  m.def("uniforms", &uniforms, "the sampler's counter-based uniforms of (key, step) pairs");
 }

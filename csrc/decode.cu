@@ -5,8 +5,10 @@
 // each still costs a few microseconds of device time. These kernels replace the longest chains:
 //
 //   rmsnorm:     [residual +=] delta; out = rmsnorm(residual) * weight      (torch: ~8 kernels)
-//   rope_cache:  split the fused QKV row, rotate q and k, write k and v into the KV cache at each
-//                sequence's position and q into a [tokens, heads, hd] buffer  (torch: ~16 kernels)
+//   uniforms:    the sampler's counter-based uniform per sequence (splitmix64 of key and step, in
+//                uint64 arithmetic)                                  (torch on int64: ~60 kernels)
+//   rope_cache:  split the fused QKV row, rotate q and k, write k and v into each token's row of the
+//                (paged) KV cache and q into a [tokens, heads, hd] buffer     (torch: ~16 kernels)
 //
 // Rounding follows the torch expressions they replace, so a bf16 result differs from torch's only
 // where torch's own reductions order their sums differently: rmsnorm computes in float and rounds
@@ -75,8 +77,8 @@ rmsnorm_kernel(T* __restrict__ residual, const T* __restrict__ delta, const T* _
 template <typename T>
 __global__ void __launch_bounds__(kRopeThreads)
 rope_cache_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T* __restrict__ sin,
-                  const int64_t* __restrict__ positions, T* __restrict__ q_out, T* __restrict__ cache_k,
-                  T* __restrict__ cache_v, int groups, int r, int hd, int64_t cache_len) {
+                  const int64_t* __restrict__ positions, const int64_t* __restrict__ rows, T* __restrict__ q_out,
+                  T* __restrict__ cache_k, T* __restrict__ cache_v, int groups, int r, int hd) {
   const int64_t tok = blockIdx.x / groups;
   const int g = blockIdx.x % groups;
   const int64_t pos = positions[tok];
@@ -84,8 +86,8 @@ rope_cache_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T*
   const T* c = cos + pos * hd;
   const T* s = sin + pos * hd;
   const int half = hd / 2;
-  // cache layout [slots, cache_len, groups, hd]: token `tok` sits in slot `tok`.
-  const int64_t cache_off = ((tok * cache_len + pos) * groups + g) * hd;
+  // cache layout [cache rows, groups, hd]: token `tok` writes row rows[tok] (its block and offset).
+  const int64_t cache_off = (rows[tok] * groups + g) * hd;
   for (int e = threadIdx.x; e < (r + 2) * hd; e += blockDim.x) {
     const int head = e / hd, i = e % hd;
     const float x = to_float<T>(row[e]);
@@ -104,6 +106,22 @@ rope_cache_kernel(const T* __restrict__ qkv, const T* __restrict__ cos, const T*
   }
 }
 
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// verl_mcore/rollout/sampling.py `uniforms`: 53 random bits of mix64(key ^ mix64(step * golden + 1)).
+__global__ void uniforms_kernel(const int64_t* __restrict__ keys, const int64_t* __restrict__ steps,
+                                double* __restrict__ out, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const uint64_t step = static_cast<uint64_t>(steps[i]);
+  const uint64_t bits = mix64(static_cast<uint64_t>(keys[i]) ^ mix64(step * 0x9E3779B97F4A7C15ull + 1ull));
+  out[i] = double(bits >> 11) * (1.0 / 9007199254740992.0);  // / 2^53
+}
+
 template <typename T>
 cudaError_t rmsnorm_typed(void* residual, const void* delta, const void* weight, void* out, int64_t rows,
                           int64_t hidden, float eps, cudaStream_t stream) {
@@ -116,12 +134,12 @@ cudaError_t rmsnorm_typed(void* residual, const void* delta, const void* weight,
 
 template <typename T>
 cudaError_t rope_cache_typed(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
-                             void* q_out, void* cache_k, void* cache_v, int64_t tokens, int groups, int r, int hd,
-                             int64_t cache_len, cudaStream_t stream) {
+                             const int64_t* rows, void* q_out, void* cache_k, void* cache_v, int64_t tokens, int groups,
+                             int r, int hd, cudaStream_t stream) {
   if (tokens == 0) return cudaSuccess;
   rope_cache_kernel<T><<<unsigned(tokens * groups), kRopeThreads, 0, stream>>>(
-      static_cast<const T*>(qkv), static_cast<const T*>(cos), static_cast<const T*>(sin), positions,
-      static_cast<T*>(q_out), static_cast<T*>(cache_k), static_cast<T*>(cache_v), groups, r, hd, cache_len);
+      static_cast<const T*>(qkv), static_cast<const T*>(cos), static_cast<const T*>(sin), positions, rows,
+      static_cast<T*>(q_out), static_cast<T*>(cache_k), static_cast<T*>(cache_v), groups, r, hd);
   return cudaGetLastError();
 }
 
@@ -138,19 +156,26 @@ cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight
   return cudaErrorInvalidValue;
 }
 
+cudaError_t uniforms_launch(const int64_t* keys, const int64_t* steps, double* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  constexpr int threads = 256;
+  uniforms_kernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(keys, steps, out, n);
+  return cudaGetLastError();
+}
+
 cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
-                              void* q_out, void* cache_k, void* cache_v, FloatDtype dtype, int64_t tokens, int groups,
-                              int r, int hd, int64_t cache_len, cudaStream_t stream) {
+                              const int64_t* rows, void* q_out, void* cache_k, void* cache_v, FloatDtype dtype,
+                              int64_t tokens, int groups, int r, int hd, cudaStream_t stream) {
   switch (dtype) {
     case FloatDtype::kFloat32:
-      return rope_cache_typed<float>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r, hd,
-                                     cache_len, stream);
+      return rope_cache_typed<float>(qkv, cos, sin, positions, rows, q_out, cache_k, cache_v, tokens, groups, r, hd,
+                                     stream);
     case FloatDtype::kBFloat16:
-      return rope_cache_typed<__nv_bfloat16>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r,
-                                             hd, cache_len, stream);
+      return rope_cache_typed<__nv_bfloat16>(qkv, cos, sin, positions, rows, q_out, cache_k, cache_v, tokens, groups,
+                                             r, hd, stream);
     case FloatDtype::kFloat16:
-      return rope_cache_typed<__half>(qkv, cos, sin, positions, q_out, cache_k, cache_v, tokens, groups, r, hd,
-                                      cache_len, stream);
+      return rope_cache_typed<__half>(qkv, cos, sin, positions, rows, q_out, cache_k, cache_v, tokens, groups, r, hd,
+                                      stream);
   }
   return cudaErrorInvalidValue;
 }

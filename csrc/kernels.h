@@ -72,12 +72,16 @@ cudaError_t lpe_backward_launch(const void* logits, FloatDtype dtype, int64_t ro
 cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, FloatDtype dtype,
                            int64_t rows, int64_t hidden, float eps, cudaStream_t stream);
 
+// out[i] = the sampler's uniform of sequence key keys[i] at step steps[i] (bit patterns of uint64 keys
+// in int64; verl_mcore/rollout/sampling.py `uniforms`).
+cudaError_t uniforms_launch(const int64_t* keys, const int64_t* steps, double* out, int64_t n, cudaStream_t stream);
+
 // One token per sequence: qkv [tokens, groups, r + 2, hd] (megatron's group-interleaved fused QKV,
 // r query heads per group); cos/sin [max_pos, hd]; positions int64 [tokens]. Writes the rotated
-// queries to q_out [tokens, groups * r, hd], the rotated key and the value of token t into
-// cache_k / cache_v [slots >= tokens, cache_len, groups, hd] at slot t, position positions[t].
+// queries to q_out [tokens, groups * r, hd], the rotated key and the value of token t into row
+// rows[t] of cache_k / cache_v [cache rows, groups, hd] (a paged cache's blocks, flattened).
 cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin, const int64_t* positions,
-                              void* q_out, void* cache_k, void* cache_v, FloatDtype dtype, int64_t tokens, int groups,
-                              int r, int hd, int64_t cache_len, cudaStream_t stream);
+                              const int64_t* rows, void* q_out, void* cache_k, void* cache_v, FloatDtype dtype,
+                              int64_t tokens, int groups, int r, int hd, cudaStream_t stream);
 
 }  // namespace verl_mcore

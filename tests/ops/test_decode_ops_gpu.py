@@ -1,5 +1,6 @@
 """The native engine's fused decode ops (csrc/decode.cu, flash attention over the KV cache) against
-their torch references (verl_mcore/ops/decode.py); run on a GPU machine."""
+their torch references (verl_mcore/ops/decode.py), and torch's flash kernel over a paged KV cache;
+run on a GPU machine."""
 import pytest
 import torch
 
@@ -49,30 +50,36 @@ def test_rope_cache_matches_reference(dtype, tokens, groups, r, hd):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     positions = torch.randint(0, 512, (tokens,), device="cuda", generator=g)
-    caches = [torch.randn(tokens + 2, 512, groups, hd, device="cuda", generator=g).to(dtype) for _ in range(2)]
+    rows = torch.randperm(4 * tokens, device="cuda", generator=g)[:tokens]  # distinct rows, any order
+    caches = [torch.randn(4 * tokens, groups, hd, device="cuda", generator=g).to(dtype) for _ in range(2)]
     kk, vk = (c.clone() for c in caches)
     kr, vr = (c.clone() for c in caches)
-    q_kernel = decode.rope_cache(qkv, cos, sin, positions, kk, vk, groups, r, hd)
-    q_ref = decode.rope_cache_reference(qkv, cos, sin, positions, kr, vr, groups, r, hd)
+    q_kernel = decode.rope_cache(qkv, cos, sin, positions, rows, kk, vk, groups, r, hd)
+    q_ref = decode.rope_cache_reference(qkv, cos, sin, positions, rows, kr, vr, groups, r, hd)
     assert torch.equal(q_kernel, q_ref)
     assert torch.equal(kk, kr) and torch.equal(vk, vr)  # written where the reference writes, nothing else
 
 
-@pytest.mark.parametrize("tokens,heads,groups,hd,length", [(3, 12, 2, 128, 256), (128, 16, 2, 128, 1024),
-                                                            (9, 4, 4, 64, 48)])
-def test_cache_attention_reads_each_sequences_own_keys(tokens, heads, groups, hd, length):
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    q = torch.randn(tokens, heads, hd, device="cuda", generator=g).to(torch.bfloat16)
-    kc, vc = (torch.randn(tokens + 1, length, groups, hd, device="cuda", generator=g).to(torch.bfloat16)
+@pytest.mark.parametrize("b,heads,groups,hd,width", [(3, 12, 2, 128, 2), (128, 16, 2, 128, 8),
+                                                      (9, 4, 4, 64, 3)])
+def test_paged_attention_reads_each_sequences_own_blocks(b, heads, groups, hd, width):
+    assert decode.paged_flash_supported(torch.device("cuda")) is None
+    block = 256
+    g = torch.Generator(device="cuda").manual_seed(b)
+    q = torch.randn(b, heads, hd, device="cuda", generator=g).to(torch.bfloat16)
+    kc, vc = (torch.randn(b * width + 1, block, groups, hd, device="cuda", generator=g).to(torch.bfloat16)
               for _ in range(2))
-    positions = torch.randint(0, length, (tokens,), device="cuda", generator=g)
-    positions[0] = 0
-    got = decode.cache_attention(q, kc, vc, positions, hd ** -0.5)
-    want = decode.cache_attention_reference(q, kc, vc, positions, hd ** -0.5)
+    table = (torch.randperm(b * width, device="cuda", generator=g) + 1).view(b, width).to(torch.int32)
+    lens = torch.randint(1, width * block + 1, (b,), device="cuda", generator=g).to(torch.int32)
+    lens[0] = 1
+    got = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash=True)
+    want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
     assert (got.float() - want.float()).abs().max().item() < 2e-2
-    # keys past a sequence's position must not matter
-    kc[:, -1], vc[:, -1] = 1e4, 1e4
-    positions.clamp_(max=length - 2)
-    again = decode.cache_attention(q, kc, vc, positions, hd ** -0.5)
-    want = decode.cache_attention_reference(q, kc, vc, positions, hd ** -0.5)
+    # keys past a sequence's length, and blocks it does not hold, must not matter
+    kc[0], vc[0] = 1e4, 1e4  # block 0 is in no table
+    lens.clamp_(max=width * block - 1)
+    last = table.gather(1, torch.full((b, 1), width - 1, device="cuda", dtype=torch.long)).long().squeeze(1)
+    kc[last, -1], vc[last, -1] = 1e4, 1e4
+    again = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash=True)
+    want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
     assert (again.float() - want.float()).abs().max().item() < 2e-2

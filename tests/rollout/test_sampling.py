@@ -125,13 +125,15 @@ def test_uniforms_device_is_shape_only():
 
 
 @pytest.mark.gpu
-def test_uniforms_device_on_cuda_and_in_a_cuda_graph():
+@pytest.mark.parametrize("fn", ["uniforms_device", "uniforms_torch"])  # the kernel, the torch ops
+def test_uniforms_device_on_cuda_and_in_a_cuda_graph(fn):
+    uniforms_device = getattr(sampling, fn)
     keys, steps = _bit_patterns(4096, np.random.default_rng(1))
     want = sampling.uniforms(keys, steps)
     k, s = sampling.keys_to_tensor(keys, "cuda"), torch.from_numpy(steps).cuda()
     torch.cuda.set_sync_debug_mode("error")  # a host sync inside raises
     try:
-        u = sampling.uniforms_device(k, s)
+        u = uniforms_device(k, s)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _assert_bits_equal(u, want)
@@ -140,11 +142,11 @@ def test_uniforms_device_on_cuda_and_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        sampling.uniforms_device(static_k, static_s)  # warm-up outside the capture
+        uniforms_device(static_k, static_s)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = sampling.uniforms_device(static_k, static_s)
+        out = uniforms_device(static_k, static_s)
     static_k.copy_(k)
     static_s.copy_(s)
     graph.replay()

@@ -1,12 +1,12 @@
 """Fused ops of the native engine's decode step (csrc/decode.cu), with their torch references.
 
     rmsnorm(residual, delta, weight, eps) -> out        residual += delta (in place) when delta given
-    rope_cache(qkv, cos, sin, positions, cache_k, cache_v, groups, r, hd) -> q
-    cache_attention(q, cache_k, cache_v, positions, scale) -> out      flash attention with
-                                                                        per-sequence key counts
+    rope_cache(qkv, cos, sin, positions, rows, cache_k, cache_v, groups, r, hd) -> q
+    paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale) -> out   (torch's flash
+                                                                    kernel over a paged KV cache)
 
 `available(tensor)` says whether the kernels serve a tensor (a CUDA tensor and the extension
-loaded); the references run everywhere and are the tests' oracle. Both ops are forward-only.
+loaded); the references run everywhere and are the tests' oracle. All ops are forward-only.
 """
 from __future__ import annotations
 
@@ -49,68 +49,91 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_cache_reference(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_k: Tensor,
-                         cache_v: Tensor, groups: int, r: int, hd: int) -> Tensor:
+def cache_rows(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """Flat row (block * block_size + offset) of each sequence's `positions` [b] in a paged cache;
+    `block_table` [b, width] holds each sequence's blocks in order."""
+    blocks = block_table.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).long()
+    return blocks * block_size + positions % block_size
+
+
+def rope_cache_reference(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor,
+                         cache_k: Tensor, cache_v: Tensor, groups: int, r: int, hd: int) -> Tensor:
     tokens = positions.shape[0]
-    rows = qkv.reshape(tokens, groups, r + 2, hd)
+    qkv = qkv.reshape(tokens, groups, r + 2, hd)
     c = cos[positions].view(tokens, 1, 1, hd)
     s = sin[positions].view(tokens, 1, 1, hd)
-    qk = rotary(rows[:, :, : r + 1], c, s)
-    slots = torch.arange(tokens, device=qkv.device)
-    cache_k[slots, positions] = qk[:, :, r]
-    cache_v[slots, positions] = rows[:, :, r + 1]
+    qk = rotary(qkv[:, :, : r + 1], c, s)
+    cache_k[rows] = qk[:, :, r]
+    cache_v[rows] = qkv[:, :, r + 1]
     return qk[:, :, :r].reshape(tokens, groups * r, hd)
 
 
-def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_k: Tensor, cache_v: Tensor,
-               groups: int, r: int, hd: int) -> Tensor:
-    """One token per sequence (token t in cache slot t). qkv [tokens, groups * (r + 2) * hd] in
-    megatron's group-interleaved order; cos/sin [max_pos, hd]; positions int64 [tokens];
-    cache_k/cache_v [slots, len, groups, hd]. Rotates q and k, writes k and v at each token's
-    position, returns q [tokens, groups * r, hd]."""
+def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor, cache_k: Tensor,
+               cache_v: Tensor, groups: int, r: int, hd: int) -> Tensor:
+    """One token per sequence. qkv [tokens, groups * (r + 2) * hd] in megatron's group-interleaved
+    order; cos/sin [max_pos, hd]; positions and rows int64 [tokens]; cache_k/cache_v
+    [cache_rows, groups, hd] (a paged cache's blocks, flattened). Rotates q and k by each token's
+    position, writes k and v into cache row `rows[t]`, returns q [tokens, groups * r, hd]."""
     if available(qkv):
-        return extension().rope_cache(qkv.contiguous(), cos, sin, positions, cache_k, cache_v, groups, r, hd,
-                                      _stream(qkv))
-    return rope_cache_reference(qkv, cos, sin, positions, cache_k, cache_v, groups, r, hd)
+        return extension().rope_cache(qkv.contiguous(), cos, sin, positions, rows, cache_k, cache_v, groups,
+                                      r, hd, _stream(qkv))
+    return rope_cache_reference(qkv, cos, sin, positions, rows, cache_k, cache_v, groups, r, hd)
 
 
-def cache_attention_reference(q: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor,
-                              scale: float) -> Tensor:
-    tokens, heads, hd = q.shape
-    groups = cache_k.shape[2]
-    length = cache_k.shape[1]
-    keys = cache_k[:tokens].permute(0, 2, 1, 3)  # [tokens, groups, len, hd]
-    values = cache_v[:tokens].permute(0, 2, 1, 3)
-    qg = q.view(tokens, groups, heads // groups, hd).float()
-    scores = torch.matmul(qg, keys.float().transpose(-1, -2)) * scale
-    keep = torch.arange(length, device=q.device).view(1, 1, 1, length) <= positions.view(-1, 1, 1, 1)
+def paged_attention_reference(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Tensor,
+                              seq_lens: Tensor, scale: float) -> Tensor:
+    """Gathers every sequence's blocks (all `width` of them; keys past seq_lens masked), in float32."""
+    b, heads, hd = q.shape
+    block, groups = cache_k.shape[1], cache_k.shape[2]
+    width = block_table.shape[1]
+    rows = block_table.long()
+    keys = cache_k[rows].view(b, width * block, groups, hd).permute(0, 2, 1, 3).float()
+    values = cache_v[rows].view(b, width * block, groups, hd).permute(0, 2, 1, 3).float()
+    qg = q.view(b, groups, heads // groups, hd).float()
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [b, groups, r, keys]
+    keep = torch.arange(width * block, device=q.device).view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
-    return torch.matmul(probs, values.float()).reshape(tokens, heads, hd).to(q.dtype)
+    return torch.matmul(probs, values).reshape(b, heads, hd).to(q.dtype)
 
 
-def cache_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, positions: Tensor, scale: float) -> Tensor:
-    """Decode attention: q [tokens, heads, hd] (token t in slot t) over keys/values 0..positions[t]
-    of cache_k/cache_v [slots, len, groups, hd]; returns [tokens, heads, hd]. On CUDA: flash
-    attention's variable-length kernel, slot t's keys starting at t * len and `seqused_k` of them
-    used, so it reads only the keys each sequence has (and one graph serves every length)."""
-    if not q.is_cuda:
-        return cache_attention_reference(q, cache_k, cache_v, positions, scale)
-    tokens, length, groups, hd = q.shape[0], cache_k.shape[1], cache_k.shape[2], q.shape[2]
-    cu_q = torch.arange(tokens + 1, dtype=torch.int32, device=q.device)
-    return torch.ops.aten._flash_attention_forward(
-        q, cache_k.view(-1, groups, hd), cache_v.view(-1, groups, hd), cu_q, cu_q * length, 1, length,
-        0.0, False, False, scale=scale, seqused_k=(positions + 1).to(torch.int32))[0]
+def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Tensor, seq_lens: Tensor,
+                    scale: float, flash: bool = False) -> Tensor:
+    """Decode attention over a paged KV cache: q [b, heads, hd] (one token per sequence) over the
+    first seq_lens[i] keys of sequence i, which sit in blocks block_table[i, 0], [i, 1], ... of
+    cache_k/cache_v [blocks, block_size, groups, hd]. Returns [b, heads, hd].
+
+    flash (where `paged_flash_supported` said yes: CUDA, bf16/fp16): flash attention's paged
+    variable-length kernel, reading only each sequence's own keys, one launch for every mix of
+    lengths (so one CUDA graph serves them all). Otherwise the reference, which reads all `width`
+    blocks of every row (graph-safe too: no host sync)."""
+    if flash:
+        b = q.shape[0]
+        max_k = block_table.shape[1] * cache_k.shape[1]
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+        return torch.ops.aten._flash_attention_forward(
+            q, cache_k, cache_v, cu_q, cu_q * max_k, 1, max_k, 0.0, False, False, scale=scale,
+            seqused_k=seq_lens.to(torch.int32), block_table=block_table)[0]
+    return paged_attention_reference(q, cache_k, cache_v, block_table, seq_lens, scale)
 
 
-def check_cache_attention(device: torch.device, dtype: torch.dtype, heads: int, groups: int, hd: int) -> None:
-    """Raise unless `cache_attention` runs here and matches its reference (e.g. a torch build whose
-    flash kernel ignores `seqused_k` would attend to stale cache rows)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(3, heads, hd, generator=g).to(device, dtype)
-    kc, vc = (torch.randn(4, 64, groups, hd, generator=g).to(device, dtype) for _ in range(2))
-    positions = torch.tensor([0, 17, 63], device=device)
-    got = cache_attention(q, kc, vc, positions, hd ** -0.5).float()
-    want = cache_attention_reference(q, kc, vc, positions, hd ** -0.5).float()
-    err = (got - want).abs().max().item()
-    if not err < 2e-2:
-        raise RuntimeError(f"cache attention differs from its reference by {err:.3g}")
+def paged_flash_supported(device: torch.device, block_size: int = 256) -> Optional[str]:
+    """None when torch's flash kernel reads a paged cache with `block_size`-token blocks here and
+    matches the reference (GQA, lengths that end mid-block, blocks out of order); else why not."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        heads, groups, hd, b, per = 4, 2, 64, 3, 3
+        kc, vc = (torch.randn(b * per + 1, block_size, groups, hd, generator=g).to(device, torch.bfloat16)
+                  for _ in range(2))
+        table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
+        lens = torch.tensor([1, block_size + 3, per * block_size], dtype=torch.int32, device=device)
+        q = torch.randn(b, heads, hd, generator=g).to(device, torch.bfloat16)
+        max_k = per * block_size
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
+        got = torch.ops.aten._flash_attention_forward(
+            q, kc, vc, cu_q, cu_q * max_k, 1, max_k, 0.0, False, False, scale=hd ** -0.5, seqused_k=lens,
+            block_table=table)[0].float()
+        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
+        err = (got - want).abs().max().item()
+    except Exception as e:  # noqa: BLE001 - any failure means: not here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
