@@ -144,16 +144,17 @@ def _engine_body(rank, tp_gen: int, hf_dir: str):
             NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp))
         res["sequence_parallel_flags"] = len(flagged)
         res["sequence_parallel_restored"] = all(getattr(m, f) is True for m, f in flagged)
-        # One rank has room for fewer KV-cache slots (less free GPU memory): the group agrees on
-        # the smallest, so both ranks run the same schedule; room for none: both refuse.
+        # One rank has room for fewer KV blocks (less free GPU memory): the group agrees on the
+        # smallest, so both ranks run the same schedule; room for none: both refuse.
         tight = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=8)
         if rank == 1:
-            tight._slots_that_fit = lambda per_slot: 2
+            tight._blocks_that_fit = lambda: 3  # the scratch block and two more
         res["agreed_slots_n2"] = run(SamplingParams(n=2, temperature=0.0, max_new_tokens=MAX_NEW), tight)
-        res["agreed_slots"] = tight.last_stats["rollout/slots"]
+        res["agreed_slots"] = tight.last_stats["rollout/kv_blocks"]
+        res["agreed_peak_live"] = tight.last_stats["rollout/peak_live_sequences"]
         starved = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp)
         if rank == 0:
-            starved._slots_that_fit = lambda per_slot: 0
+            starved._blocks_that_fit = lambda: 0
         try:
             run(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW), starved)
             res["starved_error"] = None
@@ -299,4 +300,54 @@ def padding_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int, divi
                           groups.train.tp)
     res["poison_margin"] = (pad - real).min().item()
     res["poisoned"] = run()
+    return res
+
+
+# Longer prompts (several 4-token blocks each; two share their first 8 tokens) for the paged cache.
+LONG_PROMPTS = [[5, 17, 42, 99, 7, 61, 33, 2, 90, 14, 71], [3, 200, 11, 9, 18, 27, 36, 45],
+                [150, 151, 152, 153, 154, 155, 9, 8, 7, 6, 5, 4, 3], [77, 78]]
+LONG_NEW = 10
+
+
+def paged_body(rank, world_size, hf_dir: str, tp_gen: int, fused: bool = False):
+    """The paged KV cache with 4-token blocks: greedy and seeded tokens through every decode
+    round length, prefix sharing, preemption (a pool too small for the live sequences), and
+    the blocks all returned afterwards."""
+    from verl_mcore.rollout import native
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+
+    groups = setup(tp_gen, tp_gen)
+    arch, model = generation_model(hf_dir, groups, tp_gen, tp_gen)
+    supported = native._CachedGPT.fused_decode_supported
+    if fused:
+        native._CachedGPT.fused_decode_supported = lambda self: None
+    res = {}
+    try:
+        def engine(**kw):
+            return NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp,
+                                block_size=4, **kw)
+
+        def run(eng, sp, prompts=LONG_PROMPTS):
+            out = [(o.prompt_index, o.sample_index, o.token_ids, o.logprobs, o.finish_reason)
+                   for o in eng.generate(prompts, sp)]
+            stats = {k: v for k, v in eng.last_stats.items() if k != "rollout/seconds"}
+            return out, stats, eng.pool.used
+
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=LONG_NEW, logprobs=True)
+        for k in (1, 3, 16):
+            res[f"greedy_k{k}"] = run(engine(max_num_seqs=3, steps_per_sync=k), greedy)
+        sampled = SamplingParams(n=4, temperature=1.0, max_new_tokens=LONG_NEW, seed=11, logprobs=True)
+        res["sampled"] = run(engine(max_num_seqs=16), sampled)
+        res["sampled_k1"] = run(engine(max_num_seqs=5, steps_per_sync=1), sampled)
+        # 13 blocks of 4 tokens (12 besides the scratch block) hold two or three of these
+        # 20-token sequences: the live ones outgrow the pool and the newest are preempted.
+        tight = engine(max_num_seqs=16, steps_per_sync=2)
+        tight._blocks_that_fit = lambda: 13
+        res["greedy_n4_tight"] = run(tight, SamplingParams(n=4, temperature=0.0, max_new_tokens=LONG_NEW))
+        res["greedy_n4"] = run(engine(max_num_seqs=16), SamplingParams(n=4, temperature=0.0,
+                                                                       max_new_tokens=LONG_NEW))
+        res["sampled_tight"] = run(tight, sampled)
+    finally:
+        native._CachedGPT.fused_decode_supported = supported
     return res

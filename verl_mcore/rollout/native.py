@@ -8,26 +8,32 @@ repartition wrote (or the training model's, when the layouts agree):
     layout) -> q/k layernorm -> RoPE (the model's own inv_freq) -> cached attention -> linear_proj;
     pre_mlp_layernorm, mlp -> final_layernorm -> output_layer (vocab-parallel logits)
 
-Continuous batching: `max_num_seqs` slots share one KV cache, [layers, 2, slots, len, groups, hd]
-("token-major", what the flash kernel reads) on the fused path, [layers, 2, slots, groups, len, hd]
-otherwise (what the batched matmuls of the unfused attention read without copies).
-Waiting sequences are prefilled into free slots (the n samples of a prompt are prefilled once and
-their cache rows copied), then every decoding step advances all slots by one token; a sequence that
-samples a stop token or reaches max_new_tokens frees its slot for the next waiting one. Each slot
-has its own position and cache length; attention masks keys beyond a slot's length.
+Paged KV cache (rollout/kv_blocks.py): one tensor [layers, 2, blocks, block_size, groups, hd];
+each sequence holds blocks as it grows, listed in its row of a block table, so memory follows the
+tokens in use, not slots x max length. The n samples of a prompt admitted together share its
+full prompt blocks (prefilled once; each copies only the last, partial one). Sequences are
+admitted while slots and blocks last; when the live ones outgrow the blocks, the most recently
+admitted is preempted (blocks freed) and later recomputed from its prompt and the tokens it had.
 
-Sampling: `sampling.sample` picks tokens with counter-based random numbers from the logits of the
-real vocabulary (padding ids >= it cut). Under TP_g > 1 the vocab-parallel logits are not gathered:
-`tp_sampling.sample_vocab_parallel` draws from the shards the tokens `sample` would draw (up to float
-rounding at CDF boundaries), exchanging a few numbers per sequence within the generation TP group;
-every rank of the group gets the same tokens.
+The decode loop runs on the device: a step is the forward, `sampling.sample` with counter-based
+uniforms computed on the device (`sampling.uniforms_device`), and the stop and length checks,
+which update each slot's next token, position and liveness in place (`_DecodeState`). The host
+looks every `steps_per_sync` steps: it collects the round's tokens, frees finished sequences'
+slots and blocks, admits waiting ones and hands out the blocks the next round needs.
 
-On CUDA the decode step (embedding .. logits) is captured in CUDA graphs: small-batch decoding is
-otherwise dominated by per-kernel launch overhead. With the csrc/ extension the step also runs
-fused kernels (verl_mcore/ops/decode.py: residual add + RMSNorm, rotary + KV-cache write) and
-flash attention over the cache with per-sequence key counts (`seqused_k`), so one graph serves
-every length and attention reads only the keys each sequence has. Without them (CPU, or a model
-the fused path does not cover) attention masks a length bucket of the cache, one graph per bucket.
+Sampling: a sequence's token at step t is drawn with uniform (seed, prompt, sample, t), so it
+depends on neither the batch nor the slot nor preemption. Under TP_g > 1 the vocab-parallel
+logits are not gathered: `tp_sampling.sample_vocab_parallel` draws from the shards the tokens
+`sample` would draw (up to float rounding at CDF boundaries), exchanging a few numbers per
+sequence within the generation TP group; every rank of the group gets the same tokens.
+
+On CUDA the whole decode step is one CUDA graph per batch shape and sampling setting (at TP_g > 1
+the graph holds the forward; the sampler's collectives follow it). With the csrc/ extension the
+step runs fused kernels (verl_mcore/ops/decode.py: residual add + RMSNorm, rotary + KV-cache
+write), and attention is torch's flash kernel over the paged cache (`seqused_k` and a block
+table: it reads only each sequence's own blocks, so one graph serves every mix of lengths; its
+blocks are 256 tokens). Elsewhere (CPU, fp32) attention is the reference, which reads all of a
+row's blocks and masks.
 """
 from __future__ import annotations
 
@@ -45,13 +51,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_mcore.ops import decode as decode_ops
+from verl_mcore.rollout import kv_blocks
 from verl_mcore.rollout import sampling as sampling_mod
 from verl_mcore.rollout import tp_sampling
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
-
-# Attention over the cache covers a multiple of this many positions (CUDA graph buckets).
-_ATTN_BUCKET = 256
-
 
 _SP_FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
 
@@ -109,6 +112,7 @@ class _CachedGPT:
         self.dtype, self.device = param.dtype, param.device
         self._rope_len = 0
         self._cos = self._sin = None
+        self.cache: Optional[torch.Tensor] = None  # [layers, 2, blocks, block_size, groups, hd]
 
     def rope_tables(self, length: int) -> None:
         """cos/sin [length, hd] in the activation dtype, from the model's inv_freq (which
@@ -170,9 +174,7 @@ class _CachedGPT:
         if not decode_ops.available(next(self.model.parameters())):
             return "the CUDA extension is not loaded (or the model is not on a GPU)"
         if self.dtype not in (torch.bfloat16, torch.float16):
-            return f"activation dtype {self.dtype} (flash attention needs bf16/fp16)"
-        if self.head_dim % 8 or self.head_dim > 256:
-            return f"head dim {self.head_dim}"
+            return f"activation dtype {self.dtype} (the fused kernels serve bf16/fp16)"
         cfg = self.model.config
         if cfg.normalization != "RMSNorm" or getattr(cfg, "layernorm_zero_centered_gamma", False):
             return f"normalization {cfg.normalization}"
@@ -193,17 +195,13 @@ class _CachedGPT:
                 return f"norm module {type(norm).__name__} (no weight / eps)"
             if params[0].dtype != self.dtype:
                 return f"norm weight dtype {params[0].dtype} differs from the activations' {self.dtype}"
-        try:
-            decode_ops.check_cache_attention(self.device, self.dtype, self.heads, self.groups,
-                                             self.head_dim)
-        except Exception as e:  # noqa: BLE001 - any failure means: use the unfused path
-            return f"flash attention over the KV cache is unavailable here ({e})"
         return None
 
-    def fused_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
-                     ) -> torch.Tensor:
-        """One token per slot through the fused kernels: tokens/positions [b] -> final hidden
-        [1, b, H]. Keys of slot t are cache positions 0..positions[t] (this token's included)."""
+    def fused_decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                     attend) -> torch.Tensor:
+        """One token per slot through the fused kernels: tokens/positions/rows [b] -> final hidden
+        [1, b, H]. The token's k/v go to cache row `rows[t]` of each layer; `attend(i, q)` returns
+        layer i's attention output [b, heads, hd] over the cache."""
         b = tokens.shape[0]
         r = self.heads // self.groups
         h = self.model.embedding(input_ids=tokens.unsqueeze(1), position_ids=None).contiguous()
@@ -211,14 +209,19 @@ class _CachedGPT:
         for i, layer in enumerate(self.layers):
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.input_layernorm))
             mixed, _ = layer.self_attention.linear_qkv(x)
-            kc, vc = cache[i, 0], cache[i, 1]
-            q = decode_ops.rope_cache(mixed.view(b, -1), self._cos, self._sin, positions, kc, vc,
+            kc, vc = self.cache_rows(i)
+            q = decode_ops.rope_cache(mixed.view(b, -1), self._cos, self._sin, positions, rows, kc, vc,
                                       self.groups, r, self.head_dim)
-            out = decode_ops.cache_attention(q, kc, vc, positions, self.scale)
+            out = attend(i, q)
             delta, _ = layer.self_attention.linear_proj(out.view(1, b, self.heads * self.head_dim))
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.pre_mlp_layernorm))
             delta, _ = layer.mlp(x)
         return decode_ops.rmsnorm(h, delta, *_rmsnorm_params(self.model.decoder.final_layernorm))
+
+    def cache_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values as [cache rows, groups, hd] (blocks flattened)."""
+        return (self.cache[i, 0].view(-1, self.groups, self.head_dim),
+                self.cache[i, 1].view(-1, self.groups, self.head_dim))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """final-normed h [s, b, H] -> vocab-parallel logits [s, b, V_local]."""
@@ -254,18 +257,27 @@ class NativeEngine(RolloutEngine):
     repartitioner: the `Repartitioner` that fills `model` from the training chunks; None when the
         model is the training model (nothing to copy).
     keep_weights_buffer: keep the repartition buffer allocated across `sleep()`.
-    max_num_seqs: decoding slots. gpu_memory_utilization: on CUDA, the KV cache takes at most this
-        fraction of the free memory (fewer slots if needed). cuda_graphs: capture the decode step.
+    max_num_seqs: decoding slots (sequences decoded at once, at most).
+    gpu_memory_utilization: on CUDA, the KV cache's blocks take at most this fraction of the free
+        memory; sequences are admitted while blocks last (and preempted, to be recomputed later,
+        when the live ones outgrow them).
+    cuda_graphs: capture the decode step.
     max_prefill_tokens: tokens (prompts x the longest of them, as padded) prefilled in one forward
         (bounds activation memory); one prompt is always admitted, whatever its length.
-    fused_decode: decode with the fused kernels and flash attention where supported
-        (`fused_decode_reason` says why not, when not).
+    fused_decode: decode with the fused kernels where supported (`fused_decode_reason` says why
+        not, when not).
+    block_size: tokens per KV block (None: 256 where torch's paged flash kernel serves the model,
+        which needs multiples of 256, else 16).
+    steps_per_sync: decoding steps between the host's looks at the device: sampling, stop and length
+        checks run on the device; the host collects tokens, frees finished slots and admits
+        waiting sequences every this many steps (a finished slot idles until then).
     """
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, tp_group=None,
                  repartitioner=None, keep_weights_buffer: bool = False, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
-                 max_prefill_tokens: int = 16384, fused_decode: bool = True):
+                 max_prefill_tokens: int = 16384, fused_decode: bool = True,
+                 block_size: Optional[int] = None, steps_per_sync: int = 16):
         while not hasattr(model, "decoder") and hasattr(model, "module"):
             model = model.module  # DDP / Float16Module wrappers of the training model
         self.net = _CachedGPT(model)
@@ -275,6 +287,8 @@ class NativeEngine(RolloutEngine):
         if padded is not None and vocab_size > padded:
             raise ValueError(f"NativeEngine: vocab_size {vocab_size} exceeds the model's padded "
                              f"vocabulary {padded}")
+        if steps_per_sync < 1:
+            raise ValueError(f"NativeEngine: steps_per_sync must be >= 1, got {steps_per_sync}")
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.repartitioner = repartitioner
         self.keep_weights_buffer = keep_weights_buffer
@@ -282,14 +296,37 @@ class NativeEngine(RolloutEngine):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.use_graphs = cuda_graphs and self.net.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens
+        self.steps_per_sync = steps_per_sync
         self.fused_decode_reason = (self.net.fused_decode_supported() if fused_decode
                                     else "fused_decode=False")
         self.fused = self.fused_decode_reason is None
-        # [layers, 2, slots, len, groups, hd] when fused (token-major), else [.., groups, len, hd]
-        self.cache: Optional[torch.Tensor] = None
-        self._graphs: dict = {}
+        self.flash_attention_reason = self._flash_reason()
+        self.flash = self.flash_attention_reason is None
+        if block_size is None:
+            block_size = 256 if self.flash else 16
+        if self.flash and block_size % 256:
+            raise ValueError(f"NativeEngine: block_size {block_size}: torch's paged flash kernel "
+                             "reads blocks of multiples of 256 tokens")
+        self.block_size = block_size
+        self.pool: Optional[kv_blocks.BlockPool] = None
+        self._capped = False  # the pool is what the memory budget allowed, not what was wanted
+        self._graphs: dict = {}  # (slots, width) -> _DecodeState with its captured graph
         self._graph_pool = None
         self.last_stats: dict[str, float] = {}
+
+    @property
+    def cache(self) -> Optional[torch.Tensor]:
+        return self.net.cache
+
+    def _flash_reason(self) -> Optional[str]:
+        net = self.net
+        if net.device.type != "cuda":
+            return "not on a GPU"
+        if net.dtype not in (torch.bfloat16, torch.float16):
+            return f"activation dtype {net.dtype} (flash attention needs bf16/fp16)"
+        if net.head_dim % 8 or net.head_dim > 256:
+            return f"head dim {net.head_dim}"
+        return decode_ops.paged_flash_supported(net.device)
 
     @classmethod
     def from_config(cls, rollout_cfg, model: torch.nn.Module, *, vocab_size: int, groups,
@@ -315,7 +352,7 @@ class NativeEngine(RolloutEngine):
     def sleep(self) -> None:
         self._graphs.clear()  # they hold addresses of the cache and the weights
         self._graph_pool = None
-        self.cache = None
+        self.net.cache, self.pool = None, None
         if self.repartitioner is not None and not self.keep_weights_buffer:
             self.repartitioner.buffer.release()
         if self.net.device.type == "cuda":
@@ -325,19 +362,24 @@ class NativeEngine(RolloutEngine):
         if self.repartitioner is not None:
             self.repartitioner.buffer.restore()
 
-    def _ensure_cache(self, slots: int, length: int) -> int:
-        """Allocate (or reuse) a cache for `slots` x `length`; returns the slots to use (fewer
-        when the memory budget says so)."""
-        length = self._bucket(length, 1 << 62)
-        if self.cache is not None and self.cache.shape[2] >= slots and self._kv().shape[4] >= length:
-            return slots
-        self.cache, self._graphs, self._graph_pool = None, {}, None
+    def _block_bytes(self) -> int:
+        net = self.net
+        return (len(net.layers) * 2 * self.block_size * net.groups * net.head_dim
+                * torch.empty((), dtype=net.dtype).element_size())
+
+    def _ensure_cache(self, wanted: int, one_sequence: int) -> None:
+        """A KV cache of `wanted` blocks (the most this call could hold at once), or fewer where
+        the memory budget says so; at least `one_sequence` + the scratch block."""
+        if self.pool is not None and (self.pool.num_blocks >= wanted or (
+                self._capped and self.pool.num_blocks > one_sequence)):
+            # Enough, or all the budget allowed last time: kept (with the CUDA graphs over it).
+            self.pool = kv_blocks.BlockPool(self.pool.num_blocks, self.block_size)
+            return
+        self.net.cache, self.pool, self._graphs, self._graph_pool = None, None, {}, None
         net = self.net
         if net.device.type == "cuda":
             torch.cuda.empty_cache()  # so the free-memory reading below includes the old cache
-        per_slot = (len(net.layers) * 2 * net.groups * length * net.head_dim
-                    * torch.empty((), dtype=net.dtype).element_size())
-        fit = self._slots_that_fit(per_slot)
+        fit = self._blocks_that_fit()
         if self.tp_group is not None:
             # Free memory differs between GPUs: the ranks of a group agree on the smallest fit, so
             # they run the same schedule (same collectives) and refuse together.
@@ -345,145 +387,148 @@ class NativeEngine(RolloutEngine):
             t = torch.tensor([unlimited if fit is None else fit], dtype=torch.long, device=net.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
             fit = None if int(t.item()) == unlimited else int(t.item())
-        if fit is not None:
-            if fit < 1:
-                raise RuntimeError(
-                    f"NativeEngine: one sequence of {length} tokens needs {per_slot / 2**20:.0f} MiB "
-                    f"of KV cache, more than rollout.gpu_memory_utilization="
-                    f"{self.gpu_memory_utilization} of the free GPU memory (on at least one rank "
-                    "of the generation TP group)")
-            slots = min(slots, fit)
-        inner = (length, net.groups) if self.fused else (net.groups, length)
-        self.cache = torch.zeros(len(net.layers), 2, slots, *inner, net.head_dim,
-                                 dtype=net.dtype, device=net.device)
-        # RoPE tables cover the cache; they only grow here, where the graphs (which hold their
-        # addresses) were just dropped.
-        net.rope_tables(length)
-        return slots
+        blocks = wanted if fit is None else min(wanted, fit)
+        self._capped = blocks < wanted
+        if blocks < one_sequence + 1:
+            raise RuntimeError(
+                f"NativeEngine: one sequence of {one_sequence * self.block_size} tokens needs "
+                f"{one_sequence * self._block_bytes() / 2**20:.0f} MiB of KV cache, more than "
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} of the free GPU "
+                "memory (on at least one rank of the generation TP group)")
+        self.net.cache = torch.zeros(len(net.layers), 2, blocks, self.block_size, net.groups,
+                                     net.head_dim, dtype=net.dtype, device=net.device)
+        self.pool = kv_blocks.BlockPool(blocks, self.block_size)
 
-    def _slots_that_fit(self, per_slot: int) -> Optional[int]:
-        """KV-cache sequences within rollout.gpu_memory_utilization of this GPU's free memory;
-        None (no limit) off the GPU."""
+    def _blocks_that_fit(self) -> Optional[int]:
+        """KV blocks within rollout.gpu_memory_utilization of this GPU's free memory; None (no
+        limit) off the GPU."""
         if self.net.device.type != "cuda":
             return None
         free, _ = torch.cuda.mem_get_info(self.net.device)
-        return int(free * self.gpu_memory_utilization) // per_slot
+        return int(free * self.gpu_memory_utilization) // self._block_bytes()
 
-    def _kv(self) -> torch.Tensor:
-        """The cache as [layers, 2, slots, groups, len, hd] whatever its memory layout (a
-        transposed view of the fused path's token-major cache)."""
-        return self.cache.transpose(3, 4) if self.fused else self.cache
-
-    def _bucket(self, length: int, cap: int) -> int:
-        """Attention length: rounded up for CUDA graphs (few shapes), exact otherwise."""
-        if self.use_graphs:
-            length = -(-length // _ATTN_BUCKET) * _ATTN_BUCKET
-        return min(length, cap)
+    def _table_width(self, max_len: int) -> int:
+        """Block-table columns for sequences of up to `max_len` tokens: a power of two under CUDA
+        graphs (few graphs; the flash kernel reads only each sequence's own blocks)."""
+        width = self.pool.blocks_for(max_len)
+        return 1 << (width - 1).bit_length() if self.use_graphs else width
 
     # ---------------------------------------------------------------- forward passes
 
-    def _prefill(self, prompts: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
-        """Run `prompts` (right-padded, causal) into cache `slots`; logits of each prompt's last
-        token [n, V_local]."""
-        lengths = [len(p) for p in prompts]
+    def _prefill(self, contexts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+        """Run `contexts` (right-padded, causal) into their blocks `tables`; logits of each
+        context's last token [n, V_local]."""
+        net, bs = self.net, self.block_size
+        lengths = [len(c) for c in contexts]
         s = max(lengths)
-        tokens = torch.zeros(len(prompts), s, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-        tokens = tokens.to(self.net.device)
-        positions = torch.arange(s, device=self.net.device).expand(len(prompts), s)
-        kv = self._kv()
+        tokens = torch.zeros(len(contexts), s, dtype=torch.long)
+        rows = torch.full((s, len(contexts)), -1, dtype=torch.long)  # [s, n] like k, v below
+        for i, (c, blocks) in enumerate(zip(contexts, tables)):
+            tokens[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
+            pos = torch.arange(len(c))
+            rows[: len(c), i] = torch.as_tensor(blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
+        tokens = tokens.to(net.device)
+        valid = (rows >= 0).to(net.device)
+        rows = rows.to(net.device)[valid]
+        positions = torch.arange(s, device=net.device).expand(len(contexts), s)
 
         def attend(i, q, k, v):
+            kc, vc = net.cache_rows(i)
+            kc[rows] = k[valid]  # padding positions are not written
+            vc[rows] = v[valid]
             # [s, n, heads, hd] -> [n, heads, s, hd]; right padding never reaches a real token
-            # under the causal mask, and the padded cache rows are masked until overwritten.
+            # under the causal mask.
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            kv[i, 0, slots, :, :s] = k
-            kv[i, 1, slots, :, :s] = v
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.net.scale,
-                                                 enable_gqa=self.net.heads != self.net.groups)
-            return out.permute(2, 0, 1, 3).reshape(s, len(prompts), -1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=net.scale,
+                                                 enable_gqa=net.heads != net.groups)
+            return out.permute(2, 0, 1, 3).reshape(s, len(contexts), -1)
 
-        h = self.net.forward(tokens, positions, attend)  # [s, n, H]
+        h = net.forward(tokens, positions, attend)  # [s, n, H]
         last = torch.as_tensor(lengths, device=h.device) - 1
-        h = h[last, torch.arange(len(prompts), device=h.device)].unsqueeze(0)  # [1, n, H]
-        return self.net.logits(h)[0]
+        h = h[last, torch.arange(len(contexts), device=h.device)].unsqueeze(0)  # [1, n, H]
+        return net.logits(h)[0]
 
-    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, length: int
-                        ) -> torch.Tensor:
-        """One token per slot: tokens/positions [slots] -> logits [slots, V_local]. Keys at
-        cache positions > a slot's position are masked; attention reads `length` positions."""
+    def _decode_forward(self, ds: "_DecodeState") -> torch.Tensor:
+        """One token per slot, from the decode state's inputs (last token at position pos, block
+        table) -> logits [slots, V_local]. Reads only device tensors: CUDA-graph safe."""
+        net = self.net
+        b = ds.last.shape[0]
+        rows = decode_ops.cache_rows(ds.table, ds.pos, self.block_size)
+        seq_lens = (ds.pos + 1).to(torch.int32)
+
+        def paged(i, q):
+            return decode_ops.paged_attention(q, net.cache[i, 0], net.cache[i, 1], ds.table, seq_lens,
+                                              net.scale, flash=self.flash)
+
         if self.fused:
-            return self.net.logits(self.net.fused_decode(tokens, positions, self.cache))[0]
-        cache = self.cache
-        b = tokens.shape[0]
-        r = self.net.heads // self.net.groups
-        rows = torch.arange(b, device=tokens.device)
-        keep = torch.arange(length, device=tokens.device).unsqueeze(0) <= positions.unsqueeze(1)
-        bias = torch.zeros(b, 1, 1, length, dtype=torch.float32, device=tokens.device)
-        bias = bias.masked_fill(~keep.view(b, 1, 1, length), float("-inf"))
+            return net.logits(net.fused_decode(ds.last, ds.pos, rows, paged))[0]
 
         def attend(i, q, k, v):
-            # q [1, b, nh, hd], k/v [1, b, ng, hd]; grouped-query attention without repeating K/V.
-            cache[i, 0, rows, :, positions] = k[0]
-            cache[i, 1, rows, :, positions] = v[0]
-            keys, values = cache[i, 0, :b, :, :length], cache[i, 1, :b, :, :length]
-            qg = q[0].view(b, self.net.groups, r, self.net.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.net.scale + bias
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
-            return torch.matmul(probs, values).reshape(1, b, -1)
+            kc, vc = net.cache_rows(i)
+            kc[rows] = k[0]
+            vc[rows] = v[0]
+            return paged(i, q[0].contiguous()).reshape(1, b, -1)
 
-        h = self.net.forward(tokens.unsqueeze(1), positions.unsqueeze(1), attend)
-        return self.net.logits(h)[0]
+        h = net.forward(ds.last.unsqueeze(1), ds.pos.unsqueeze(1), attend)
+        return net.logits(h)[0]
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+    def _step(self, ds: "_DecodeState") -> None:
+        """One decoding step of every slot: forward, sample, stop and length checks, all on the
+        device. Under CUDA graphs the whole step is one graph at TP_g = 1; under TP_g > 1 the
+        graph holds the forward and the sampler's collectives run after it."""
         if not self.use_graphs:
-            return self._decode_forward(tokens, positions, length)
-        entry = self._graphs.get((tokens.shape[0], length))
-        if entry is None:
+            return self._sample_step(ds, self._decode_forward(ds))
+        if ds.graph is None:
             try:
-                entry = self._capture(tokens, positions, length)
+                self._capture(ds)
             except RuntimeError as e:  # e.g. an op that syncs with the host inside megatron
                 warnings.warn(f"NativeEngine: CUDA graph capture failed ({e}); decoding eagerly")
                 torch.cuda.synchronize()
                 self.use_graphs, self._graphs, self._graph_pool = False, {}, None
-                return self._decode_forward(tokens, positions, length)
-        graph, static_tokens, static_pos, out = entry
-        static_tokens.copy_(tokens)
-        static_pos.copy_(positions)
-        graph.replay()
-        return out
+                return self._sample_step(ds, self._decode_forward(ds))
+        ds.graph.replay()
+        if self.tp_group is not None:
+            self._sample_step(ds, ds.logits)
 
-    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, length: int):
-        """Capture the decode step for this batch and attention length. Warm-up and capture run
-        on this step's real inputs: they write the same K/V the replay then writes again."""
-        static_tokens, static_pos = tokens.clone(), positions.clone()
+    def _sample_step(self, ds: "_DecodeState", logits: torch.Tensor) -> None:
+        u = None if ds.sp.greedy else sampling_mod.uniforms_device(ds.keys, ds.gen)
+        ds.advance(*self._pick(logits, ds.sp, u))
+
+    def _graph_body(self, ds: "_DecodeState") -> torch.Tensor:
+        logits = self._decode_forward(ds)
+        if self.tp_group is None:
+            self._sample_step(ds, logits)
+        return logits
+
+    def _capture(self, ds: "_DecodeState") -> None:
+        """Capture the decode step over the decode state's tensors. The warm-up runs on this
+        step's real inputs and the state is put back after it: the replay then writes the same
+        K/V again and samples this step's tokens."""
+        saved = ds.snapshot()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # lazy initialisations and allocator warm-up outside the capture
-                self._decode_forward(static_tokens, static_pos, length)
+                self._graph_body(ds)
+                ds.restore(saved)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._decode_forward(static_tokens, static_pos, length)
-        entry = (graph, static_tokens, static_pos, out)
-        self._graphs[(tokens.shape[0], length)] = entry
-        return entry
+            ds.logits = self._graph_body(ds)
+        ds.graph = graph
 
-    def _pick(self, logits_local: torch.Tensor, sp: SamplingParams, u: Optional[np.ndarray]
+    def _pick(self, logits_local: torch.Tensor, sp: SamplingParams, u: Optional[torch.Tensor]
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Tokens [b] (and their log-probs) from vocab-parallel logits [b, V_local], the same on
-        every rank of the TP group."""
-        u_t = None if u is None else torch.from_numpy(u).to(logits_local.device)
+        """Tokens [b] (and their log-probs) from vocab-parallel logits [b, V_local] and uniforms
+        u [b] (None: greedy), the same on every rank of the TP group; no host sync."""
         if self.tp_group is not None:
             return tp_sampling.sample_vocab_parallel(
-                logits_local, sp.temperature, sp.top_p, sp.top_k, u_t, vocab_size=self.vocab_size,
+                logits_local, sp.temperature, sp.top_p, sp.top_k, u, vocab_size=self.vocab_size,
                 group=self.tp_group, logprobs=sp.logprobs)
         full = logits_local[:, : self.vocab_size]
-        tokens = sampling_mod.sample(full, sp.temperature, sp.top_p, sp.top_k, u_t)
+        tokens = sampling_mod.sample(full, sp.temperature, sp.top_p, sp.top_k, u)
         logp = sampling_mod.token_logprobs(full, tokens, sp.temperature) if sp.logprobs else None
         return tokens, logp
 
@@ -535,137 +580,335 @@ class NativeEngine(RolloutEngine):
         if max_pos is not None and max_len > max_pos:
             raise ValueError(f"NativeEngine.generate: prompt + max_new_tokens = {max_len} exceeds "
                              f"the model's max_position_embeddings {max_pos}")
-        slots = self._ensure_cache(min(self.max_num_seqs, len(prompts) * sp.n), max_len)
+        slots = min(self.max_num_seqs, len(prompts) * sp.n)
+        per_seq = -(-max_len // self.block_size)
+        self._ensure_cache(slots * per_seq + 1, per_seq)
+        width = self._table_width(max_len)
+        if width * self.block_size > self.net._rope_len:
+            self._graphs.clear()  # the RoPE tables grow: graphs hold the old ones' addresses
+            self.net.rope_tables(width * self.block_size)
         seed = sp.seed
         if seed is None and not sp.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
-        st = _Schedule(prompts, sp, slots, seed or 0)
-        while st.waiting or st.any_active():
-            if st.waiting and st.free_slots():
-                self._admit(st)  # then admit again if slots freed up (e.g. max_new_tokens = 1)
-            else:
-                self._step(st)
-        # Occupancy: the share of slot-steps that decoded a live sequence (continuous batching
-        # refills a finished sequence's slot at the next admission).
+        st = _Schedule(prompts, sp, slots, width, self.pool, seed or 0)
+        ds = self._decode_state(slots, width, sp)
+        while st.waiting or st.live:
+            if st.waiting:
+                self._admit(st)
+            if not st.live:
+                continue  # everything admitted finished at its first token
+            steps = self._grow(st)
+            ds.load(st)
+            for _ in range(steps):
+                self._step(ds)
+            self._collect(st, ds, steps)
         occupancy = st.live_slot_steps / max(1, st.decode_steps * slots)
         self.last_stats = {"rollout/seconds": time.perf_counter() - start,
                            "rollout/response_tokens": float(sum(map(len, st.tokens))),
                            "rollout/prefill_tokens": float(st.prefill_tokens),
                            "rollout/decode_steps": float(st.decode_steps),
                            "rollout/slots": float(slots),
-                           "rollout/slot_occupancy": occupancy}
+                           "rollout/slot_occupancy": occupancy,
+                           "rollout/peak_live_sequences": float(st.peak_live),
+                           "rollout/kv_blocks": float(self.pool.num_blocks - 1),
+                           "rollout/kv_block_tokens": float(self.block_size),
+                           "rollout/kv_peak_blocks_used": float(self.pool.peak_used),
+                           "rollout/kv_shared_prefix_blocks": float(st.shared_blocks),
+                           "rollout/preemptions": float(st.preemptions),
+                           "rollout/host_syncs": float(st.syncs)}
         return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
                              token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
                              finish_reason=st.finish[s])
                 for s in range(st.n_seq)]
 
+    def _decode_state(self, slots: int, width: int, sp: SamplingParams) -> "_DecodeState":
+        """The device tensors the decode step reads and writes, kept with its CUDA graph: one per
+        batch shape and sampling settings (a graph bakes in the sampler's branches)."""
+        key = (slots, width, sp.temperature, sp.top_p, sp.top_k, sp.logprobs,
+               _stop_capacity(len(set(sp.stop_token_ids))))
+        ds = self._graphs.get(key)
+        if ds is None:
+            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device)
+        ds.configure(sp)
+        return ds
+
     def _admit(self, st: "_Schedule") -> None:
-        """Prefill waiting sequences into free slots and sample their first tokens."""
-        sp, n, device = st.sp, st.sp.n, self.net.device
+        """Prefill waiting sequences into free slots while KV blocks last, and sample their
+        first tokens. The fresh samples of a prompt admitted together share its prompt's full
+        blocks (prefilled once); a sequence preempted earlier is recomputed from its prompt and
+        the tokens it had."""
+        pool, bs, k = self.pool, self.block_size, self.steps_per_sync
         free = st.free_slots()
-        # Whole prompts' worth of sequences, up to the free slots and the prefill budget. The
-        # prefill pads every prompt to the longest: the budget is charged prompts x longest.
-        admitted, prompts_in, longest = [], 0, 0
-        while st.waiting and len(admitted) < len(free):
+        # Blocks the live sequences take in their next round of steps stay free; an admitted one
+        # is charged its blocks and its own next round's.
+        budget = pool.free - sum(max(0, st.round_need(slot, k)) for slot in st.live)
+        groups: list[list[int]] = []  # sequences prefilled together: one context each group
+        taken_slots, taken_blocks, prompts_in, longest = 0, 0, 0, 0
+        while st.waiting and taken_slots < len(free):
             s = st.waiting[0]
-            if not admitted or s // n != admitted[-1] // n:  # the first sample of a prompt
-                wider = max(longest, len(st.prompts[s // n]))
-                if admitted and (prompts_in + 1) * wider > self.max_prefill_tokens:
+            context = len(st.context(s))
+            shares = bool(groups) and st.fresh(s) and st.fresh(groups[-1][0]) \
+                and s // st.sp.n == groups[-1][0] // st.sp.n
+            held = pool.blocks_for(context)
+            growth = pool.blocks_for(context + min(k, st.sp.max_new_tokens - len(st.tokens[s]) - 1)) - held
+            cost = ((1 if context % bs else 0) if shares else held) + growth
+            if taken_blocks + cost > budget:
+                break
+            if not shares:
+                wider = max(longest, context)
+                if groups and (prompts_in + 1) * wider > self.max_prefill_tokens:
                     break
                 prompts_in, longest = prompts_in + 1, wider
-            admitted.append(st.waiting.popleft())
-        seq_slots = free[: len(admitted)]
-        firsts: dict[int, int] = {}  # prompt -> slot of its first admitted sample
-        for s, slot in zip(admitted, seq_slots):
-            firsts.setdefault(s // n, slot)
-        uniq = list(firsts)
-        logits = self._prefill([st.prompts[p] for p in uniq],
-                               torch.as_tensor([firsts[p] for p in uniq], device=device))
-        st.prefill_tokens += sum(len(st.prompts[p]) for p in uniq)
-        # The other samples of a prompt share its prompt cache: copy the rows.
-        dup = [(firsts[s // n], slot) for s, slot in zip(admitted, seq_slots)
-               if slot != firsts[s // n]]
-        if dup:
-            src = torch.as_tensor([a for a, _ in dup], device=device)
-            dst = torch.as_tensor([b for _, b in dup], device=device)
-            plen = max(len(st.prompts[p]) for p in uniq)
-            kv = self._kv()
-            kv[:, :, dst, :, :plen] = kv[:, :, src, :, :plen]
-        row = {p: i for i, p in enumerate(uniq)}
-        rows = torch.as_tensor([row[s // n] for s in admitted], device=device)
-        for s, slot in zip(admitted, seq_slots):
-            st.slot_seq[slot] = s
-            st.pos[slot] = len(st.prompts[s // n])
-        toks, lps = self._pick(logits[rows], sp, st.uniforms(admitted))
-        st.record(admitted, seq_slots, toks.tolist(), None if lps is None else lps.tolist())
+                groups.append([])
+            groups[-1].append(st.waiting.popleft())
+            taken_slots, taken_blocks = taken_slots + 1, taken_blocks + cost
+        if not groups:
+            if not st.live:
+                raise RuntimeError(  # _ensure_cache sized the pool for one sequence: a bug if so
+                    f"NativeEngine: no KV blocks for sequence {st.waiting[0]} with nothing live")
+            return
+        heads = []
+        for group in groups:
+            head = group[0]
+            st.place(head, free.pop(0), pool.take(pool.blocks_for(len(st.context(head)))))
+            heads.append(head)
+        logits = self._prefill([st.context(s) for s in heads], [st.blocks[st.slot_of[s]] for s in heads])
+        st.prefill_tokens += sum(len(st.context(s)) for s in heads)
+        copies = []  # (source block, destination block): each sample's own partial prompt block
+        for group in groups:
+            head_blocks = st.blocks[st.slot_of[group[0]]]
+            context = len(st.context(group[0]))
+            full = context // bs
+            for s in group[1:]:
+                pool.share(head_blocks[:full])
+                own = pool.take(len(head_blocks) - full)
+                copies += zip(head_blocks[full:], own)
+                st.place(s, free.pop(0), head_blocks[:full] + own)
+                st.shared_blocks += full
+        if copies:
+            src, dst = (torch.as_tensor(c, device=self.net.device) for c in zip(*copies))
+            self.net.cache[:, :, dst] = self.net.cache[:, :, src]
+        admitted = [s for group in groups for s in group]
+        rows = torch.as_tensor([i for i, group in enumerate(groups) for _ in group], device=logits.device)
+        u = None if st.sp.greedy else sampling_mod.uniforms_device(
+            st.keys_of(admitted, logits.device), torch.as_tensor(
+                [len(st.tokens[s]) for s in admitted], dtype=torch.long, device=logits.device))
+        toks, lps = self._pick(logits[rows], st.sp, u)
+        st.record_first(admitted, toks.tolist(), None if lps is None else lps.tolist())
 
-    def _step(self, st: "_Schedule") -> None:
-        """One decoding step of every slot; sample for the active ones."""
-        device = self.net.device
-        active = st.active_slots()
-        cap = self._kv().shape[4]
-        # The fused path reads each sequence's own keys: it always takes the whole cache (one
-        # CUDA graph); the masked attention reads a bucket of it.
-        length = cap if self.fused else self._bucket(int(st.pos[active].max()) + 1, cap)
-        logits = self._decode(torch.from_numpy(st.last).to(device),
-                              torch.from_numpy(st.pos).to(device), length)
-        seq_ids = [st.slot_seq[i] for i in active]
-        toks, lps = self._pick(logits[torch.as_tensor(active, device=device)], st.sp,
-                               st.uniforms(seq_ids))
-        st.pos[active] += 1
-        st.record(seq_ids, active, toks.tolist(), None if lps is None else lps.tolist())
-        st.decode_steps += 1
-        st.live_slot_steps += len(active)
+    def _grow(self, st: "_Schedule") -> int:
+        """Decoding steps for the next round, with KV blocks for every live sequence's tokens in
+        it; when blocks run out, the most recently admitted sequences are preempted (their blocks
+        freed, to be recomputed when readmitted)."""
+        while True:
+            steps = min(self.steps_per_sync, max(st.remaining(s) for s in st.live))
+            wants = {slot: st.round_need(slot, steps) for slot in st.live}
+            if sum(max(0, w) for w in wants.values()) <= self.pool.free:
+                break
+            if len(st.live) == 1:
+                raise RuntimeError("NativeEngine: one live sequence outgrew the KV cache "
+                                   "(the pool was sized for it: a bug)")
+            st.preempt(max(st.live, key=lambda slot: st.admitted_at[slot]))
+        for slot, w in wants.items():
+            if w > 0:
+                st.add_blocks(slot, self.pool.take(w))
+        return steps
+
+    def _collect(self, st: "_Schedule", ds: "_DecodeState", steps: int) -> None:
+        """The host's look after `steps` decoding steps: new tokens, finished sequences."""
+        toks = ds.out_tokens[:, :steps].cpu().numpy()
+        lps = ds.out_logprobs[:, :steps].cpu().numpy() if st.sp.logprobs else None
+        st.syncs += 1
+        st.decode_steps += steps
+        for slot in list(st.live):
+            row = toks[slot]
+            n = int(np.argmax(row < 0)) if (row < 0).any() else steps
+            st.live_slot_steps += n
+            st.extend(slot, row[:n].tolist(), None if lps is None else lps[slot, :n].tolist())
+
+
+def _stop_capacity(n: int) -> int:
+    """Stop ids are held in a tensor of a power-of-two size (padded with -1): few graph shapes."""
+    return 1 << max(0, n - 1).bit_length() if n else 0
+
+
+class _DecodeState:
+    """Device tensors of the decode loop, per slot: the token fed next (`last`) at position `pos`,
+    whether the slot decodes a live sequence, tokens generated so far (`gen`: the random stream's
+    step), its random key and block table row; the round's sampled tokens and log-probs (column
+    `col`, one per step) until the host collects them. The CUDA graph of the decode step reads
+    and writes these tensors in place."""
+
+    def __init__(self, slots: int, width: int, steps: int, sp: SamplingParams, device: torch.device):
+        z = dict(device=device, dtype=torch.long)
+        self.last, self.pos, self.gen, self.keys = (torch.zeros(slots, **z) for _ in range(4))
+        self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.table = torch.zeros(slots, width, dtype=torch.int32, device=device)
+        self.out_tokens = torch.full((slots, steps), -1, **z)
+        self.out_logprobs = torch.zeros(slots, steps, dtype=torch.float32, device=device)
+        self.col = torch.zeros(1, **z)
+        self.max_new = torch.zeros((), **z)
+        cap = _stop_capacity(len(set(sp.stop_token_ids)))
+        self.stop_ids = torch.full((cap,), -1, **z) if cap else None
+        self.sp = sp
+        self.graph, self.logits = None, None
+
+    def configure(self, sp: SamplingParams) -> None:
+        self.sp = sp
+        self.max_new.fill_(sp.max_new_tokens)
+        if self.stop_ids is not None:
+            ids = sorted(set(sp.stop_token_ids))
+            self.stop_ids.fill_(-1)
+            self.stop_ids[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+
+    def load(self, st: "_Schedule") -> None:
+        """The host's view of every slot, copied in (after admissions, growth and collection)."""
+        for dst, src in ((self.last, st.last), (self.pos, st.pos), (self.gen, st.gen),
+                         (self.keys, st.slot_keys), (self.alive, st.alive), (self.table, st.table)):
+            dst.copy_(torch.from_numpy(src))
+        self.out_tokens.fill_(-1)
+        self.col.zero_()
+
+    def _state(self) -> list[torch.Tensor]:
+        return [self.last, self.pos, self.gen, self.alive, self.out_tokens, self.out_logprobs, self.col]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self._state()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self._state(), saved):
+            t.copy_(s)
+
+    def advance(self, tokens: torch.Tensor, logprobs: Optional[torch.Tensor]) -> None:
+        """A step's sampled tokens: record them for live slots, then end the sequences that
+        sampled a stop token or reached max_new_tokens; the rest feed their token next."""
+        live = self.alive
+        at = self.col.expand(live.shape[0]).unsqueeze(1)
+        self.out_tokens.scatter_(1, at, torch.where(live, tokens, -1).unsqueeze(1))
+        if logprobs is not None:
+            self.out_logprobs.scatter_(1, at, logprobs.float().unsqueeze(1))
+        self.col += 1
+        self.gen += live.long()
+        done = self.gen >= self.max_new
+        if self.stop_ids is not None:
+            done |= torch.isin(tokens, self.stop_ids)
+        live &= ~done
+        self.last.copy_(torch.where(live, tokens, self.last))
+        self.pos += live.long()
 
 
 class _Schedule:
-    """Host-side state of one generate call: which sequence sits in which slot, its next input
-    token and position, and what each sequence has produced. Sequence s is sample s % n of
-    prompt s // n."""
+    """Host-side state of one generate call: which sequence sits in which slot with which KV
+    blocks, each slot's next input token and position, and what each sequence has produced.
+    Sequence s is sample s % n of prompt s // n."""
 
-    def __init__(self, prompts: list[list[int]], sp: SamplingParams, slots: int, seed: int):
-        self.prompts, self.sp = prompts, sp
+    def __init__(self, prompts: list[list[int]], sp: SamplingParams, slots: int, width: int,
+                 pool: kv_blocks.BlockPool, seed: int):
+        self.prompts, self.sp, self.pool = prompts, sp, pool
         self.n_seq = len(prompts) * sp.n
-        self.keys = sampling_mod.sequence_keys(seed, np.repeat(np.arange(len(prompts)), sp.n),
-                                               np.tile(np.arange(sp.n), len(prompts)))
+        keys = sampling_mod.sequence_keys(seed, np.repeat(np.arange(len(prompts)), sp.n),
+                                          np.tile(np.arange(sp.n), len(prompts)))
+        self.keys = keys.view(np.int64)  # the uint64 bits, as the device's int64 tensors hold them
         self.stop = set(sp.stop_token_ids)
         self.waiting = deque(range(self.n_seq))
         self.tokens: list[list[int]] = [[] for _ in range(self.n_seq)]
         self.logprobs: list[list[float]] = [[] for _ in range(self.n_seq)]
         self.finish: list[Optional[str]] = [None] * self.n_seq
         self.slot_seq = [-1] * slots  # sequence held by each slot (-1: free)
-        self.pos = np.zeros(slots, dtype=np.int64)  # position of the token fed at the next step
-        self.last = np.zeros(slots, dtype=np.int64)  # that token
-        self.prefill_tokens = self.decode_steps = self.live_slot_steps = 0
+        self.slot_of: dict[int, int] = {}
+        self.live: list[int] = []  # slots holding a live sequence, in admission order
+        self.admitted_at = np.zeros(slots, dtype=np.int64)
+        self.blocks: list[list[int]] = [[] for _ in range(slots)]
+        # Mirrors of the decode state (`_DecodeState.load` copies them in).
+        self.last = np.zeros(slots, dtype=np.int64)  # the token fed at the next step
+        self.pos = np.zeros(slots, dtype=np.int64)  # its position
+        self.gen = np.zeros(slots, dtype=np.int64)
+        self.slot_keys = np.zeros(slots, dtype=np.int64)
+        self.alive = np.zeros(slots, dtype=bool)
+        self.table = np.full((slots, width), kv_blocks.SCRATCH, dtype=np.int32)
+        self.prefill_tokens = self.decode_steps = self.live_slot_steps = self.syncs = 0
+        self.shared_blocks = self.preemptions = self.peak_live = self._admissions = 0
+
+    def context(self, s: int) -> list[int]:
+        """What sequence s's prefill reads: its prompt and the tokens it already has (those of a
+        preempted sequence)."""
+        return self.prompts[s // self.sp.n] + self.tokens[s]
+
+    def fresh(self, s: int) -> bool:
+        return not self.tokens[s]
+
+    def remaining(self, slot: int) -> int:
+        return self.sp.max_new_tokens - len(self.tokens[self.slot_seq[slot]])
+
+    def round_need(self, slot: int, steps: int) -> int:
+        """Blocks a live slot lacks for its next `steps` decoding steps (it feeds at most its
+        remaining tokens, at positions pos, pos + 1, ...); <= 0 when it holds enough."""
+        fed = min(steps, self.remaining(slot))
+        return self.pool.blocks_for(int(self.pos[slot]) + fed) - len(self.blocks[slot])
 
     def free_slots(self) -> list[int]:
         return [i for i, s in enumerate(self.slot_seq) if s < 0]
 
-    def active_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self.slot_seq) if s >= 0]
+    def keys_of(self, seqs: list[int], device) -> torch.Tensor:
+        return torch.from_numpy(self.keys[seqs]).to(device)
 
-    def any_active(self) -> bool:
-        return any(s >= 0 for s in self.slot_seq)
+    def place(self, s: int, slot: int, blocks: list[int]) -> None:
+        self.slot_seq[slot], self.slot_of[s], self.blocks[slot] = s, slot, []
+        self.add_blocks(slot, blocks)
+        self.admitted_at[slot] = self._admissions
+        self._admissions += 1
 
-    def uniforms(self, seq_ids: list[int]) -> Optional[np.ndarray]:
-        """Each sequence's random number for its next token (None for greedy)."""
-        if self.sp.greedy:
-            return None
-        steps = np.array([len(self.tokens[s]) for s in seq_ids], dtype=np.int64)
-        return sampling_mod.uniforms(self.keys[seq_ids], steps)
+    def record_first(self, seqs: list[int], toks: list[int], lps: Optional[list[float]]) -> None:
+        """Admitted sequences' first sampled tokens (from their prefill's last logits)."""
+        for j, s in enumerate(seqs):
+            slot = self.slot_of[s]
+            self.live.append(slot)
+            self.slot_keys[slot] = self.keys[s]
+            self.pos[slot] = len(self.context(s))  # the position of the token fed next
+            self.extend(slot, [toks[j]], None if lps is None else [lps[j]])
+        self.peak_live = max(self.peak_live, len(self.live))
 
-    def record(self, seq_ids, slot_ids, toks, lps) -> None:
-        """Append one sampled token per sequence; free the slots of finished ones."""
-        for j, (s, slot) in enumerate(zip(seq_ids, slot_ids)):
-            t = int(toks[j])
-            self.tokens[s].append(t)
-            if lps is not None:
-                self.logprobs[s].append(float(lps[j]))
-            if t in self.stop:
-                self.finish[s] = "stop"
-            elif len(self.tokens[s]) >= self.sp.max_new_tokens:
-                self.finish[s] = "length"
-            if self.finish[s] is not None:
-                self.slot_seq[slot] = -1
-            else:
-                self.last[slot] = t
+    def extend(self, slot: int, toks: list[int], lps: Optional[list[float]]) -> None:
+        """Append a slot's new tokens (the device stopped recording after a final one); free the
+        slot of a finished sequence, or mirror where the device state stands."""
+        s = self.slot_seq[slot]
+        self.tokens[s] += toks
+        if lps is not None:
+            self.logprobs[s] += lps
+        t = self.tokens[s][-1]
+        if t in self.stop:
+            self.finish[s] = "stop"
+        elif len(self.tokens[s]) >= self.sp.max_new_tokens:
+            self.finish[s] = "length"
+        if self.finish[s] is not None:
+            self._vacate(slot)
+            return
+        if len(toks) and slot in self.live and self.alive[slot]:
+            self.pos[slot] += len(toks)  # fed tokens (the one just sampled is fed next)
+        self.alive[slot] = True
+        self.last[slot] = t
+        self.gen[slot] = len(self.tokens[s])
+
+    def add_blocks(self, slot: int, blocks: list[int]) -> None:
+        held = len(self.blocks[slot])
+        self.blocks[slot] += blocks
+        self.table[slot, held: held + len(blocks)] = blocks
+
+    def preempt(self, slot: int) -> None:
+        """Free a live sequence's slot and blocks; it waits first in line, to be recomputed."""
+        s = self.slot_seq[slot]
+        self._vacate(slot)
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+
+    def _vacate(self, slot: int) -> None:
+        s = self.slot_seq[slot]
+        self.pool.release(self.blocks[slot])
+        self.blocks[slot] = []
+        self.slot_seq[slot] = -1
+        del self.slot_of[s]
+        if slot in self.live:
+            self.live.remove(slot)
+        self.alive[slot] = False
+        self.pos[slot] = self.gen[slot] = self.last[slot] = 0
+        self.table[slot] = kv_blocks.SCRATCH

@@ -1,0 +1,50 @@
+"""The native engine as it runs on a GPU (CUDA graphs of the whole decode step, fused kernels,
+torch's paged flash attention, 256-token blocks): its tokens and log-probs against transformers'
+forward over the same sequences. The body runs in its own process (tests/rollout/native_gpu_body.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def res():
+    body = os.path.join(os.path.dirname(__file__), "native_gpu_body.py")
+    out = subprocess.run([sys.executable, body], capture_output=True, text=True, timeout=600)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(line[0][len("RESULT "):])
+
+
+def test_gpu_path_is_the_fast_one(res):
+    assert res["fused"] and res["flash"] and res["block_size"] == 256
+
+
+@pytest.mark.parametrize("tag", ["greedy", "sampled", "greedy_tight", "sampled_eager"])
+def test_tokens_and_logprobs_match_transformers(res, tag):
+    r = res[tag]
+    # bf16: the engine's log-probs within bf16 rounding of transformers' on the same sequence
+    assert r["logprob_diff_max"] < 0.05, r["logprob_diff_max"]
+    if tag.startswith("greedy"):
+        # greedy picks transformers' best token up to bf16 near-ties
+        assert r["greedy_margin_max"] < 0.05, r["greedy_margin_max"]
+
+
+def test_sampling_on_device_is_seeded_and_stops(res):
+    assert res["sampled"]["tokens"] == res["sampled_again"]["tokens"]
+    tokens = res["sampled"]["tokens"]
+    stopped = [t for t in tokens if len(t) < 40]
+    assert stopped and all(t[-1] < 50 for t in stopped)  # ended by a stop id (0..49) ...
+    assert all(t >= 50 for ts in tokens for t in ts[:-1])  # ... at its first one
+
+
+def test_prefix_sharing_and_preemption_on_gpu(res):
+    st = res["greedy"]["stats"]
+    # prompts of 256, 257, 300 and 511 tokens have one full block; their second samples share it
+    assert st["rollout/kv_shared_prefix_blocks"] == 4
+    tight = res["greedy_tight"]["stats"]
+    assert tight["rollout/preemptions"] > 0 and tight["rollout/kv_blocks"] == 6
