@@ -141,20 +141,21 @@ def time_repartition(model, arch, groups) -> dict:
 
 def stage_breakdown(engine, call) -> dict[str, float]:
     """Seconds per engine stage over one `call`, each stage synchronised (so the stages do not
-    overlap as they do in a normal call). "decode step" = decode forward + sample + the host's
-    bookkeeping of one step; "sample" counts only the samples of decode steps."""
-    seconds = {"admit (prefill + first sample)": 0.0, "decode step": 0.0, "decode forward": 0.0,
-               "sample": 0.0}
-    inside = {"step": False}
-    labels = {"_admit": "admit (prefill + first sample)", "_step": "decode step",
-              "_decode": "decode forward", "_pick": "sample"}
+    overlap as they do in a normal call, where the host queues a round of decoding steps ahead
+    of the device). "sample" counts only the samples of decode steps; "host" is the rest: the
+    loop, the uniforms and stop checks' launches, block bookkeeping, the rounds' collection."""
+    seconds = {"admit (prefill + first sample)": 0.0, "decode forward": 0.0, "sample": 0.0,
+               "collect (host sync)": 0.0}
+    inside = {"admit": False}
+    labels = {"_admit": "admit (prefill + first sample)", "_decode": "decode forward",
+              "_pick": "sample", "_collect": "collect (host sync)"}
     for attr, label in labels.items():
         fn = getattr(engine, attr)
 
         def wrapped(*a, _fn=fn, _label=label, _attr=attr, **kw):
-            if _attr == "_pick" and not inside["step"]:
+            if _attr == "_pick" and inside["admit"]:
                 return _fn(*a, **kw)
-            inside["step"] |= _attr == "_step"
+            inside["admit"] |= _attr == "_admit"
             torch.cuda.synchronize()
             t = time.perf_counter()
             try:
@@ -162,15 +163,14 @@ def stage_breakdown(engine, call) -> dict[str, float]:
             finally:
                 torch.cuda.synchronize()
                 seconds[_label] += time.perf_counter() - t
-                inside["step"] &= _attr != "_step"
+                inside["admit"] &= _attr != "_admit"
         setattr(engine, attr, wrapped)
     try:
         _, total = timed(call)
     finally:
         for attr in labels:
             delattr(engine, attr)  # back to the class methods
-    seconds["decode host bookkeeping"] = (seconds["decode step"] - seconds["decode forward"]
-                                          - seconds["sample"])
+    seconds["host"] = total - sum(seconds.values())
     seconds["total"] = total
     print("breakdown (synchronised): " + ", ".join(f"{k} {v:.3f}s" for k, v in seconds.items()))
     return seconds
@@ -200,6 +200,13 @@ def main(argv=None) -> int:
                         "--new-tokens)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the engine's slots (default: --batch, every sequence at once)")
+    p.add_argument("--n", type=int, default=1,
+                   help="samples per prompt (--batch / n distinct prompts; their samples share the "
+                        "prompt's KV blocks)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="the KV cache's share of free GPU memory")
+    p.add_argument("--steps-per-sync", type=int, default=None,
+                   help="decoding steps between host syncs (default: the engine's)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the result here (bench/report.py reads it)")
     args = p.parse_args(argv)
@@ -215,17 +222,22 @@ def main(argv=None) -> int:
         hf_kwargs["num_hidden_layers"] = args.layers
     hf, model, arch = build_models(hf_kwargs)
     gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, arch.vocab_size, (args.batch, args.prompt_len), generator=gen)
+    if args.batch % args.n:
+        raise SystemExit(f"--batch {args.batch} is not a multiple of --n {args.n}")
+    prompts = torch.randint(0, arch.vocab_size, (args.batch // args.n, args.prompt_len), generator=gen)
     tokens = args.batch * args.new_tokens
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "layers": arch.num_layers, "cuda_graphs": not args.no_graphs}
+              "layers": arch.num_layers, "cuda_graphs": not args.no_graphs, "n": args.n,
+              "gpu_memory_utilization": args.gpu_memory_utilization}
 
     # The hardware's bound for this setting, from this run's copy bandwidth and matmul ceiling.
     from bench.roofline import copy_bandwidth, generation_bound, matmul_ceiling
 
     bw, ceiling = copy_bandwidth(), matmul_ceiling()
-    bound = generation_bound(arch, [args.prompt_len] * args.batch, args.new_tokens, bw, ceiling)
+    distinct = [args.prompt_len] * (args.batch // args.n)  # prefilled once for their n samples
+    bound = generation_bound(arch, [args.prompt_len] * args.batch, args.new_tokens, bw, ceiling,
+                             prefilled=distinct)
     result.update(copy_bytes_per_s=bw, matmul_flops_per_s=ceiling, bound_seconds=bound.seconds,
                   bound_decode_seconds=bound.decode_seconds,
                   bound_prefill_seconds=bound.prefill_seconds,
@@ -234,13 +246,15 @@ def main(argv=None) -> int:
           f"weights + KV at {bw / 1e12:.2f} TB/s copy bandwidth; prefill {bound.prefill_seconds:.3f} s "
           f"at {ceiling / 1e12:.0f} TFLOP/s matmul ceiling)")
 
+    extra = {} if args.steps_per_sync is None else {"steps_per_sync": args.steps_per_sync}
     engine = NativeEngine(model, vocab_size=arch.vocab_size,
                           max_num_seqs=args.max_num_seqs or args.batch,
-                          gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs)
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          cuda_graphs=not args.no_graphs, **extra)
     result["fused_decode"] = engine.fused
     print(f"fused decode: {engine.fused} ({engine.fused_decode_reason or 'supported'})")
     stops = torch.randperm(arch.vocab_size, generator=gen)[:args.stop_tokens].tolist()
-    sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=args.new_tokens, seed=0,
+    sp = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0,
                         stop_token_ids=stops)
     prompt_lists = prompts.tolist()
     # Same prompts first as a warm-up (captures the graphs of every attention-length bucket).
@@ -249,7 +263,8 @@ def main(argv=None) -> int:
     lengths = [len(o.token_ids) for o in outs]
     if stops:  # the bound of the lengths the engine produced (the same seeds: the same samples)
         tokens = sum(lengths)
-        bound = generation_bound(arch, [args.prompt_len] * args.batch, lengths, bw, ceiling)
+        bound = generation_bound(arch, [args.prompt_len] * args.batch, lengths, bw, ceiling,
+                                 prefilled=distinct)
         result.update(bound_seconds=bound.seconds, bound_decode_seconds=bound.decode_seconds,
                       bound_prefill_seconds=bound.prefill_seconds,
                       bound_tokens_per_s=tokens / bound.seconds, stop_tokens=len(stops),
@@ -261,6 +276,18 @@ def main(argv=None) -> int:
     else:
         assert all(n == args.new_tokens for n in lengths)
     occupancy = engine.last_stats.get("rollout/slot_occupancy")
+    # Memory: the sequences the KV budget held at once, against the contiguous cache this engine
+    # had before (slots x the longest sequence, rounded up to 256 tokens, in the same budget).
+    kv = engine.last_stats
+    budget_tokens = kv["rollout/kv_blocks"] * kv["rollout/kv_block_tokens"]
+    contiguous_slots = int(budget_tokens // (-(-(args.prompt_len + args.new_tokens) // 256) * 256))
+    result.update(kv_budget_tokens=budget_tokens, peak_live_sequences=kv["rollout/peak_live_sequences"],
+                  contiguous_cache_slots=min(contiguous_slots, args.max_num_seqs or args.batch))
+    print(f"KV cache: {budget_tokens:,.0f} tokens in {kv['rollout/kv_blocks']:.0f} blocks; "
+          f"{kv['rollout/peak_live_sequences']:.0f} sequences live at most (a contiguous cache of "
+          f"the same size holds {contiguous_slots}); {kv['rollout/preemptions']:.0f} preemptions, "
+          f"{kv['rollout/kv_shared_prefix_blocks']:.0f} prompt blocks shared, "
+          f"{kv['rollout/host_syncs']:.0f} host syncs")
     result.update(native_seconds=native_s, native_first_call_seconds=cold,
                   native_tokens_per_s=tokens / native_s, native_stats=engine.last_stats,
                   share_of_bound=bound.seconds / native_s, slot_occupancy=occupancy)

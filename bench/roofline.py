@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +59,11 @@ def prefill_flops(arch, prompt_len: int) -> float:
 
 def generation_bound(arch, prompt_lens: Sequence[int], new_tokens: Sequence[int] | int,
                      copy_bytes_per_s: float, matmul_flops_per_s: float,
-                     dtype_bytes: int = 2) -> Bound:
+                     dtype_bytes: int = 2, prefilled: Optional[Sequence[int]] = None) -> Bound:
     """The bound of generating new_tokens[i] tokens after prompt i, all sequences decoding
-    together (as continuous batching keeps them while they last)."""
+    together (as continuous batching keeps them while they last). prefilled: the prompts an
+    engine must prefill (default: every sequence's; the distinct prompts where the n samples
+    of a prompt share its prefill)."""
     if isinstance(new_tokens, int):
         new_tokens = [new_tokens] * len(prompt_lens)
     w = weight_bytes(arch, dtype_bytes)
@@ -73,7 +75,8 @@ def generation_bound(arch, prompt_lens: Sequence[int], new_tokens: Sequence[int]
         decode_bytes += w + per_token * sum(live)
     # Decode reads are read-only, the copy both reads and writes: bw counts both, as a read
     # stream at the same rate would.
-    prefill = sum(prefill_flops(arch, p) for p in prompt_lens) / matmul_flops_per_s
+    prefill = sum(prefill_flops(arch, p) for p in (prompt_lens if prefilled is None else prefilled))
+    prefill /= matmul_flops_per_s
     return Bound(decode_seconds=decode_bytes / copy_bytes_per_s, prefill_seconds=prefill,
                  weight_bytes=w, kv_bytes_per_token=per_token, decode_steps=steps)
 
