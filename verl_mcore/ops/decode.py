@@ -116,17 +116,19 @@ def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Te
     return paged_attention_reference(q, cache_k, cache_v, block_table, seq_lens, scale)
 
 
-def paged_flash_supported(device: torch.device, block_size: int = 256) -> Optional[str]:
-    """None when torch's flash kernel reads a paged cache with `block_size`-token blocks here and
-    matches the reference (GQA, lengths that end mid-block, blocks out of order); else why not."""
+def paged_flash_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
+                          dtype: torch.dtype = torch.bfloat16, block_size: int = 256) -> Optional[str]:
+    """None when torch's flash kernel reads a paged cache with `block_size`-token blocks here, for
+    this head layout and dtype, and matches the reference (GQA, lengths that end mid-block, blocks
+    out of order); else why not."""
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
-        heads, groups, hd, b, per = 4, 2, 64, 3, 3
-        kc, vc = (torch.randn(b * per + 1, block_size, groups, hd, generator=g).to(device, torch.bfloat16)
+        b, per = 3, 3
+        kc, vc = (torch.randn(b * per + 1, block_size, groups, hd, generator=g).to(device, dtype)
                   for _ in range(2))
         table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
         lens = torch.tensor([1, block_size + 3, per * block_size], dtype=torch.int32, device=device)
-        q = torch.randn(b, heads, hd, generator=g).to(device, torch.bfloat16)
+        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
         max_k = per * block_size
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
         got = torch.ops.aten._flash_attention_forward(

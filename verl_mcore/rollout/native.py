@@ -326,7 +326,7 @@ class NativeEngine(RolloutEngine):
             return f"activation dtype {net.dtype} (flash attention needs bf16/fp16)"
         if net.head_dim % 8 or net.head_dim > 256:
             return f"head dim {net.head_dim}"
-        return decode_ops.paged_flash_supported(net.device)
+        return decode_ops.paged_flash_supported(net.device, net.heads, net.groups, net.head_dim, net.dtype)
 
     @classmethod
     def from_config(cls, rollout_cfg, model: torch.nn.Module, *, vocab_size: int, groups,
