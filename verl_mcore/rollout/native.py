@@ -505,18 +505,23 @@ class NativeEngine(RolloutEngine):
         step's real inputs and the state is put back after it: the replay then writes the same
         K/V again and samples this step's tokens."""
         saved = ds.snapshot()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisations and allocator warm-up outside the capture
-                self._graph_body(ds)
-                ds.restore(saved)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            ds.logits = self._graph_body(ds)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # lazy initialisations and allocator warm-up outside the capture
+                    self._graph_body(ds)
+                    ds.restore(saved)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                ds.logits = self._graph_body(ds)
+        except RuntimeError:
+            torch.cuda.synchronize()
+            ds.restore(saved)  # a warm-up that failed half-way must not have advanced the state
+            raise
         ds.graph = graph
 
     def _pick(self, logits_local: torch.Tensor, sp: SamplingParams, u: Optional[torch.Tensor]
