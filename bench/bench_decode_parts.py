@@ -1,0 +1,152 @@
+"""Each part of the native engine's decode step against its own bytes, on one GPU.
+
+    python bench/bench_decode_parts.py [--batch 128] [--context 512]
+
+Builds the Qwen2.5-1.5B-shaped model of bench/bench_rollout.py, fills an engine's paged cache to
+`context` tokens per sequence, and times (CUDA graph of 20 calls, median of 5 replays, after a
+warm-up) one layer's parts -- the four GEMMs, RMSNorm, rotary + cache write, attention over the
+cache, the gated activation --, the LM head, the sampler with its stop checks, and the whole step.
+Each part's share = (bytes it must read and write) / (time x the copy bandwidth measured in this
+run); the whole step against the weights + KV bytes one step must read (bench/roofline.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def graph_time_ms(fn, calls: int = 20, reps: int = 5) -> float:
+    """Median device time of one `fn()`, from CUDA graph replays of `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    from bench.bench_rollout import QWEN25_1P5B, build_models, init_single_rank
+    from bench.roofline import copy_bandwidth, kv_bytes_per_token, weight_bytes
+    from verl_mcore.ops import decode as ops
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine, _rmsnorm_params
+
+    init_single_rank()
+    _, model, arch = build_models(QWEN25_1P5B)
+    bw = copy_bandwidth()
+    b, ctx = args.batch, args.context
+    engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=b)
+    # Fill the cache: prompts of ctx - 1 tokens and one new token leave every slot at `ctx`.
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, arch.vocab_size, (b, ctx - 1), generator=g).tolist()
+    sp = SamplingParams(temperature=1.0, max_new_tokens=2, seed=0)
+    engine.generate(prompts, sp)
+    net = engine.net
+    layer = net.layers[0]
+    e = 2  # bf16 bytes
+    h, ffn, r = arch.hidden_size, arch.ffn_hidden_size, net.heads // net.groups
+    qkv_out = (net.heads + 2 * net.groups) * net.head_dim
+    x = torch.randn(1, b, h, device="cuda", dtype=net.dtype)
+    attn_in = torch.randn(1, b, net.heads * net.head_dim, device="cuda", dtype=net.dtype)
+    fc1_out = torch.randn(1, b, 2 * ffn, device="cuda", dtype=net.dtype)
+    act = torch.randn(1, b, ffn, device="cuda", dtype=net.dtype)
+    qkv = torch.randn(b, qkv_out, device="cuda", dtype=net.dtype)
+    q = torch.randn(b, net.heads, net.head_dim, device="cuda", dtype=net.dtype)
+    # One sequence's blocks for every slot (the reads are what count), ctx keys each.
+    blocks = -(-ctx // engine.block_size)
+    table = torch.arange(1, 1 + b * blocks, device="cuda", dtype=torch.int32).view(b, blocks) % (
+        engine.pool.num_blocks - 1) + 1
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.long)
+    rows = ops.cache_rows(table, pos, engine.block_size)
+    kc, vc = net.cache_rows(0)
+    norm_w, eps = _rmsnorm_params(layer.input_layernorm)
+    resid = torch.randn(b, 1, h, device="cuda", dtype=net.dtype)
+    delta = torch.zeros_like(resid)
+    logits_h = torch.randn(1, b, h, device="cuda", dtype=net.dtype)
+    mlp = layer.mlp
+
+    def gated(t):
+        a, c = torch.chunk(t, 2, dim=-1)
+        return torch.nn.functional.silu(a) * c
+
+    kv_bytes = 2 * b * ctx * net.groups * net.head_dim * e
+    parts = {
+        "linear_qkv": (lambda: layer.self_attention.linear_qkv(x), e * (h * qkv_out + b * (h + qkv_out))),
+        "linear_proj": (lambda: layer.self_attention.linear_proj(attn_in), e * (h * h + 2 * b * h)),
+        "mlp fc1": (lambda: mlp.linear_fc1(x), e * (h * 2 * ffn + b * (h + 2 * ffn))),
+        "mlp fc2": (lambda: mlp.linear_fc2(act), e * (ffn * h + b * (ffn + h))),
+        "rmsnorm (+ residual)": (lambda: ops.rmsnorm(resid, delta, norm_w, eps), e * 4 * b * h),
+        "rotary + cache write": (lambda: ops.rope_cache(qkv, net._cos, net._sin, pos, rows, kc, vc, net.groups,
+                                                        r, net.head_dim), e * 2 * b * qkv_out),
+        "attention over the cache": (lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens,
+                                                                 net.scale, flash=engine.flash), kv_bytes),
+        "gated activation (torch)": (lambda: gated(fc1_out), e * 3 * b * ffn),
+        "megatron mlp (fc1, act, fc2)": (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
+        "lm head": (lambda: net.logits(logits_h), e * (model.vocab_size * (h + b) + b * h)),
+    }
+    out = {"device": torch.cuda.get_device_name(), "batch": b, "context": ctx, "copy_bytes_per_s": bw,
+           "flash": engine.flash, "fused": engine.fused, "parts": {}}
+    print(f"{out['device']}: copy {bw / 1e12:.2f} TB/s; batch {b}, context {ctx}; per call:")
+    with torch.no_grad():
+        for name, (fn, nbytes) in parts.items():
+            ms = graph_time_ms(fn)
+            share = nbytes / (ms / 1e3) / bw
+            out["parts"][name] = {"ms": ms, "bytes": nbytes, "share": share}
+            print(f"  {name:32s} {ms * 1e3:8.1f} us  {nbytes / 1e6:8.2f} MB  {share:5.0%} of copy bandwidth")
+        # The whole step (forward, sampling, checks), as the engine replays it.
+        slots = engine.max_num_seqs
+        ds = next(iter(engine._graphs.values()))
+        ds.alive.fill_(True)  # every slot decoding (the state after the fill call is all finished)
+        ds.max_new.fill_(1 << 40)
+        ds.table.zero_()
+        ds.table[:, :blocks] = table  # every slot attends to ctx keys
+
+        def step():
+            ds.col.zero_()  # the round's column: stays inside the collection buffer
+            ds.pos.fill_(ctx - 1)
+            engine._graph_body(ds)
+
+        step_ms = graph_time_ms(step, calls=5)
+        bound_bytes = weight_bytes(arch) + kv_bytes_per_token(arch) * b * ctx
+        out["step"] = {"ms": step_ms, "bound_bytes": bound_bytes, "share": bound_bytes / (step_ms / 1e3) / bw,
+                       "slots": slots}
+        print(f"  {'whole decode step':32s} {step_ms * 1e3:8.1f} us  {bound_bytes / 1e6:8.2f} MB  "
+              f"{out['step']['share']:5.0%} of the bound (weights + KV at copy bandwidth)")
+    print(json.dumps(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
