@@ -351,3 +351,67 @@ def paged_body(rank, world_size, hf_dir: str, tp_gen: int, fused: bool = False):
     finally:
         native._CachedGPT.fused_decode_supported = supported
     return res
+
+
+def paged_edge_body(rank, world_size, hf_dir: str, tp_gen: int):
+    """Edges of the paged cache on LONG_PROMPTS (11, 8, 13, 2 tokens: whole blocks of 1 and 2
+    tokens, one less or one more than whole 3-token blocks): blocks of 1 and 3 tokens under
+    rounds longer than a block; one new token (3 samples sharing prompt blocks); a stop token
+    as the very first sampled token; a pool that holds one sequence at a time, so samples whose
+    prompt blocks live siblings still hold are preempted; that engine called again with other
+    prompts and settings. Each run reports whether every block and reference came back. Only
+    the last rank is short of blocks (under TP_g = 2 the group agrees on its count)."""
+    from verl_mcore.rollout import native
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+
+    groups = setup(tp_gen, tp_gen)
+    arch, model = generation_model(hf_dir, groups, tp_gen, tp_gen)
+
+    def engine(**kw):
+        return NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, **kw)
+
+    def run(eng, sp, prompts=LONG_PROMPTS):
+        out = [(o.prompt_index, o.sample_index, o.token_ids, o.logprobs, o.finish_reason)
+               for o in eng.generate(prompts, sp)]
+        stats = {k: v for k, v in eng.last_stats.items() if k != "rollout/seconds"}
+        return out, stats, eng.pool.used == 0 and not eng.pool.refs.any()
+
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=LONG_NEW, logprobs=True)
+    res = {f"greedy_bs{bs}": run(engine(block_size=bs, max_num_seqs=3, steps_per_sync=5), greedy)
+           for bs in (1, 3)}
+    res["one_token"] = run(engine(block_size=3, max_num_seqs=16, steps_per_sync=4),
+                           SamplingParams(n=3, temperature=0.0, max_new_tokens=1))
+    res["stops"] = (res["greedy_bs1"][0][0][2][0],)  # prompt 0's first greedy token
+    res["stop_first"] = run(engine(block_size=3, max_num_seqs=16, steps_per_sync=4), SamplingParams(
+        n=2, temperature=0.0, max_new_tokens=LONG_NEW, stop_token_ids=res["stops"]))
+    # 8 blocks of 3 tokens besides the scratch block: one sequence of 13 + 10 tokens.
+    tight = engine(block_size=3, max_num_seqs=16, steps_per_sync=2)
+    if rank == world_size - 1:
+        tight._blocks_that_fit = lambda: 9
+    shared_preempted = []
+    preempt = native._Schedule.preempt
+
+    def counting_preempt(st, slot):
+        shared_preempted.append(any(st.pool.refs[b] > 1 for b in st.blocks[slot]))
+        preempt(st, slot)
+
+    native._Schedule.preempt = counting_preempt
+    try:  # the ranks are pooled processes: restore the class for the next task
+        res["tight_greedy"] = run(tight, SamplingParams(n=4, temperature=0.0, max_new_tokens=LONG_NEW))
+        sampled = SamplingParams(n=4, temperature=1.0, max_new_tokens=LONG_NEW, seed=11, logprobs=True)
+        res["tight_sampled"] = run(tight, sampled)
+        res["shared_preempted"] = sum(shared_preempted)
+        # The same engine again: shorter calls (another table width), then the first again.
+        res["again_short"] = run(tight, SamplingParams(temperature=0.0, max_new_tokens=4),
+                                 LONG_PROMPTS[::-1])
+        res["again_sampled"] = run(tight, sampled)
+    finally:
+        native._Schedule.preempt = preempt
+    for name, kw in (("block_size", dict(block_size=0)), ("max_num_seqs", dict(max_num_seqs=0))):
+        try:
+            engine(**kw)
+            res[f"bad_{name}"] = None
+        except ValueError as e:
+            res[f"bad_{name}"] = str(e)
+    return res

@@ -8,11 +8,16 @@ from verl_mcore.rollout.kv_blocks import BlockPool, OutOfBlocks
 
 
 @pytest.fixture(scope="module")
-def paged(tmp_path_factory):
+def paged_model(tmp_path_factory):
     from tests.models.hf_factory import save_tiny_model
 
     hf_dir = save_tiny_model("qwen2", str(tmp_path_factory.mktemp("paged") / "qwen2"), seed=5)
-    tokens, logps = eb.hf_greedy(hf_dir, eb.LONG_PROMPTS, eb.LONG_NEW)
+    return (hf_dir, *eb.hf_greedy(hf_dir, eb.LONG_PROMPTS, eb.LONG_NEW))
+
+
+@pytest.fixture(scope="module")
+def paged(paged_model):
+    hf_dir, tokens, logps = paged_model
     [res] = run_on_ranks(eb.paged_body, 1, args=(hf_dir, 1), timeout=240)
     return res, tokens, logps
 
@@ -59,6 +64,46 @@ def test_paged_preemption_recomputes_the_same_tokens(paged):
     tight, tstats, _ = res["sampled_tight"]
     assert tstats["rollout/preemptions"] > 0
     assert [o[:3] for o in tight] == [o[:3] for o in res["sampled"][0]]
+
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp_gen", [1, 2])
+def test_paged_edges(paged_model, paged, tp_gen):
+    """Block sizes 1 and 3, one new token, a stop as the first token, one sequence at a time
+    (samples preempted while siblings hold their prompt blocks), one engine reused; TP_g = 2
+    with only rank 1 short of blocks."""
+    hf_dir, tokens, logps = paged_model
+    results = run_on_ranks(eb.paged_edge_body, tp_gen, args=(hf_dir, tp_gen), timeout=240)
+    res = results[0]
+    for name in ("greedy_bs1", "greedy_bs3", "one_token", "stop_first", "tight_greedy",
+                 "tight_sampled", "again_short", "again_sampled"):
+        assert res[name][2], name  # every block back in the pool, every reference dropped
+    for bs in (1, 3):
+        out = res[f"greedy_bs{bs}"][0]
+        assert [o[2] for o in out] == [t for t in tokens for _ in range(2)], bs
+        assert max(abs(a - b) for o in out for a, b in zip(o[3], logps[o[0]])) < 1e-4
+    assert [(o[2], o[4]) for o in res["one_token"][0]] == [(t[:1], "length") for t in tokens for _ in range(3)]
+    [stop] = res["stops"]
+    for o in res["stop_first"][0]:
+        full = tokens[o[0]]
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert (o[2], o[4]) == (full[:cut], "stop" if stop in full else "length"), o
+    assert res["stop_first"][0][0][2] == [stop]
+    tight, stats, _ = res["tight_greedy"]
+    assert stats["rollout/kv_blocks"] == 8 and stats["rollout/peak_live_sequences"] >= 1
+    assert stats["rollout/preemptions"] > 0 and stats["rollout/kv_shared_prefix_blocks"] > 0
+    assert [o[2] for o in tight] == [t for t in tokens for _ in range(4)]
+    assert res["shared_preempted"] > 0
+    # Seeded samples: those of the roomy 4-token-block engine, through preemption and reuse.
+    roomy = paged[0]["sampled"][0]
+    for name in ("tight_sampled", "again_sampled"):
+        assert [o[:3] for o in res[name][0]] == [o[:3] for o in roomy], name
+        assert max(abs(a - b) for x, y in zip(res[name][0], roomy) for a, b in zip(x[3], y[3])) < 1e-4
+    assert [o[2] for o in res["again_short"][0]] == [t[:4] for t in tokens[::-1]]
+    assert "block_size must be >= 1" in res["bad_block_size"]
+    assert "max_num_seqs must be >= 1" in res["bad_max_num_seqs"]
+    assert all(r == res for r in results)  # every TP rank: the same tokens, schedule and stats
 
 
 def test_block_pool_counts_holders():

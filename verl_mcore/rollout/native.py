@@ -289,6 +289,10 @@ class NativeEngine(RolloutEngine):
                              f"vocabulary {padded}")
         if steps_per_sync < 1:
             raise ValueError(f"NativeEngine: steps_per_sync must be >= 1, got {steps_per_sync}")
+        if max_num_seqs < 1:
+            raise ValueError(f"NativeEngine: max_num_seqs must be >= 1, got {max_num_seqs}")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"NativeEngine: block_size must be >= 1 (or None), got {block_size}")
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.repartitioner = repartitioner
         self.keep_weights_buffer = keep_weights_buffer
