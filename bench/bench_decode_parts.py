@@ -108,13 +108,13 @@ def main(argv=None) -> dict:
         "rotary + cache write": (lambda: ops.rope_cache(qkv, net._cos, net._sin, pos, rows, kc, vc, net.groups,
                                                         r, net.head_dim), e * 2 * b * qkv_out),
         "attention over the cache": (lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens,
-                                                                 net.scale, flash=engine.flash), kv_bytes),
+                                                                 net.scale, flash=engine.attention), kv_bytes),
         "gated activation (torch)": (lambda: gated(fc1_out), e * 3 * b * ffn),
         "megatron mlp (fc1, act, fc2)": (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
         "lm head": (lambda: net.logits(logits_h), e * (model.vocab_size * (h + b) + b * h)),
     }
     out = {"device": torch.cuda.get_device_name(), "batch": b, "context": ctx, "copy_bytes_per_s": bw,
-           "flash": engine.flash, "fused": engine.fused, "parts": {}}
+           "attention": engine.attention, "fused": engine.fused, "parts": {}}
     print(f"{out['device']}: copy {bw / 1e12:.2f} TB/s; batch {b}, context {ctx}; per call:")
     with torch.no_grad():
         for name, (fn, nbytes) in parts.items():

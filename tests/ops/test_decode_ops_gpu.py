@@ -63,7 +63,9 @@ def test_rope_cache_matches_reference(dtype, tokens, groups, r, hd):
 @pytest.mark.parametrize("b,heads,groups,hd,width", [(3, 12, 2, 128, 2), (128, 16, 2, 128, 8),
                                                       (9, 4, 4, 64, 3)])
 def test_paged_attention_reads_each_sequences_own_blocks(b, heads, groups, hd, width):
-    assert decode.paged_flash_supported(torch.device("cuda")) is None
+    why = decode.paged_flash_supported(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"torch's flash kernel reads no paged cache here ({why})")
     block = 256
     g = torch.Generator(device="cuda").manual_seed(b)
     q = torch.randn(b, heads, hd, device="cuda", generator=g).to(torch.bfloat16)
@@ -72,7 +74,7 @@ def test_paged_attention_reads_each_sequences_own_blocks(b, heads, groups, hd, w
     table = (torch.randperm(b * width, device="cuda", generator=g) + 1).view(b, width).to(torch.int32)
     lens = torch.randint(1, width * block + 1, (b,), device="cuda", generator=g).to(torch.int32)
     lens[0] = 1
-    got = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash=True)
+    got = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="paged")
     want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
     assert (got.float() - want.float()).abs().max().item() < 2e-2
     # keys past a sequence's length, and blocks it does not hold, must not matter
@@ -80,6 +82,27 @@ def test_paged_attention_reads_each_sequences_own_blocks(b, heads, groups, hd, w
     lens.clamp_(max=width * block - 1)
     last = table.gather(1, torch.full((b, 1), width - 1, device="cuda", dtype=torch.long)).long().squeeze(1)
     kc[last, -1], vc[last, -1] = 1e4, 1e4
-    again = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash=True)
+    again = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="paged")
     want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
+    assert (again.float() - want.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("b,heads,groups,hd,block", [(3, 12, 2, 128, 256), (128, 16, 2, 128, 1024),
+                                                      (9, 4, 4, 64, 768)])
+def test_sequence_blocks_attention_reads_each_sequences_own_keys(b, heads, groups, hd, block):
+    """flash="sequence" (torch without a paged flash kernel): one block a sequence, out of order."""
+    assert decode.sequence_flash_supported(torch.device("cuda"), heads, groups, hd) is None
+    g = torch.Generator(device="cuda").manual_seed(b)
+    q = torch.randn(b, heads, hd, device="cuda", generator=g).to(torch.bfloat16)
+    kc, vc = (torch.randn(b + 1, block, groups, hd, device="cuda", generator=g).to(torch.bfloat16)
+              for _ in range(2))
+    table = (torch.randperm(b, device="cuda", generator=g) + 1).view(b, 1).to(torch.int32)
+    lens = torch.randint(1, block, (b,), device="cuda", generator=g).to(torch.int32)
+    lens[0] = 1
+    got = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="sequence")
+    want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+    kc[0], vc[0] = 1e4, 1e4  # the scratch block, in no row
+    kc[table.long().squeeze(1), -1], vc[table.long().squeeze(1), -1] = 1e4, 1e4  # past every length
+    again = decode.paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="sequence")
     assert (again.float() - want.float()).abs().max().item() < 2e-2

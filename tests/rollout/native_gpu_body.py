@@ -51,9 +51,10 @@ def main() -> None:
                     "stats": {k: v for k, v in engine.last_stats.items() if k != "rollout/seconds"}}
 
     engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=6, steps_per_sync=5)
-    res["fused"], res["flash"], res["block_size"] = engine.fused, engine.flash, engine.block_size
+    res["fused"], res["attention"] = engine.fused, engine.attention
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, logprobs=True)
     check(engine.generate(prompts, greedy), "greedy")
+    res["block_size"] = engine.block_size
     sampled = SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=40, seed=5, logprobs=True,
                              stop_token_ids=list(range(50)))
     check(engine.generate(prompts, sampled), "sampled")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from verl_mcore.ops._extension import extension
@@ -97,16 +98,28 @@ def paged_attention_reference(q: Tensor, cache_k: Tensor, cache_v: Tensor, block
 
 
 def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Tensor, seq_lens: Tensor,
-                    scale: float, flash: bool = False) -> Tensor:
+                    scale: float, flash: Optional[str] = None) -> Tensor:
     """Decode attention over a paged KV cache: q [b, heads, hd] (one token per sequence) over the
     first seq_lens[i] keys of sequence i, which sit in blocks block_table[i, 0], [i, 1], ... of
     cache_k/cache_v [blocks, block_size, groups, hd]. Returns [b, heads, hd].
 
-    flash (where `paged_flash_supported` said yes: CUDA, bf16/fp16): flash attention's paged
-    variable-length kernel, reading only each sequence's own keys, one launch for every mix of
-    lengths (so one CUDA graph serves them all). Otherwise the reference, which reads all `width`
-    blocks of every row (graph-safe too: no host sync)."""
-    if flash:
+    flash="paged" (where `paged_flash_supported` said yes: CUDA, bf16/fp16): flash attention's
+    paged variable-length kernel, reading only each sequence's own keys, one launch for every mix
+    of lengths (so one CUDA graph serves them all). flash="sequence" (`sequence_flash_supported`;
+    for torch builds whose flash kernel takes no block table): every sequence holds one block (a
+    contiguous slot); the variable-length kernel reads block_table[i, 0]'s first seq_lens[i]
+    keys. Otherwise the reference, which reads all `width` blocks of every row (graph-safe too:
+    no host sync)."""
+    if flash == "sequence":
+        b, block = q.shape[0], cache_k.shape[1]
+        groups, hd = cache_k.shape[2], cache_k.shape[3]
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+        # Each sequence's keys start at its block; with seqused_k only the starts are read.
+        starts = F.pad(block_table[:, 0] * block, (0, 1))
+        return torch.ops.aten._flash_attention_forward(
+            q, cache_k.view(-1, groups, hd), cache_v.view(-1, groups, hd), cu_q, starts, 1, block, 0.0, False,
+            False, scale=scale, seqused_k=seq_lens.to(torch.int32))[0]
+    if flash == "paged":
         b = q.shape[0]
         max_k = block_table.shape[1] * cache_k.shape[1]
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
@@ -134,6 +147,24 @@ def paged_flash_supported(device: torch.device, heads: int = 4, groups: int = 2,
         got = torch.ops.aten._flash_attention_forward(
             q, kc, vc, cu_q, cu_q * max_k, 1, max_k, 0.0, False, False, scale=hd ** -0.5, seqused_k=lens,
             block_table=table)[0].float()
+        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
+        err = (got - want).abs().max().item()
+    except Exception as e:  # noqa: BLE001 - any failure means: not here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
+
+
+def sequence_flash_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
+                             dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """`paged_flash_supported` for flash="sequence": one block per sequence, blocks out of order."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        b, block = 3, 64
+        kc, vc = (torch.randn(b + 2, block, groups, hd, generator=g).to(device, dtype) for _ in range(2))
+        table = torch.tensor([[3], [1], [4]], dtype=torch.int32, device=device)
+        lens = torch.tensor([1, 17, block], dtype=torch.int32, device=device)
+        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
+        got = paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="sequence").float()
         want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
         err = (got - want).abs().max().item()
     except Exception as e:  # noqa: BLE001 - any failure means: not here

@@ -267,7 +267,9 @@ class NativeEngine(RolloutEngine):
     fused_decode: decode with the fused kernels where supported (`fused_decode_reason` says why
         not, when not).
     block_size: tokens per KV block (None: 256 where torch's paged flash kernel serves the model,
-        which needs multiples of 256, else 16).
+        which needs multiples of 256, else 16). Where torch's flash kernel takes no block table
+        (torch 2.11) but reads per-sequence lengths, a block is a whole sequence (the longest of
+        the call, rounded up to 256 tokens): no prompt sharing, memory as slots x max length.
     steps_per_sync: decoding steps between the host's looks at the device: sampling, stop and length
         checks run on the device; the host collects tokens, frees finished slots and admits
         waiting sequences every this many steps (a finished slot idles until then).
@@ -304,11 +306,15 @@ class NativeEngine(RolloutEngine):
         self.fused_decode_reason = (self.net.fused_decode_supported() if fused_decode
                                     else "fused_decode=False")
         self.fused = self.fused_decode_reason is None
-        self.flash_attention_reason = self._flash_reason()
-        self.flash = self.flash_attention_reason is None
-        if block_size is None:
-            block_size = 256 if self.flash else 16
-        if self.flash and block_size % 256:
+        self.attention, self.attention_reason = self._attention_mode()
+        if self.attention == "sequence":
+            if block_size is not None:
+                raise ValueError("NativeEngine: block_size is not used here: this torch's flash kernel "
+                                 f"reads no paged cache, so a block is a whole sequence ({self.attention_reason})")
+            block_size = 0  # set per call: the longest sequence, rounded up to 256 tokens
+        elif block_size is None:
+            block_size = 256 if self.attention == "paged" else 16
+        if self.attention == "paged" and block_size % 256:
             raise ValueError(f"NativeEngine: block_size {block_size}: torch's paged flash kernel "
                              "reads blocks of multiples of 256 tokens")
         self.block_size = block_size
@@ -322,15 +328,26 @@ class NativeEngine(RolloutEngine):
     def cache(self) -> Optional[torch.Tensor]:
         return self.net.cache
 
-    def _flash_reason(self) -> Optional[str]:
+    def _attention_mode(self) -> tuple[Optional[str], Optional[str]]:
+        """How decode attention reads the cache (`decode_ops.paged_attention`'s flash argument)
+        and, when not "paged", why not: "paged" (torch's flash kernel with a block table),
+        "sequence" (a torch whose flash kernel takes no block table: one block per sequence),
+        None (the reference: CPU, fp32, a head dim flash rejects)."""
         net = self.net
         if net.device.type != "cuda":
-            return "not on a GPU"
+            return None, "not on a GPU"
         if net.dtype not in (torch.bfloat16, torch.float16):
-            return f"activation dtype {net.dtype} (flash attention needs bf16/fp16)"
+            return None, f"activation dtype {net.dtype} (flash attention needs bf16/fp16)"
         if net.head_dim % 8 or net.head_dim > 256:
-            return f"head dim {net.head_dim}"
-        return decode_ops.paged_flash_supported(net.device, net.heads, net.groups, net.head_dim, net.dtype)
+            return None, f"head dim {net.head_dim}"
+        shape = (net.device, net.heads, net.groups, net.head_dim, net.dtype)
+        paged = decode_ops.paged_flash_supported(*shape)
+        if paged is None:
+            return "paged", None
+        whole = decode_ops.sequence_flash_supported(*shape)
+        if whole is None:
+            return "sequence", f"paged flash attention unavailable ({paged}): one block per sequence"
+        return None, f"paged flash: {paged}; per-sequence flash: {whole}"
 
     @classmethod
     def from_config(cls, rollout_cfg, model: torch.nn.Module, *, vocab_size: int, groups,
@@ -379,7 +396,7 @@ class NativeEngine(RolloutEngine):
             # Enough, or all the budget allowed last time: kept (with the CUDA graphs over it).
             self.pool = kv_blocks.BlockPool(self.pool.num_blocks, self.block_size)
             return
-        self.net.cache, self.pool, self._graphs, self._graph_pool = None, None, {}, None
+        self._drop_cache()
         net = self.net
         if net.device.type == "cuda":
             torch.cuda.empty_cache()  # so the free-memory reading below includes the old cache
@@ -402,6 +419,9 @@ class NativeEngine(RolloutEngine):
         self.net.cache = torch.zeros(len(net.layers), 2, blocks, self.block_size, net.groups,
                                      net.head_dim, dtype=net.dtype, device=net.device)
         self.pool = kv_blocks.BlockPool(blocks, self.block_size)
+
+    def _drop_cache(self) -> None:
+        self.net.cache, self.pool, self._graphs, self._graph_pool = None, None, {}, None
 
     def _blocks_that_fit(self) -> Optional[int]:
         """KV blocks within rollout.gpu_memory_utilization of this GPU's free memory; None (no
@@ -462,7 +482,7 @@ class NativeEngine(RolloutEngine):
 
         def paged(i, q):
             return decode_ops.paged_attention(q, net.cache[i, 0], net.cache[i, 1], ds.table, seq_lens,
-                                              net.scale, flash=self.flash)
+                                              net.scale, flash=self.attention)
 
         if self.fused:
             return net.logits(net.fused_decode(ds.last, ds.pos, rows, paged))[0]
@@ -590,6 +610,9 @@ class NativeEngine(RolloutEngine):
             raise ValueError(f"NativeEngine.generate: prompt + max_new_tokens = {max_len} exceeds "
                              f"the model's max_position_embeddings {max_pos}")
         slots = min(self.max_num_seqs, len(prompts) * sp.n)
+        if self.attention == "sequence" and max_len > self.block_size:
+            self.block_size = -(-max_len // 256) * 256  # a block holds the longest sequence
+            self._drop_cache()
         per_seq = -(-max_len // self.block_size)
         self._ensure_cache(slots * per_seq + 1, per_seq)
         width = self._table_width(max_len)
