@@ -6,7 +6,8 @@
 #   [COMMIT=sha] bash bench/gpu_suite.sh [PART...]   (carry: .whl with the cp312 megatron-core
 #                                   wheel, and trl/datasets/dill/multiprocess wheels for the TRL part)
 # PARTS: kernels, rollout, actor, grpo, ppo (the same step with a critic: adv_estimator=gae),
-# trl, tests (GPU-marked tests), quickstart (trainer on CUDA, then a resume from its checkpoint),
+# trl, tests (GPU-marked tests), rollout_settings (issue 22's GRPO and long-response settings, the
+# KV memory report, the decode step's parts), quickstart (trainer on CUDA, then a resume from its checkpoint),
 # or `all` (the default); rollout_short and actor_3b run one setting of rollout / actor, gae the
 # GAE rows of the kernel bench (the trainer's call included). grpo and ppo share one random model
 # in $BENCH_WORKDIR (default /tmp/bench_work); STEPS (default 3) steps each. One device call allows 10 minutes: `rollout actor tests` and
@@ -55,6 +56,19 @@ fi
 if want rollout; then
   TAIL=6 run rollout_long 200 python3 bench/bench_rollout.py --batch 64 --prompt-len 1024 \
     --new-tokens 1024 --json "$OUT/rollout_long.json"
+fi
+if want rollout_settings; then
+  # issue 22's settings: the GRPO step's generation (64 prompts x 8 samples) and long responses
+  # ending at varied lengths (100 random stop ids: mean ~1,400 tokens), then the memory report in
+  # a budget that holds 32 contiguous 4,608-token slots, and each decode part against its bytes.
+  TAIL=6 run rollout_grpo 150 python3 bench/bench_rollout.py --skip-hf --batch 512 --prompt-len 512 \
+    --new-tokens 512 --n 8 --json "$OUT/rollout_grpo.json"
+  TAIL=6 run rollout_reasoning 240 python3 bench/bench_rollout.py --skip-hf --batch 256 --prompt-len 512 \
+    --new-tokens 4096 --stop-tokens 100 --n 8 --breakdown --json "$OUT/rollout_reasoning.json"
+  TAIL=6 run rollout_memory 120 python3 bench/bench_rollout.py --skip-hf --once --batch 256 \
+    --prompt-len 512 --new-tokens 4096 --stop-tokens 100 --n 8 --gpu-memory-utilization 0.03 \
+    --json "$OUT/rollout_memory.json"
+  TAIL=16 run decode_parts 90 python3 bench/bench_decode_parts.py --json "$OUT/decode_parts.json"
 fi
 if want actor; then
   TAIL=20 run actor_1.5b 110 python3 bench/bench_actor.py --shape 1.5b --seq 4096 --samples 32 \

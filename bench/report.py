@@ -39,6 +39,8 @@ FILES = {
     "actor_1.5b.json": "bench_actor.py", "actor_3b.json": "bench_actor.py",
     "grpo_step.json": "bench_grpo_step.py", "trl_grpo.json": "bench_trl_grpo.py",
     "kernels.json": "bench_kernels.py",
+    "rollout_grpo.json": "bench_rollout.py", "rollout_reasoning.json": "bench_rollout.py",
+    "rollout_memory.json": "bench_rollout.py",
 }
 GOAL_MFU_3B = 0.45
 GOAL_ROLLOUT_RATIO = 5.0
@@ -94,12 +96,18 @@ def _ratio(num, den):
 
 def rollout_rows(found: dict) -> list[dict]:
     rows = []
-    for name in ("rollout.json", "rollout_long.json"):
+    for name in ("rollout.json", "rollout_long.json", "rollout_grpo.json", "rollout_reasoning.json",
+                 "rollout_memory.json"):
         r = found.get(name)
         if r is None:
             continue
         rows.append({
-            "file": name, "batch": r["batch"], "prompt_len": r["prompt_len"],
+            "file": name, "batch": r["batch"], "prompt_len": r["prompt_len"], "n": r.get("n", 1),
+            "stop_tokens": r.get("stop_tokens"), "response_length_mean": r.get("response_length_mean"),
+            "gpu_memory_utilization": r.get("gpu_memory_utilization"),
+            "peak_live_sequences": r.get("peak_live_sequences"),
+            "contiguous_cache_slots": r.get("contiguous_cache_slots"),
+            "slot_occupancy": r.get("slot_occupancy"),
             "new_tokens": r["new_tokens"], "layers": r.get("layers"), "cuda_graphs": r.get("cuda_graphs"),
             "fused_decode": r.get("fused_decode"),
             "native_tokens_per_s": r["native_tokens_per_s"], "hf_tokens_per_s": r.get("hf_tokens_per_s"),
@@ -217,14 +225,18 @@ def render(s: dict) -> str:
 def _rollout_md(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    table = [[f"{r['batch']} x ({r['prompt_len']} prompt + {r['new_tokens']} new)",
+    table = [[f"{r['batch']} x ({r['prompt_len']} prompt + {r['new_tokens']} new)"
+              + (f", n = {r['n']}" if r.get("n", 1) > 1 else "")
+              + (f", {r['stop_tokens']} stop ids (mean length {r['response_length_mean']:.0f})"
+                 if r.get("stop_tokens") else ""),
               _f(r["native_tokens_per_s"], ",.0f"), _f(r["hf_tokens_per_s"], ",.0f"),
               _f(r["native_over_hf"], ".1f", "x"), _f(r.get("bound_tokens_per_s"), ",.0f"),
               _f(None if r.get("share_of_bound") is None else 100 * r["share_of_bound"], ".0f", "%"),
               f"{r['layers']} layers, " + ("CUDA graphs" if r["cuda_graphs"] else "no CUDA graphs")
               + (", fused decode" if r["fused_decode"] else ", unfused decode")] for r in rows]
     out = ["Rollout (bench/bench_rollout.py: Qwen2.5-1.5B shape, random weights, bf16, one GPU; "
-           "sampling at temperature 1, forced lengths; each timed after a warm-up call):", "",
+           "sampling at temperature 1, forced lengths unless stop ids are listed; each timed after a "
+           "warm-up call, except --once runs):", "",
            markdown_table(["prompts x tokens", "native tokens/s", "transformers tokens/s",
                            "native / transformers", "bound tokens/s (same run)",
                            "share of bound", "settings"], table)]
@@ -233,7 +245,12 @@ def _rollout_md(rows: list[dict]) -> list[str]:
         extra = [f"without the fused decode kernels {r['unfused_tokens_per_s']:,.0f} tokens/s"
                  if r["unfused_tokens_per_s"] else None,
                  f"greedy first-token agreement with transformers {r['first_token_agreement']:.0%}"
-                 if r["first_token_agreement"] is not None else None]
+                 if r["first_token_agreement"] is not None else None,
+                 f"KV cache (gpu_memory_utilization {r['gpu_memory_utilization']}): "
+                 f"{r['peak_live_sequences']:.0f} sequences live at most, a contiguous cache of the "
+                 f"same size holds {r['contiguous_cache_slots']}"
+                 if r.get("peak_live_sequences") is not None else None,
+                 f"slot occupancy {r['slot_occupancy']:.0%}" if r.get("slot_occupancy") else None]
         extra = [e for e in extra if e]
         if extra:
             notes.append(f"{r['file']}: " + "; ".join(extra))
