@@ -23,6 +23,34 @@ import torch.distributed as dist
 from verl_mcore.rollout.base import SamplingParams
 
 
+class EngineStats:
+    """What the engine says of its calls (`last_stats`: NativeEngine's, none for vLLM), summed over
+    a step's calls: sequences preempted for KV memory, the most live at once, slot occupancy (the
+    share of decoding slot-steps that advanced a live sequence), prompt blocks shared."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def add(self, stats: Optional[dict]) -> None:
+        if stats:
+            self.calls.append(dict(stats))
+
+    def take(self) -> dict[str, float]:
+        calls, self.calls = self.calls, []
+        if not calls:
+            return {}
+        slot_steps = sum(c.get("rollout/decode_steps", 0.0) * c.get("rollout/slots", 0.0) for c in calls)
+        live = sum(c.get("rollout/slot_occupancy", 0.0) * c.get("rollout/decode_steps", 0.0)
+                   * c.get("rollout/slots", 0.0) for c in calls)
+        out = {"rollout/preemptions": sum(c.get("rollout/preemptions", 0.0) for c in calls),
+               "rollout/peak_live_sequences": max(c.get("rollout/peak_live_sequences", 0.0) for c in calls),
+               "rollout/kv_shared_prefix_blocks": sum(c.get("rollout/kv_shared_prefix_blocks", 0.0)
+                                                      for c in calls)}
+        if slot_steps:
+            out["rollout/slot_occupancy"] = live / slot_steps
+        return out
+
+
 class GenerationPhase:
     def __init__(self, engine, actor, groups, rollout_cfg, eos_token_ids: Sequence[int],
                  max_new_tokens: int, pad_token_id: int):
@@ -34,6 +62,7 @@ class GenerationPhase:
         self.max_new_tokens = max_new_tokens
         self.pad = pad_token_id
         self.awake = False
+        self.stats = EngineStats()
 
     def begin(self, step: int, prompts: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
         """Wake the engine and bring it the actor's weights; with `prompts`, the weight-sync
@@ -64,7 +93,9 @@ class GenerationPhase:
 
     def generate(self, prompt_ids, sampling: SamplingParams):
         assert self.awake, "GenerationPhase.generate outside begin()/end()"
-        return self.engine.generate(prompt_ids, sampling)
+        outputs = self.engine.generate(prompt_ids, sampling)
+        self.stats.add(getattr(self.engine, "last_stats", None))
+        return outputs
 
     def end(self) -> None:
         self.engine.sleep()

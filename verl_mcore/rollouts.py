@@ -78,6 +78,7 @@ class RolloutSchedule:
                     self.failure = e
         self._advance(step + (self.ahead if generates else 0), step, phase)
         o.end_generation()  # release the KV cache (and the weight buffer) before training
+        metrics.update(o.generation_stats())
         if not o.place.trains:
             return None, metrics
         sampled = self.queue.popleft()

@@ -466,6 +466,11 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.end()
 
+    def generation_stats(self) -> dict[str, float]:
+        """The engine's stats of the calls since the last look (preemptions, peak live
+        sequences, slot occupancy, shared prompt blocks); nothing where no engine runs."""
+        return {} if self.rollout is None else self.rollout.stats.take()
+
     def off_policy(self, rollout: "Rollout", batch) -> dict[str, float]:
         """How far the engine's sampling policy is from the actor's recomputed old log-probs:
         `rollout/engine_vs_trainer_logp_diff` (mean |difference| over response tokens; in
@@ -768,6 +773,7 @@ class Trainer:
                 samples.add(rollout, scores.tolist(), extras,
                             lambda k, b=rollout.train: _prompt_texts(self.info.tokenizer, b, range(k)))
         self.end_generation()  # the state stays on the host until the next update needs it
+        self.generation_stats()  # validation's engine stats are not the training step's
         return self.val_metrics.report(samples, step, self.run_dir)
 
     # ------------------------------------------------------------------ checkpoints

@@ -121,6 +121,9 @@ def test_sync_rollout_set_equals_colocated_and_receives_its_shard_only(model, tm
         assert row["rollout/repartition_bytes_received"] == row["rollout/repartition_min_bytes_received"] > 0
         assert row["rollout/logprob_diff_max"] < 1e-4  # the check across the two sets
         assert 0.0 < row["perf/utilisation/rollout"] <= 1.0 and "timing_s/rollout/gen" in row
+        for r in (row, a[step]):  # the engine's own stats, from the set that generates
+            assert 0.0 < r["rollout/slot_occupancy"] <= 1.0 and r["rollout/peak_live_sequences"] >= 1
+            assert r["rollout/preemptions"] == 0.0
 
 
 @pytest.mark.distributed
