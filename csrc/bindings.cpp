@@ -245,6 +245,64 @@ Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor r
   return q;
 }
 
+// q: [b, heads, hd]; cache_k/cache_v: [blocks, block_size, groups, hd]; block_table: int32 [b, width];
+// seq_lens: int32 [b]. Returns out [b, heads, hd] like q (see csrc/kernels.h). The split partials'
+// workspace is allocated here from the shapes alone, so a captured CUDA graph replays for any lengths.
+Tensor paged_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor block_table, Tensor seq_lens, double scale,
+                       int64_t splits, int64_t stream) {
+  const char* op = "paged_attention";
+  check_same(q, "q", q, op);
+  check_same(cache_k, "cache_k", q, op);
+  check_same(cache_v, "cache_v", q, op);
+  check_on_device(block_table, "block_table", q, op);
+  check_on_device(seq_lens, "seq_lens", q, op);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "verl_mcore._C.paged_attention: q and the caches must be bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3, "verl_mcore._C.paged_attention: q must be [b, heads, hd], got ", q.sizes());
+  const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(3) == hd &&
+                  cache_k.size(0) >= 1 && cache_k.size(1) >= 1,
+              "verl_mcore._C.paged_attention: caches must be [blocks >= 1, block_size >= 1, groups, ", hd,
+              "] (q's head dim), got ", cache_k.sizes(), " and ", cache_v.sizes());
+  const int64_t block_size = cache_k.size(1), groups = cache_k.size(2);
+  TORCH_CHECK(groups >= 1 && heads % groups == 0, "verl_mcore._C.paged_attention: q's ", heads,
+              " heads are not a multiple of the caches' ", groups, " KV groups");
+  TORCH_CHECK(hd % 8 == 0 && hd >= 8 && hd <= 256, "verl_mcore._C.paged_attention: head dim must be a multiple of 8 "
+              "in [8, 256], got ", hd);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2 &&
+                  block_table.size(0) == b && block_table.size(1) >= 1,
+              "verl_mcore._C.paged_attention: block_table must be contiguous int32 [", b, ", width >= 1], got ",
+              block_table.scalar_type(), " ", block_table.sizes());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == b,
+              "verl_mcore._C.paged_attention: seq_lens must be contiguous int32 [", b, "], got ",
+              seq_lens.scalar_type(), " ", seq_lens.sizes());
+  const int64_t width = block_table.size(1);
+  TORCH_CHECK(width * block_size < (int64_t(1) << 30), "verl_mcore._C.paged_attention: a block table of ", width,
+              " blocks of ", block_size, " tokens exceeds the kernel's 2^30 keys a sequence");
+  TORCH_CHECK(splits >= 1 && splits <= 1024, "verl_mcore._C.paged_attention: splits must be in [1, 1024], got ",
+              splits);
+  for (const Tensor* t : {&q, &cache_k, &cache_v}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "verl_mcore._C.paged_attention: q, cache_k and cache_v must start 16-byte aligned (the kernel reads "
+                "16-byte vectors); pass a contiguous copy");
+  }
+  const c10::DeviceGuard guard(q.device());
+  Tensor out = at::empty_like(q);
+  Tensor part_acc, part_ml;
+  if (splits > 1) {
+    part_acc = at::empty({b, heads, splits, hd}, q.options().dtype(at::kFloat));
+    part_ml = at::empty({b, heads, splits, 2}, q.options().dtype(at::kFloat));
+  }
+  check_cuda(verl_mcore::paged_attention_launch(
+                 q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), block_table.data_ptr<int32_t>(),
+                 seq_lens.data_ptr<int32_t>(), out.data_ptr(), splits > 1 ? part_acc.data_ptr<float>() : nullptr,
+                 splits > 1 ? part_ml.data_ptr<float>() : nullptr, float_dtype(q, "q", op), b, int(heads), int(groups),
+                 int(hd), int(block_size), int(width), int(splits), float(scale), to_stream(stream)),
+             op);
+  return out;
+}
+
 // keys, steps: int64 [n] contiguous on one GPU. Returns the sampler's uniforms, float64 [n].
 Tensor uniforms(Tensor keys, Tensor steps, int64_t stream) {
   const char* op = "uniforms";
@@ -278,5 +336,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "[residual += delta;] rmsnorm(residual) * weight (decode step)",
         py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("stream"));
   m.def("rope_cache", &rope_cache, "rotary q/k of fused QKV rows; k, v into the KV cache (decode step)");
+  m.def("paged_attention", &paged_attention,
+        "decode attention over a paged KV cache: (q, cache_k, cache_v, block_table, seq_lens, scale, splits, "
+        "stream) -> out",
+        py::arg("q"), py::arg("cache_k"), py::arg("cache_v"), py::arg("block_table"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("splits"), py::arg("stream"));
   m.def("uniforms", &uniforms, "the sampler's counter-based uniforms of (key, step) pairs");
 }

@@ -84,4 +84,19 @@ cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin,
                               const int64_t* rows, void* q_out, void* cache_k, void* cache_v, FloatDtype dtype,
                               int64_t tokens, int groups, int r, int hd, cudaStream_t stream);
 
+// Decode attention over a paged KV cache (csrc/paged_attention.cu), bf16 or fp16 (kFloat32 returns
+// cudaErrorInvalidValue). q, out: [batch, heads, hd]; cache_k, cache_v: [blocks, block_size,
+// groups, hd]; block_table: int32 [batch, width]; seq_lens: int32 [batch]. Sequence i's key p (for
+// p < seq_lens[i]) is row p % block_size of block block_table[i, p / block_size]; head h reads KV
+// group h / (heads / groups). out = softmax(q k^T * scale) v per head, accumulated in fp32 (a length
+// past width * block_size reads the whole row; a length <= 0 gives zeros). All of q, cache_k,
+// cache_v, out contiguous and 16-byte aligned; hd a multiple of 8, at most 256; width *
+// block_size < 2^30. With splits > 1, part_acc [batch, heads, splits, hd] and part_ml [batch,
+// heads, splits, 2] float32 are the split partials (no initialisation needed); else both may be
+// null.
+cudaError_t paged_attention_launch(const void* q, const void* cache_k, const void* cache_v,
+                                   const int32_t* block_table, const int32_t* seq_lens, void* out, float* part_acc,
+                                   float* part_ml, FloatDtype dtype, int64_t batch, int heads, int groups, int hd,
+                                   int block_size, int width, int splits, float scale, cudaStream_t stream);
+
 }  // namespace verl_mcore

@@ -82,7 +82,11 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     seed: int = 0
-    # Generation engine memory: fraction of the free GPU memory for the KV cache (GPU only).
+    # Generation engine memory: fraction of the free GPU memory for the KV cache (GPU only). The
+    # native engine's cache is paged: sequences take blocks as they grow, the samples of a prompt
+    # share its prompt's blocks, and when the blocks run out the newest sequence is preempted and
+    # recomputed later (rollout/preemptions). Where torch's flash kernel takes no block table
+    # (torch 2.11), a block is a whole sequence: slots x the longest sequence, as before.
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 256  # sequences decoded together; finished slots are refilled
     keep_weights_buffer: bool = False  # keep the generation weight buffer between steps

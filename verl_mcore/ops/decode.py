@@ -2,21 +2,22 @@
 
     rmsnorm(residual, delta, weight, eps) -> out        residual += delta (in place) when delta given
     rope_cache(qkv, cos, sin, positions, rows, cache_k, cache_v, groups, r, hd) -> q
-    paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale) -> out   (torch's flash
-                                                                    kernel over a paged KV cache)
+    paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale) -> out   (over a paged KV
+                        cache: torch's flash kernel, or csrc/paged_attention.cu with flash="kernel")
 
 `available(tensor)` says whether the kernels serve a tensor (a CUDA tensor and the extension
 loaded); the references run everywhere and are the tests' oracle. All ops are forward-only.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verl_mcore.ops._extension import extension
+from verl_mcore.ops._extension import extension, extension_status
 
 
 def available(t: Tensor) -> bool:
@@ -25,6 +26,33 @@ def available(t: Tensor) -> bool:
 
 def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def kernel_available(t: Tensor) -> bool:
+    """Whether csrc/paged_attention.cu serves `t` (an extension built before it has no such op)."""
+    return available(t) and hasattr(extension(), "paged_attention")
+
+
+# csrc/paged_attention.cu kMaxHeads: a CTA serves up to this many query heads of one KV group.
+_KERNEL_HEADS_PER_CTA = 8
+
+
+def paged_kernel_splits(batch: int, heads: int, groups: int, max_len: int, sms: int) -> int:
+    """Split-K factor of the paged-attention kernel, from shapes only (a CUDA graph captured with it
+    replays for every mix of lengths). The kernel runs a CTA per (sequence, KV group, up to 8 heads)
+    over the sequence's keys; when those CTAs are fewer than the SMs, each sequence's keys are cut
+    into `splits` equal shares so that about two CTAs per SM stream, but each share of the longest
+    possible sequence (`max_len` = width x block_size) keeps >= 256 keys: every split writes
+    (and the combine rereads) r x hd floats a head, small against 256 rows of K and V."""
+    ctas = batch * groups * -(-(heads // groups) // _KERNEL_HEADS_PER_CTA)
+    if ctas >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // ctas), max_len // 256, 64))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rmsnorm_reference(residual: Tensor, delta: Optional[Tensor], weight: Tensor, eps: float) -> Tensor:
@@ -108,8 +136,15 @@ def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Te
     of lengths (so one CUDA graph serves them all). flash="sequence" (`sequence_flash_supported`;
     for torch builds whose flash kernel takes no block table): every sequence holds one block (a
     contiguous slot); the variable-length kernel reads block_table[i, 0]'s first seq_lens[i]
-    keys. Otherwise the reference, which reads all `width` blocks of every row (graph-safe too:
-    no host sync)."""
+    keys. flash="kernel" (`paged_kernel_supported`; bf16/fp16 where the csrc/ extension has it):
+    csrc/paged_attention.cu, reading only each sequence's own keys once for all heads of a KV
+    group, any block size, split-K by `paged_kernel_splits`. Otherwise the reference, which reads
+    all `width` blocks of every row (graph-safe too: no host sync)."""
+    if flash == "kernel" and kernel_available(q):
+        max_len = block_table.shape[1] * cache_k.shape[1]
+        splits = paged_kernel_splits(q.shape[0], q.shape[1], cache_k.shape[2], max_len, _sm_count(q.device))
+        return extension().paged_attention(q.contiguous(), cache_k, cache_v, block_table.to(torch.int32),
+                                           seq_lens.to(torch.int32), float(scale), splits, _stream(q))
     if flash == "sequence":
         b, block = q.shape[0], cache_k.shape[1]
         groups, hd = cache_k.shape[2], cache_k.shape[3]
@@ -167,6 +202,29 @@ def sequence_flash_supported(device: torch.device, heads: int = 4, groups: int =
         got = paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="sequence").float()
         want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
         err = (got - want).abs().max().item()
+    except Exception as e:  # noqa: BLE001 - any failure means: not here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
+
+
+def paged_kernel_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
+                           dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """`paged_flash_supported` for flash="kernel" (csrc/paged_attention.cu): 16-token blocks out of
+    order, lengths of 1, mid-block and the whole table, with one split and with three."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if extension() is None or not hasattr(extension(), "paged_attention"):
+        return f"the csrc/ extension has no paged_attention kernel ({extension_status()})"
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        b, per, block = 3, 3, 16
+        kc, vc = (torch.randn(b * per + 1, block, groups, hd, generator=g).to(device, dtype) for _ in range(2))
+        table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
+        lens = torch.tensor([1, block + 3, per * block], dtype=torch.int32, device=device)
+        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
+        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
+        err = max((extension().paged_attention(q, kc, vc, table, lens, hd ** -0.5, splits, _stream(q)).float()
+                   - want).abs().max().item() for splits in (1, 3))
     except Exception as e:  # noqa: BLE001 - any failure means: not here
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
