@@ -5,7 +5,8 @@
 Builds the Qwen2.5-1.5B-shaped model of bench/bench_rollout.py, fills an engine's paged cache to
 `context` tokens per sequence, and times (CUDA graph of 20 calls, median of 5 replays, after a
 warm-up) one layer's parts -- the four GEMMs, RMSNorm, rotary + cache write, attention over the
-cache, the gated activation --, the LM head, the sampler with its stop checks, and the whole step.
+cache (the engine's mode, and csrc/paged_attention.cu where the extension has it), the gated
+activation --, the LM head, the sampler with its stop checks, and the whole step.
 Each part's share = (bytes it must read and write) / (time x the copy bandwidth measured in this
 run); the whole step against the weights + KV bytes one step must read (bench/roofline.py).
 """
@@ -113,6 +114,12 @@ def main(argv=None) -> dict:
         "megatron mlp (fc1, act, fc2)": (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
         "lm head": (lambda: net.logits(logits_h), e * (model.vocab_size * (h + b) + b * h)),
     }
+    if ops.kernel_available(q):
+        # csrc/paged_attention.cu over the same cache and table: each sequence's K and V rows once, q, out.
+        kernel_bytes = 2 * int(lens.sum()) * net.groups * net.head_dim * e + 2 * q.numel() * e
+        parts["paged attention (csrc kernel)"] = (
+            lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens, net.scale, flash="kernel"),
+            kernel_bytes)
     out = {"device": torch.cuda.get_device_name(), "batch": b, "context": ctx, "copy_bytes_per_s": bw,
            "attention": engine.attention, "fused": engine.fused, "parts": {}}
     print(f"{out['device']}: copy {bw / 1e12:.2f} TB/s; batch {b}, context {ctx}; per call:")

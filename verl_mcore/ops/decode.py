@@ -210,21 +210,23 @@ def sequence_flash_supported(device: torch.device, heads: int = 4, groups: int =
 def paged_kernel_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
                            dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """`paged_flash_supported` for flash="kernel" (csrc/paged_attention.cu): 16-token blocks out of
-    order, lengths of 1, mid-block and the whole table, with one split and with three."""
+    order, lengths of 1, mid-block and the whole table (320 keys: three non-empty shares), with one
+    split and with three."""
     if device.type != "cuda":
         return "not a CUDA device"
     if extension() is None or not hasattr(extension(), "paged_attention"):
         return f"the csrc/ extension has no paged_attention kernel ({extension_status()})"
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
-        b, per, block = 3, 3, 16
+        b, per, block = 3, 20, 16
         kc, vc = (torch.randn(b * per + 1, block, groups, hd, generator=g).to(device, dtype) for _ in range(2))
         table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
         lens = torch.tensor([1, block + 3, per * block], dtype=torch.int32, device=device)
         q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
         want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
-        err = max((extension().paged_attention(q, kc, vc, table, lens, hd ** -0.5, splits, _stream(q)).float()
-                   - want).abs().max().item() for splits in (1, 3))
+        got = [extension().paged_attention(q, kc, vc, table, lens, hd ** -0.5, splits, _stream(q)).float()
+               for splits in (1, 3)]
+        err = max((x - want).abs().max().item() for x in got)
     except Exception as e:  # noqa: BLE001 - any failure means: not here
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None if err < 2e-2 else f"differs from the reference by {err:.3g}"

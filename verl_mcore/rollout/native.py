@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 import time
 import warnings
 from collections import deque
@@ -267,7 +268,8 @@ class NativeEngine(RolloutEngine):
     fused_decode: decode with the fused kernels where supported (`fused_decode_reason` says why
         not, when not).
     block_size: tokens per KV block (None: 256 where torch's paged flash kernel serves the model,
-        which needs multiples of 256, else 16). Where torch's flash kernel takes no block table
+        which needs multiples of 256, or the csrc/ paged kernel, which takes any size: 256 keeps
+        one block layout for both; else 16). Where torch's flash kernel takes no block table
         (torch 2.11) but reads per-sequence lengths, a block is a whole sequence (the longest of
         the call, rounded up to 256 tokens): no prompt sharing, memory as slots x max length.
     steps_per_sync: decoding steps between the host's looks at the device: sampling, stop and length
@@ -313,7 +315,7 @@ class NativeEngine(RolloutEngine):
                                  f"reads no paged cache, so a block is a whole sequence ({self.attention_reason})")
             block_size = 0  # set per call: the longest sequence, rounded up to 256 tokens
         elif block_size is None:
-            block_size = 256 if self.attention == "paged" else 16
+            block_size = 256 if self.attention in ("paged", "kernel") else 16
         if self.attention == "paged" and block_size % 256:
             raise ValueError(f"NativeEngine: block_size {block_size}: torch's paged flash kernel "
                              "reads blocks of multiples of 256 tokens")
@@ -331,8 +333,9 @@ class NativeEngine(RolloutEngine):
     def _attention_mode(self) -> tuple[Optional[str], Optional[str]]:
         """How decode attention reads the cache (`decode_ops.paged_attention`'s flash argument)
         and, when not "paged", why not: "paged" (torch's flash kernel with a block table),
-        "sequence" (a torch whose flash kernel takes no block table: one block per sequence),
-        None (the reference: CPU, fp32, a head dim flash rejects)."""
+        "kernel" (csrc/paged_attention.cu, with VERL_MCORE_PAGED_KERNEL=1, where torch's flash
+        kernel takes no block table), "sequence" (a torch whose flash kernel takes no block table:
+        one block per sequence), None (the reference: CPU, fp32, a head dim flash rejects)."""
         net = self.net
         if net.device.type != "cuda":
             return None, "not on a GPU"
@@ -344,6 +347,12 @@ class NativeEngine(RolloutEngine):
         paged = decode_ops.paged_flash_supported(*shape)
         if paged is None:
             return "paged", None
+        if os.environ.get("VERL_MCORE_PAGED_KERNEL") == "1":  # opt-in until timed on a GPU
+            kernel = decode_ops.paged_kernel_supported(*shape)
+            if kernel is None:
+                return "kernel", f"paged flash attention unavailable ({paged}): the csrc/ paged kernel"
+            warnings.warn(f"NativeEngine: VERL_MCORE_PAGED_KERNEL=1, but the csrc/ paged kernel fails its "
+                          f"self-check here ({kernel}); not used")
         whole = decode_ops.sequence_flash_supported(*shape)
         if whole is None:
             return "sequence", f"paged flash attention unavailable ({paged}): one block per sequence"
