@@ -41,7 +41,6 @@ import fnmatch
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
