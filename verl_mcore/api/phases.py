@@ -19,7 +19,7 @@ TRAINER_PHASES = ("sampling", "generate", "sample_part", "share_part", "_gen_rep
                   "needs_old_log_probs", "old_log_probs", "ref_log_probs", "off_policy",
                   "token_rewards", "fit_critic", "advantages", "update", "_update",
                   "check_finite", "data_metrics", "offload_training_state",
-                  "onload_training_state")
+                  "onload_training_state", "generation_stats")
 
 
 class Phases:

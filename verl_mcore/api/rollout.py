@@ -100,6 +100,7 @@ class RolloutWorker:
                     baseline = p.generate(batch, p.sampling(1, 0.0, seed_offset=1))
         finally:
             p.rollout.end()  # the KV cache (and weight buffer) go back before training
+        engine_metrics = p.generation_stats()  # preemptions, peak live sequences, occupancy
         rollout = rollout.to(p.device)
         with timer("reward"):
             scores, reward_metrics, extras = p.score(rollout)
@@ -107,7 +108,8 @@ class RolloutWorker:
                 baseline = p.score(baseline)[0].repeat_interleave(cfg.rollout.n)
         p.step_index += 1  # the next call samples with the next seeds, as the trainer's next step
         return Experiences(rollout, scores, baseline, extras,
-                           {**sync_metrics, **reward_metrics, **timer.metrics()}, cfg, self.policy,
+                           {**sync_metrics, **engine_metrics, **reward_metrics, **timer.metrics()}, cfg,
+                           self.policy,
                            self.policy.version)
 
     def _prompt_batch(self, prompts: Sequence[Any]):
