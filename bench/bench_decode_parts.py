@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,27 +23,10 @@ import torch  # noqa: E402
 
 
 def graph_time_ms(fn, calls: int = 20, reps: int = 5) -> float:
-    """Median device time of one `fn()`, from CUDA graph replays of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    """Median device time of one `fn()` (bench_kernels.graph_time_ms: CUDA graph replays)."""
+    from bench.bench_kernels import graph_time_ms as timed
+
+    return timed(fn, [()], reps, calls_per_graph=calls)
 
 
 def main(argv=None) -> dict:

@@ -164,69 +164,52 @@ def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Te
     return paged_attention_reference(q, cache_k, cache_v, block_table, seq_lens, scale)
 
 
+def _matches_reference(device: torch.device, heads: int, groups: int, hd: int, dtype: torch.dtype,
+                       block: int, per: int, attend) -> Optional[str]:
+    """None when `attend(q, cache_k, cache_v, table, lens, scale)` -> [outputs] matches
+    `paged_attention_reference` on three sequences of `per` blocks each, out of order, with
+    lengths 1, mid-table and the whole table; else why not (any exception: not here)."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        b = 3
+        kc, vc = (torch.randn(b * per + 1, block, groups, hd, generator=g).to(device, dtype) for _ in range(2))
+        table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
+        lens = torch.tensor([1, per * block // 2 + 3, per * block], dtype=torch.int32, device=device)
+        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
+        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
+        err = max((got.float() - want).abs().max().item()
+                  for got in attend(q, kc, vc, table, lens, hd ** -0.5))
+    except Exception as e:  # noqa: BLE001 - any failure means: not here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
+
+
 def paged_flash_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
                           dtype: torch.dtype = torch.bfloat16, block_size: int = 256) -> Optional[str]:
     """None when torch's flash kernel reads a paged cache with `block_size`-token blocks here, for
     this head layout and dtype, and matches the reference (GQA, lengths that end mid-block, blocks
     out of order); else why not."""
-    try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        b, per = 3, 3
-        kc, vc = (torch.randn(b * per + 1, block_size, groups, hd, generator=g).to(device, dtype)
-                  for _ in range(2))
-        table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
-        lens = torch.tensor([1, block_size + 3, per * block_size], dtype=torch.int32, device=device)
-        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
-        max_k = per * block_size
-        cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
-        got = torch.ops.aten._flash_attention_forward(
-            q, kc, vc, cu_q, cu_q * max_k, 1, max_k, 0.0, False, False, scale=hd ** -0.5, seqused_k=lens,
-            block_table=table)[0].float()
-        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
-        err = (got - want).abs().max().item()
-    except Exception as e:  # noqa: BLE001 - any failure means: not here
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
+    return _matches_reference(device, heads, groups, hd, dtype, block_size, 3,
+                              lambda *a: [paged_attention(*a, flash="paged")])
 
 
 def sequence_flash_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
                              dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """`paged_flash_supported` for flash="sequence": one block per sequence, blocks out of order."""
-    try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        b, block = 3, 64
-        kc, vc = (torch.randn(b + 2, block, groups, hd, generator=g).to(device, dtype) for _ in range(2))
-        table = torch.tensor([[3], [1], [4]], dtype=torch.int32, device=device)
-        lens = torch.tensor([1, 17, block], dtype=torch.int32, device=device)
-        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
-        got = paged_attention(q, kc, vc, table, lens, hd ** -0.5, flash="sequence").float()
-        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
-        err = (got - want).abs().max().item()
-    except Exception as e:  # noqa: BLE001 - any failure means: not here
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
+    return _matches_reference(device, heads, groups, hd, dtype, 64, 1,
+                              lambda *a: [paged_attention(*a, flash="sequence")])
 
 
 def paged_kernel_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
                            dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """`paged_flash_supported` for flash="kernel" (csrc/paged_attention.cu): 16-token blocks out of
-    order, lengths of 1, mid-block and the whole table (320 keys: three non-empty shares), with one
+    order, lengths of 1, mid-table and the whole table (320 keys: three non-empty shares), with one
     split and with three."""
     if device.type != "cuda":
         return "not a CUDA device"
     if extension() is None or not hasattr(extension(), "paged_attention"):
         return f"the csrc/ extension has no paged_attention kernel ({extension_status()})"
-    try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        b, per, block = 3, 20, 16
-        kc, vc = (torch.randn(b * per + 1, block, groups, hd, generator=g).to(device, dtype) for _ in range(2))
-        table = (torch.randperm(b * per, generator=g) + 1).view(b, per).to(device, torch.int32)
-        lens = torch.tensor([1, block + 3, per * block], dtype=torch.int32, device=device)
-        q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
-        want = paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5).float()
-        got = [extension().paged_attention(q, kc, vc, table, lens, hd ** -0.5, splits, _stream(q)).float()
-               for splits in (1, 3)]
-        err = max((x - want).abs().max().item() for x in got)
-    except Exception as e:  # noqa: BLE001 - any failure means: not here
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None if err < 2e-2 else f"differs from the reference by {err:.3g}"
+    return _matches_reference(
+        device, heads, groups, hd, dtype, 16, 20,
+        lambda q, kc, vc, table, lens, scale: [
+            extension().paged_attention(q, kc, vc, table, lens, scale, splits, _stream(q)) for splits in (1, 3)])

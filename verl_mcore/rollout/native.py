@@ -115,17 +115,19 @@ class _CachedGPT:
         self._cos = self._sin = None
         self.cache: Optional[torch.Tensor] = None  # [layers, 2, blocks, block_size, groups, hd]
 
-    def rope_tables(self, length: int) -> None:
+    def rope_tables(self, length: int) -> bool:
         """cos/sin [length, hd] in the activation dtype, from the model's inv_freq (which
-        models/rope.py may have replaced, e.g. for Llama-3 scaling)."""
+        models/rope.py may have replaced, e.g. for Llama-3 scaling). True when they grew (new
+        tensors: CUDA graphs over the old ones are stale)."""
         if length <= self._rope_len:
-            return
+            return False
         inv_freq = self.model.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
         pos = torch.arange(length, device=self.device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         self._rope_len = length
+        return True
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [s, b, 1, hd] of positions [b, s], gathered once per forward for every layer."""
@@ -625,9 +627,8 @@ class NativeEngine(RolloutEngine):
         per_seq = -(-max_len // self.block_size)
         self._ensure_cache(slots * per_seq + 1, per_seq)
         width = self._table_width(max_len)
-        if width * self.block_size > self.net._rope_len:
-            self._graphs.clear()  # the RoPE tables grow: graphs hold the old ones' addresses
-            self.net.rope_tables(width * self.block_size)
+        if self.net.rope_tables(width * self.block_size):
+            self._graphs.clear()  # graphs hold the old tables' addresses
         seed = sp.seed
         if seed is None and not sp.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -924,7 +925,7 @@ class _Schedule:
         if self.finish[s] is not None:
             self._vacate(slot)
             return
-        if len(toks) and slot in self.live and self.alive[slot]:
+        if self.alive[slot]:  # a decoding slot (not one just admitted): it fed these tokens
             self.pos[slot] += len(toks)  # fed tokens (the one just sampled is fed next)
         self.alive[slot] = True
         self.last[slot] = t
