@@ -256,6 +256,9 @@ def main(argv=None) -> int:
                           cuda_graphs=not args.no_graphs, **extra)
     result["fused_decode"] = engine.fused
     print(f"fused decode: {engine.fused} ({engine.fused_decode_reason or 'supported'})")
+    result["attention"] = engine.attention
+    print(f"decode attention: {engine.attention or 'reference'} ({engine.attention_reason or 'paged'}), "
+          f"block size {engine.block_size or 'per call'}")
     stops = torch.randperm(arch.vocab_size, generator=gen)[:args.stop_tokens].tolist()
     sp = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0,
                         stop_token_ids=stops)
