@@ -130,6 +130,22 @@ def main(argv=None) -> dict:
                        "slots": slots}
         print(f"  {'whole decode step':32s} {step_ms * 1e3:8.1f} us  {bound_bytes / 1e6:8.2f} MB  "
               f"{out['step']['share']:5.0%} of the bound (weights + KV at copy bandwidth)")
+        # The step split in two: the forward to the logits, and the rest (uniforms, sampler, log-probs,
+        # stop and length checks) over a fixed logits tensor; each against its own share of the bytes.
+        logits = engine._decode_forward(ds)
+        forward_ms = graph_time_ms(lambda: engine._decode_forward(ds), calls=5)
+
+        def sample():
+            ds.col.zero_()
+            engine._sample_step(ds, logits)
+
+        sample_ms = graph_time_ms(sample, calls=5)
+        logit_bytes = logits.numel() * logits.element_size()
+        for name, ms, nbytes in (("step: forward to logits", forward_ms, bound_bytes),
+                                 ("step: sampling and checks", sample_ms, logit_bytes)):
+            out["parts"][name] = {"ms": ms, "bytes": nbytes, "share": nbytes / (ms / 1e3) / bw}
+            print(f"  {name:32s} {ms * 1e3:8.1f} us  {nbytes / 1e6:8.2f} MB  "
+                  f"{out['parts'][name]['share']:5.0%} of copy bandwidth")
     print(json.dumps(out))
     if args.json:
         with open(args.json, "w") as f:

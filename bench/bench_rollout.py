@@ -80,11 +80,16 @@ def build_models(hf_kwargs: dict, device: str = "cuda", dtype: torch.dtype = tor
     return hf, model, arch
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn):
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - start
 
 
@@ -142,28 +147,23 @@ def time_repartition(model, arch, groups) -> dict:
 def stage_breakdown(engine, call) -> dict[str, float]:
     """Seconds per engine stage over one `call`, each stage synchronised (so the stages do not
     overlap as they do in a normal call, where the host queues a round of decoding steps ahead
-    of the device). "sample" counts only the samples of decode steps; "host" is the rest: the
-    loop, the uniforms and stop checks' launches, block bookkeeping, the rounds' collection."""
-    seconds = {"admit (prefill + first sample)": 0.0, "decode forward": 0.0, "sample": 0.0,
-               "collect (host sync)": 0.0}
-    inside = {"admit": False}
-    labels = {"_admit": "admit (prefill + first sample)", "_decode": "decode forward",
-              "_pick": "sample", "_collect": "collect (host sync)"}
+    of the device). A decoding step (forward, sampling, stop checks) is one CUDA graph, so it is
+    timed whole here (bench_decode_parts.py splits it); "host" is the rest: the loop, loading the
+    decode state, Python bookkeeping between the stages."""
+    labels = {"_admit": "admit (prefill + first sample)", "_step": "decode steps",
+              "_grow": "grow (blocks, preemption)", "_collect": "collect (host sync)"}
+    seconds = dict.fromkeys(labels.values(), 0.0)
     for attr, label in labels.items():
         fn = getattr(engine, attr)
 
-        def wrapped(*a, _fn=fn, _label=label, _attr=attr, **kw):
-            if _attr == "_pick" and inside["admit"]:
-                return _fn(*a, **kw)
-            inside["admit"] |= _attr == "_admit"
-            torch.cuda.synchronize()
+        def wrapped(*a, _fn=fn, _label=label, **kw):
+            sync()
             t = time.perf_counter()
             try:
                 return _fn(*a, **kw)
             finally:
-                torch.cuda.synchronize()
+                sync()
                 seconds[_label] += time.perf_counter() - t
-                inside["admit"] &= _attr != "_admit"
         setattr(engine, attr, wrapped)
     try:
         _, total = timed(call)

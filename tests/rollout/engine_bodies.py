@@ -348,6 +348,9 @@ def paged_body(rank, world_size, hf_dir: str, tp_gen: int, fused: bool = False):
         res["greedy_n4"] = run(engine(max_num_seqs=16), SamplingParams(n=4, temperature=0.0,
                                                                        max_new_tokens=LONG_NEW))
         res["sampled_tight"] = run(tight, sampled)
+        from bench.bench_rollout import stage_breakdown  # the bench's stages are the engine's methods
+
+        res["breakdown"] = stage_breakdown(tight, lambda: tight.generate(LONG_PROMPTS, sampled))
     finally:
         native._CachedGPT.fused_decode_supported = supported
     return res

@@ -52,6 +52,16 @@ def test_paged_prefix_sharing_and_batch_invariance(paged):
 
 
 @pytest.mark.distributed
+def test_bench_breakdown_times_the_engines_stages(paged):
+    """bench_rollout --breakdown wraps the engine's stage methods: a renamed one fails here."""
+    seconds = paged[0]["breakdown"]
+    stages = ["admit (prefill + first sample)", "decode steps", "grow (blocks, preemption)",
+              "collect (host sync)", "host", "total"]
+    assert list(seconds) == stages
+    assert all(seconds[k] > 0 for k in stages[:4]) and abs(sum(seconds.values()) - 2 * seconds["total"]) < 1e-9
+
+
+@pytest.mark.distributed
 def test_paged_preemption_recomputes_the_same_tokens(paged):
     res, tokens, _ = paged
     out, stats, used = res["greedy_n4_tight"]
