@@ -7,6 +7,12 @@ hd], one query token per sequence, `seqused_k` keys each) for a few block sizes,
 reference; then times the paged call against the contiguous-slot call at a decode shape (128
 sequences x 2,048 keys, Qwen2.5-1.5B's 12 heads / 2 KV groups / hd 128) and against the bytes
 of K/V it must read at the copy bandwidth. Prints one line per check.
+
+    python bench/probe_paged_attention.py --sweep
+
+instead times, at the engine's decode shapes (batch x keys of issue 22's settings), the "sequence"
+flash call and csrc/paged_attention.cu at several split counts (the engine's own choice marked),
+each against its K/V bytes at the copy bandwidth: which split rule, and which mode, to take.
 """
 from __future__ import annotations
 
@@ -69,5 +75,45 @@ def main() -> None:
             print(f"{label}: FAILED {type(e).__name__}: {str(e).splitlines()[0]}")
 
 
+def sweep() -> None:
+    from bench.bench_kernels import graph_time_ms
+    from verl_mcore.ops import decode
+
+    dev, dt = "cuda", torch.bfloat16
+    heads, groups, hd, scale = 12, 2, 128, 128 ** -0.5
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, {sms} SMs; us per call "
+          "(CUDA graph, two input sets alternating) and share of the copy bandwidth")
+    for b, keys in ((128, 512), (128, 2048), (64, 2048), (512, 1024), (256, 2560)):
+        kv_bytes = 2 * b * keys * groups * hd * 2
+        line = [f"b {b:4d} x {keys:5d} keys ({kv_bytes / 1e6:6.0f} MB):"]
+        whole = -(-keys // 256) * 256  # "sequence" mode: one block of the longest sequence, rounded
+        sets = []
+        for _ in range(2):
+            kc = torch.randn(b + 1, whole, groups, hd, device=dev, dtype=dt)
+            sets.append((torch.randn(b, heads, hd, device=dev, dtype=dt), kc, torch.randn_like(kc),
+                         (torch.randperm(b, device=dev) + 1).view(b, 1).to(torch.int32),
+                         torch.full((b,), keys, dtype=torch.int32, device=dev)))
+
+        def timed(fn):
+            ms = graph_time_ms(fn, sets, 5, calls_per_graph=10)
+            return f"{ms * 1e3:7.1f} us {kv_bytes / (ms / 1e3) / bw:4.0%}"
+
+        line.append("sequence flash " + timed(lambda q, kc, vc, t, n: decode.paged_attention(
+            q, kc, vc, t, n, scale, flash="sequence")))
+        if decode.kernel_available(sets[0][0]):
+            chosen = decode.paged_kernel_splits(b, heads, groups, whole, sms)
+            for splits in sorted({1, 2, 4, 8, 16, chosen}):
+                if whole // splits < 64:
+                    continue
+                mark = "*" if splits == chosen else ""
+                line.append(f"kernel/{splits}{mark} " + timed(
+                    lambda q, kc, vc, t, n, s=splits: decode.extension().paged_attention(
+                        q, kc, vc, t, n, scale, s, torch.cuda.current_stream().cuda_stream)))
+        print("  ".join(line), flush=True)
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    main()
+    sweep() if "--sweep" in sys.argv[1:] else main()

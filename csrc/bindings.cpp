@@ -245,6 +245,53 @@ Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor r
   return q;
 }
 
+// x: [..., 2f] contiguous. Returns silu(x[..., :f]) * x[..., f:], [..., f] like x.
+Tensor swiglu(Tensor x, int64_t stream) {
+  check_same(x, "x", x, "swiglu");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "verl_mcore._C.swiglu: x must be [..., 2f], got ", x.sizes());
+  const int64_t f = x.size(-1) / 2;
+  auto shape = x.sizes().vec();
+  shape.back() = f;
+  const c10::DeviceGuard guard(x.device());
+  Tensor out = at::empty(shape, x.options());
+  check_cuda(verl_mcore::swiglu_launch(x.data_ptr(), out.data_ptr(), float_dtype(x, "x", "swiglu"),
+                                       f ? x.numel() / (2 * f) : 0, f, to_stream(stream)),
+             "swiglu");
+  return out;
+}
+
+// logits: [rows, >= vocab] (row-major, unit column stride: a column slice of the padded logits is
+// fine); u: float64 [rows] (None when greedy, temperature 0). Returns (tokens int64 [rows], logp
+// float32 [rows]): sampling.py `sample` without top-k/top-p and `token_logprobs`, in one kernel.
+std::tuple<Tensor, Tensor> sample(Tensor logits, int64_t vocab, double temperature, std::optional<Tensor> u,
+                                  int64_t stream) {
+  const char* op = "sample";
+  check_on_device(logits, "logits", logits, op);
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) >= vocab && vocab >= 1 &&
+                  vocab <= int64_t(12000) * 256 && logits.size(0) <= 0x7fffffff,
+              "verl_mcore._C.sample: logits must be [rows < 2^31, >= vocab] with unit column stride and vocab in "
+              "[1, 3072000], got ", logits.sizes(), " strides ", logits.strides(), " vocab ", vocab);
+  const bool greedy = temperature == 0.0;
+  TORCH_CHECK(greedy || temperature > 0.0, "verl_mcore._C.sample: temperature must be >= 0, got ", temperature);
+  const int64_t rows = logits.size(0);
+  if (!greedy) {
+    TORCH_CHECK(u.has_value(), "verl_mcore._C.sample: u is required unless temperature is 0");
+    check_on_device(*u, "u", logits, op);
+    TORCH_CHECK(u->scalar_type() == at::kDouble && u->is_contiguous() && u->dim() == 1 && u->size(0) == rows,
+                "verl_mcore._C.sample: u must be contiguous float64 [", rows, "], got ", u->scalar_type(), " ",
+                u->sizes());
+  }
+  const c10::DeviceGuard guard(logits.device());
+  Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  Tensor logp = at::empty({rows}, logits.options().dtype(at::kFloat));
+  check_cuda(verl_mcore::sample_launch(logits.data_ptr(), float_dtype(logits, "logits", op), rows, logits.stride(0),
+                                       vocab, greedy ? 1.f : float(1.0 / temperature), greedy,
+                                       greedy ? nullptr : u->data_ptr<double>(), tokens.data_ptr<int64_t>(),
+                                       logp.data_ptr<float>(), to_stream(stream)),
+             op);
+  return {tokens, logp};
+}
+
 // q: [b, heads, hd]; cache_k/cache_v: [blocks, block_size, groups, hd]; block_table: int32 [b, width];
 // seq_lens: int32 [b]. Returns out [b, heads, hd] like q (see csrc/kernels.h). The split partials'
 // workspace is allocated here from the shapes alone, so a captured CUDA graph replays for any lengths.
@@ -341,5 +388,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "stream) -> out",
         py::arg("q"), py::arg("cache_k"), py::arg("cache_v"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("splits"), py::arg("stream"));
+  m.def("swiglu", &swiglu, "silu(gate) * up of the MLP's fused gate/up rows (decode step)",
+        py::arg("x"), py::arg("stream"));
+  m.def("sample", &sample, "the sampler without top-k/top-p, with the tokens' log-probs: (logits, vocab, "
+        "temperature, u, stream) -> (tokens, logp)",
+        py::arg("logits"), py::arg("vocab"), py::arg("temperature"), py::arg("u"), py::arg("stream"));
   m.def("uniforms", &uniforms, "the sampler's counter-based uniforms of (key, step) pairs");
 }

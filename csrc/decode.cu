@@ -9,11 +9,16 @@
 //                uint64 arithmetic)                                  (torch on int64: ~60 kernels)
 //   rope_cache:  split the fused QKV row, rotate q and k, write k and v into each token's row of the
 //                (paged) KV cache and q into a [tokens, heads, hd] buffer     (torch: ~16 kernels)
+//   swiglu:      out = silu(x[:, :f]) * x[:, f:] of the MLP's fused gate/up rows  (torch: 2 kernels)
 //
 // Rounding follows the torch expressions they replace, so a bf16 result differs from torch's only
 // where torch's own reductions order their sums differently: rmsnorm computes in float and rounds
 // x * rstd to the activation dtype before multiplying by the weight (torch's rms_norm); the rotary
-// sum is round(round(x * cos) + round(rotate_half(x) * sin)) as `q * cos + rotate_half(q) * sin`.
+// sum is round(round(x * cos) + round(rotate_half(x) * sin)) as `q * cos + rotate_half(q) * sin`;
+// swiglu rounds silu(gate) to T before the product, as `F.silu(gate) * up` does.
+#include <algorithm>
+#include <cstdint>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -143,6 +148,52 @@ cudaError_t rope_cache_typed(const void* qkv, const void* cos, const void* sin, 
   return cudaGetLastError();
 }
 
+// Elements a thread handles: 16 bytes of T (the widest load), or 4 floats.
+template <typename T> constexpr int kVec = 16 / sizeof(T);
+
+template <typename T> __device__ __forceinline__ float swiglu_one(T gate, T up) {
+  const float g = to_float<T>(gate);
+  return round_to<T>(g / (1.f + __expf(-g))) * to_float<T>(up);
+}
+
+// Grid-stride over the output's `rows * f` elements, kVec<T> at a time along a row when `vec`
+// (f a multiple of kVec<T>, x and out 16-byte aligned), else one at a time.
+template <typename T>
+__global__ void swiglu_kernel(const T* __restrict__ x, T* __restrict__ out, int64_t rows, int64_t f, bool vec) {
+  constexpr int V = kVec<T>;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  if (vec) {
+    const int64_t per_row = f / V, n = rows * per_row;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+      const int64_t row = i / per_row, col = (i % per_row) * V;
+      const T* gate = x + row * 2 * f + col;
+      alignas(16) T g[V], u[V], y[V];
+      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(gate);
+      *reinterpret_cast<uint4*>(u) = *reinterpret_cast<const uint4*>(gate + f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) y[k] = from_float<T>(swiglu_one<T>(g[k], u[k]));
+      *reinterpret_cast<uint4*>(out + row * f + col) = *reinterpret_cast<const uint4*>(y);
+    }
+    return;
+  }
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * f; i += stride) {
+    const int64_t row = i / f, col = i % f;
+    out[i] = from_float<T>(swiglu_one<T>(x[row * 2 * f + col], x[row * 2 * f + f + col]));
+  }
+}
+
+template <typename T>
+cudaError_t swiglu_typed(const void* x, void* out, int64_t rows, int64_t f, cudaStream_t stream) {
+  if (rows == 0 || f == 0) return cudaSuccess;
+  constexpr int threads = 256;
+  const bool vec = f % kVec<T> == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t work = vec ? rows * (f / kVec<T>) : rows * f;
+  const int blocks = int(std::min<int64_t>((work + threads - 1) / threads, 65535));
+  swiglu_kernel<T><<<blocks, threads, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(out), rows, f, vec);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t rmsnorm_launch(void* residual, const void* delta, const void* weight, void* out, FloatDtype dtype,
@@ -176,6 +227,16 @@ cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin,
     case FloatDtype::kFloat16:
       return rope_cache_typed<__half>(qkv, cos, sin, positions, rows, q_out, cache_k, cache_v, tokens, groups, r, hd,
                                       stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t swiglu_launch(const void* x, void* out, FloatDtype dtype, int64_t rows, int64_t f,
+                          cudaStream_t stream) {
+  switch (dtype) {
+    case FloatDtype::kFloat32: return swiglu_typed<float>(x, out, rows, f, stream);
+    case FloatDtype::kBFloat16: return swiglu_typed<__nv_bfloat16>(x, out, rows, f, stream);
+    case FloatDtype::kFloat16: return swiglu_typed<__half>(x, out, rows, f, stream);
   }
   return cudaErrorInvalidValue;
 }

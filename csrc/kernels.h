@@ -84,6 +84,20 @@ cudaError_t rope_cache_launch(const void* qkv, const void* cos, const void* sin,
                               const int64_t* rows, void* q_out, void* cache_k, void* cache_v, FloatDtype dtype,
                               int64_t tokens, int groups, int r, int hd, cudaStream_t stream);
 
+// out [rows, f] = silu(x[:, :f]) * x[:, f:] of x [rows, 2f], both contiguous; silu(gate) is rounded
+// to the dtype before the product (torch's `F.silu(gate) * up`).
+cudaError_t swiglu_launch(const void* x, void* out, FloatDtype dtype, int64_t rows, int64_t f, cudaStream_t stream);
+
+// The sampler (csrc/sampling.cu): per row of logits [rows, row_stride] (its first `vocab` entries),
+// a token from softmax(logits * inv_temp) by the inverse CDF at u[row] (256-entry blocks, then the
+// entry), or with `greedy` the first largest logit; tokens int64 [rows]; logp (may be null) float32
+// [rows] = the token's log softmax(logits * inv_temp) (inv_temp taken as 1 when greedy). u is not
+// read when greedy (may be null). vocab <= 12,000 x 256, rows < 2^31. A row whose max is not finite or
+// whose mass is 0 gets its argmax (torch's argmax: the first NaN, else the first maximum).
+cudaError_t sample_launch(const void* logits, FloatDtype dtype, int64_t rows, int64_t row_stride, int64_t vocab,
+                          float inv_temp, bool greedy, const double* u, int64_t* tokens, float* logp,
+                          cudaStream_t stream);
+
 // Decode attention over a paged KV cache (csrc/paged_attention.cu), bf16 or fp16 (kFloat32 returns
 // cudaErrorInvalidValue). q, out: [batch, heads, hd]; cache_k, cache_v: [blocks, block_size,
 // groups, hd]; block_table: int32 [batch, width]; seq_lens: int32 [batch]. Sequence i's key p (for

@@ -41,6 +41,24 @@ def test_rmsnorm_matches_reference(dtype, rows, hidden):
     assert _ulps(got, want) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 8), (128, 8960), (3, 5, 7), (2, 1, 4104), (0, 16), (2049, 8193)])
+def test_swiglu_matches_reference(dtype, shape):
+    """Vector (f % 8 == 0) and scalar (f = 7) paths, a misaligned view (scalar), no rows, more
+    outputs than the grid's 65535 x 256 threads (the grid-stride loop)."""
+    *lead, f = shape
+    g = torch.Generator(device="cuda").manual_seed(f)
+    x = (3 * torch.randn(*lead, 2 * f, device="cuda", generator=g)).to(dtype)
+    got, want = decode.swiglu(x), decode.swiglu_reference(x)
+    assert got.shape == want.shape == (*lead, f) and got.dtype == dtype
+    # fast-math exp and division against torch's: at most an ulp of silu, then one product rounding
+    assert got.numel() == 0 or _ulps(got, want) <= (64 if dtype == torch.float32 else 2)
+    if x.numel():
+        flat = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:].view(x.shape)
+        flat.copy_(x)  # starts 2 bytes past an allocation: the one-element path
+        assert torch.equal(decode.swiglu(flat), got)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,groups,r,hd", [(1, 1, 1, 64), (5, 2, 6, 128), (128, 4, 7, 128), (33, 8, 1, 256)])
 def test_rope_cache_matches_reference(dtype, tokens, groups, r, hd):

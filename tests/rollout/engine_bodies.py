@@ -82,7 +82,7 @@ def _engine_body(rank, tp_gen: int, hf_dir: str):
     groups = setup(tp_gen, tp_gen)
     arch, model = generation_model(hf_dir, groups, tp_gen, tp_gen)
     engine = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=3)
-    res = {"fused_engine": engine.fused}
+    res = {"fused_engine": engine.fused, "plain_swiglu": engine.net.plain_swiglu}
 
     def run(sp, eng=engine):
         return [(o.prompt_index, o.sample_index, o.token_ids, o.logprobs, o.finish_reason)

@@ -105,6 +105,7 @@ def test_native_engine_fused_decode_path(hf_model, tp_gen):
     hf_dir, tokens, logps = hf_model
     results = run_on_ranks(eb.engine_body, tp_gen, args=(hf_dir, tp_gen, True), timeout=240)
     assert results[0]["fused_engine"] is True
+    assert results[0]["plain_swiglu"] is True  # the MLP through fc1, decode_ops.swiglu, fc2
     _check_engine(results[0], tokens, logps)
     assert all(r == results[0] for r in results)
 

@@ -151,3 +151,153 @@ def test_uniforms_device_on_cuda_and_in_a_cuda_graph(fn):
     static_s.copy_(s)
     graph.replay()
     _assert_bits_equal(out, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# csrc/sampling.cu (sample_with_logprobs on a GPU)
+# ------------------------------------------------------------------------------------------------
+
+def _fused(logits, temperature, u, top_p=1.0, top_k=-1):
+    from verl_mcore.ops._extension import extension
+
+    assert extension() is not None and hasattr(extension(), "sample")
+    return sampling.sample_with_logprobs(logits, temperature, top_p, top_k, u, logprobs=True)
+
+
+def _in_cdf_interval(logits: torch.Tensor, temperature: float, u: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per row: token t has mass and u lies in its float64 CDF interval [cdf[t-1], cdf[t]] up to
+    float32 rounding of the sums (what any correct inverse-CDF draw satisfies)."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    cdf = p.cumsum(-1)
+    hi = cdf.gather(1, tokens.view(-1, 1)).squeeze(1)
+    lo = hi - p.gather(1, tokens.view(-1, 1)).squeeze(1)
+    tol = 2e-5
+    return (p.gather(1, tokens.view(-1, 1)).squeeze(1) > 0) & (lo - tol <= u) & (u <= hi + tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("vocab,width,offset", [(151936, 151936, 0), (151665, 151936, 0), (1000, 1003, 0),
+                                                (7, 8, 0), (4000, 4096, 1)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6, 1e-3])
+def test_fused_sampler_matches_torch(dtype, vocab, width, offset, temperature):
+    """Against `sample` + `token_logprobs` on a column slice of padded logits (the engine's view;
+    offset 1: a misaligned start with an aligned stride, the one-element loads): greedy tokens
+    exactly (ties included: bf16 logits repeat); every sampled token inside its float64 CDF interval
+    (the kernel sums in another order than torch, so a draw at a boundary may take the neighbour,
+    ~1% of rows at a 150k vocabulary) and nearly all equal to torch's; log-probs to float rounding.
+    The padding columns hold huge logits that must not be read."""
+    g = torch.Generator(device="cuda").manual_seed(vocab + int(temperature * 10))
+    rows = 257
+    padded = (3 * torch.randn(rows, width + offset, device="cuda", generator=g)).to(dtype)
+    padded[:, offset + vocab:] = 1e4
+    logits = padded[:, offset:offset + vocab]
+    u = torch.rand(rows, device="cuda", generator=g, dtype=torch.float64)
+    u[:3] = torch.tensor([0.0, 1.0 - 2 ** -53, 0.5])
+    tokens, logp = _fused(logits, temperature, u)
+    want = sampling.sample(logits, temperature, 1.0, -1, u)
+    want_logp = sampling.token_logprobs(logits, want, temperature)
+    assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < vocab
+    same = tokens == want
+    if temperature == 0.0:
+        assert bool(same.all())
+    else:
+        assert bool(_in_cdf_interval(logits, temperature, u, tokens).all())
+        assert int((~same).sum()) <= max(3, rows // 25), (tokens[~same], want[~same])
+    assert torch.allclose(logp[same], want_logp[same], atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fused_sampler_degenerate_rows_and_extreme_draws(temperature):
+    """Rows torch's sampler cannot draw from (all -inf, a +inf logit, a NaN) give their argmax,
+    never an index outside the vocabulary; a dominant logit wins at u -> 1 (no tail token of
+    vanishing mass from a rounding fallback); a -inf logit at every lane's first entry (the lane
+    boundaries of the in-block scan) is never drawn."""
+    vocab = 3000
+    rows = torch.randn(6, vocab, device="cuda")
+    rows[0] = float("-inf")
+    rows[1, 5] = float("inf")
+    rows[2, 7] = float("nan")
+    rows[3:5, 1000] = 80.0  # all the mass but exp(-80)-sized crumbs on the other entries
+    rows[5, ::8] = float("-inf")
+    u = torch.tensor([0.3, 0.3, 0.3, 1 - 2 ** -26, 1 - 2 ** -53, 0.77], device="cuda", dtype=torch.float64)
+    tokens, _ = _fused(rows, temperature, u)
+    assert tokens[:3].tolist() == [0, 5, 7]  # torch's argmax: the first max, the inf, the NaN
+    assert tokens[3:5].tolist() == [1000, 1000]
+    # sweep the masked row over many uniforms: never a -inf entry
+    n = 4096
+    masked = rows[5].expand(n, -1)
+    uu = torch.linspace(0, 1 - 2 ** -53, n, device="cuda", dtype=torch.float64)
+    picks, logp = _fused(masked, temperature or 1.0, uu)
+    assert bool(torch.isfinite(rows[5][picks]).all()) and bool(torch.isfinite(logp).all())
+    # A 151,936 vocabulary with mass in every other warp lane's chunk of block sums (19 blocks of
+    # 256) only: the lanes' scanned sums can round past the target in an empty chunk.
+    wide = torch.full((151936,), float("-inf"), device="cuda")
+    for c in range(0, 32, 2):
+        wide[c * 19 * 256 + 77] = 0.1 * c
+    picks, logp = _fused(wide.expand(n, -1), temperature or 1.0, uu)
+    assert int(picks.min()) >= 0 and bool(torch.isfinite(wide[picks]).all())
+
+
+@pytest.mark.gpu
+def test_fused_sampler_refuses_what_it_cannot_read():
+    from verl_mcore.ops._extension import extension
+
+    ext, stream = extension(), torch.cuda.current_stream().cuda_stream
+    x = torch.randn(4, 100, device="cuda")
+    u = torch.rand(4, device="cuda", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        ext.sample(x.t(), 4, 1.0, u[:4].clone(), stream)
+    with pytest.raises(RuntimeError, match="u must be contiguous float64"):
+        ext.sample(x, 100, 1.0, u.float(), stream)
+    with pytest.raises(RuntimeError, match="u is required"):
+        ext.sample(x, 100, 1.0, None, stream)
+    # float64 logits: the torch sampler
+    tokens, _ = sampling.sample_with_logprobs(x.double(), 1.0, 1.0, -1, u, logprobs=True)
+    assert torch.equal(tokens, sampling.sample(x.double(), 1.0, 1.0, -1, u))
+
+
+@pytest.mark.gpu
+def test_fused_sampler_frequencies_and_graph_replay():
+    """20,000 draws from one row (vocab 600: blocks of 256 and a partial one, mass in each) match
+    softmax(logits / T); the kernel captured in a CUDA graph replays new uniforms."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(600, device="cuda", generator=g).to(torch.bfloat16)
+    logits[[3, 300, 599]] = 4.0
+    n, temperature = 20000, 0.8
+    keys = sampling.sequence_keys(9, np.zeros(n, dtype=np.int64), np.arange(n))
+    u = torch.from_numpy(sampling.uniforms(keys, np.zeros(n, dtype=np.int64))).cuda()
+    rows = logits.expand(n, -1)
+    tokens, _ = _fused(rows, temperature, u)
+    probs = torch.softmax(logits.float() / temperature, -1).double()
+    freq = torch.bincount(tokens, minlength=600).double() / n
+    assert (freq - probs).abs().max() < 0.01, (freq - probs).abs().max()
+    # chi-square over the tokens expected >= 5 times each
+    big = probs * n >= 5
+    chi2 = float((((freq - probs) * n) ** 2 / (probs * n))[big].sum())
+    assert chi2 < int(big.sum()) + 6 * int(big.sum()) ** 0.5, chi2
+    static_u = torch.zeros_like(u)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _fused(rows, temperature, static_u)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = _fused(rows, temperature, static_u)
+    static_u.copy_(u)
+    graph.replay()
+    assert torch.equal(out, tokens)
+
+
+@pytest.mark.gpu
+def test_fused_sampler_leaves_truncation_to_torch():
+    """top-k / top-p go through `sample` (the kernel draws from the whole distribution)."""
+    logits = torch.randn(64, 5000, device="cuda")
+    u = torch.rand(64, device="cuda", dtype=torch.float64)
+    for top_k, top_p in ((5, 1.0), (-1, 0.7)):
+        tokens, logp = sampling.sample_with_logprobs(logits, 1.0, top_p, top_k, u, logprobs=True)
+        assert torch.equal(tokens, sampling.sample(logits, 1.0, top_p, top_k, u))
+        assert torch.equal(logp, sampling.token_logprobs(logits, tokens, 1.0))

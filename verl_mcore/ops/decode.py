@@ -2,6 +2,7 @@
 
     rmsnorm(residual, delta, weight, eps) -> out        residual += delta (in place) when delta given
     rope_cache(qkv, cos, sin, positions, rows, cache_k, cache_v, groups, r, hd) -> q
+    swiglu(x) -> silu(x[..., :f]) * x[..., f:]   (the MLP's gated activation of its fused gate/up rows)
     paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale) -> out   (over a paged KV
                         cache: torch's flash kernel, or csrc/paged_attention.cu with flash="kernel")
 
@@ -107,6 +108,20 @@ def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: T
         return extension().rope_cache(qkv.contiguous(), cos, sin, positions, rows, cache_k, cache_v, groups,
                                       r, hd, _stream(qkv))
     return rope_cache_reference(qkv, cos, sin, positions, rows, cache_k, cache_v, groups, r, hd)
+
+
+def swiglu_reference(x: Tensor) -> Tensor:
+    """megatron's gated SiLU of fc1's [gate; up] output: silu(gate), rounded, times up."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """x [..., 2f] -> silu(x[..., :f]) * x[..., f:] [..., f]: one kernel for torch's two."""
+    if available(x) and hasattr(extension(), "swiglu") and x.dtype in (torch.bfloat16, torch.float16,
+                                                                        torch.float32):
+        return extension().swiglu(x.contiguous(), _stream(x))
+    return swiglu_reference(x)
 
 
 def paged_attention_reference(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Tensor,

@@ -114,6 +114,15 @@ class _CachedGPT:
         self._rope_len = 0
         self._cos = self._sin = None
         self.cache: Optional[torch.Tensor] = None  # [layers, 2, blocks, block_size, groups, hd]
+        from megatron.core.transformer.mlp import MLP
+
+        # megatron's MLP computes silu(gate) * up with nothing else around it (see `_mlp`)
+        self.plain_swiglu = (
+            cfg.gated_linear_unit and cfg.activation_func is torch.nn.functional.silu
+            and not getattr(cfg, "use_te_activation_func", False)
+            and not getattr(cfg, "glu_linear_offset", 0.0)
+            and getattr(cfg, "activation_func_clamp_value", None) is None
+            and all(type(layer.mlp) is MLP for layer in self.layers))
 
     def rope_tables(self, length: int) -> bool:
         """cos/sin [length, hd] in the activation dtype, from the model's inv_freq (which
@@ -218,8 +227,19 @@ class _CachedGPT:
             out = attend(i, q)
             delta, _ = layer.self_attention.linear_proj(out.view(1, b, self.heads * self.head_dim))
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.pre_mlp_layernorm))
-            delta, _ = layer.mlp(x)
+            delta = self._mlp(layer.mlp, x)
         return decode_ops.rmsnorm(h, delta, *_rmsnorm_params(self.model.decoder.final_layernorm))
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's output (its fc2 bias refused by fused_decode_supported): megatron's own
+        forward, or for a plain SwiGLU MLP fc1, the one-kernel gated activation and fc2 (megatron's
+        activation is two kernels and Python around them)."""
+        if not self.plain_swiglu:
+            return mlp(x)[0]
+        gate_up, bias = mlp.linear_fc1(x)
+        if bias is not None:
+            gate_up = gate_up + bias
+        return mlp.linear_fc2(decode_ops.swiglu(gate_up))[0]
 
     def cache_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values as [cache rows, groups, hd] (blocks flattened)."""
@@ -567,10 +587,8 @@ class NativeEngine(RolloutEngine):
             return tp_sampling.sample_vocab_parallel(
                 logits_local, sp.temperature, sp.top_p, sp.top_k, u, vocab_size=self.vocab_size,
                 group=self.tp_group, logprobs=sp.logprobs)
-        full = logits_local[:, : self.vocab_size]
-        tokens = sampling_mod.sample(full, sp.temperature, sp.top_p, sp.top_k, u)
-        logp = sampling_mod.token_logprobs(full, tokens, sp.temperature) if sp.logprobs else None
-        return tokens, logp
+        return sampling_mod.sample_with_logprobs(logits_local[:, : self.vocab_size], sp.temperature,
+                                                 sp.top_p, sp.top_k, u, sp.logprobs)
 
     # ---------------------------------------------------------------- generation loop
 

@@ -106,6 +106,31 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def sample_with_logprobs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                         u: Optional[torch.Tensor], logprobs: bool
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`sample`, and with `logprobs` the tokens' `token_logprobs`. On a GPU with the csrc/ extension,
+    when nothing truncates the distribution (greedy, or top_k off and top_p 1: the RL default),
+    one kernel (csrc/sampling.cu) that reads the logits twice instead of ~20 torch kernels over
+    float32 copies of them. Its draws are `sample`'s up to float rounding at CDF boundaries (the
+    sums run in another order): the same distribution; greedy is torch's argmax exactly. A row
+    with a NaN or infinite logit gets its argmax."""
+    vocab = logits.shape[-1]
+    whole = temperature == 0.0 or (not 0 < top_k < vocab and top_p >= 1.0)
+    if whole and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and \
+            logits.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from verl_mcore.ops._extension import extension
+
+        ext = extension()
+        if ext is not None and hasattr(ext, "sample"):
+            tokens, logp = ext.sample(logits, vocab, float(temperature),
+                                      None if temperature == 0.0 else u.to(torch.float64).contiguous(),
+                                      torch.cuda.current_stream(logits.device).cuda_stream)
+            return tokens, logp if logprobs else None
+    tokens = sample(logits, temperature, top_p, top_k, u)
+    return tokens, token_logprobs(logits, tokens, temperature) if logprobs else None
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
            u: Optional[torch.Tensor]) -> torch.Tensor:
     """Tokens [b] (int64) from logits [b, V] (the real vocabulary only: padding rows cut off).
