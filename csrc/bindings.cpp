@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -20,13 +21,40 @@ namespace {
 
 using at::Tensor;
 
+// Error messages are built here with std::to_string, never by streaming a number through
+// std::ostream (as TORCH_CHECK's message arguments are): on the GPU image, an integer streamed
+// inside this extension segfaulted in libstdc++'s number formatting (FINDINGS.md), so a bad
+// argument crashed the process instead of raising. TORCH_CHECK then gets one std::string, which
+// c10 passes through without a stream.
+void put(std::string& s, const char* v) { s += v; }
+void put(std::string& s, const std::string& v) { s += v; }
+template <typename I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+void put(std::string& s, I v) { s += std::to_string(v); }
+void put(std::string& s, double v) { s += std::to_string(v); }
+void put(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+void put(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+void put(std::string& s, const c10::Device& v) { s += v.str(); }
+
+template <typename... A>
+std::string message(const A&... args) {
+  std::string s;
+  (put(s, args), ...);
+  return s;
+}
+
+#define VM_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__))
+
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "verl_mcore._C.", what, ": CUDA error: ", cudaGetErrorString(err));
+  VM_CHECK(err == cudaSuccess, "verl_mcore._C.", what, ": CUDA error: ", cudaGetErrorString(err));
 }
 
 void check_on_device(const Tensor& t, const char* name, const Tensor& like, const char* op) {
-  TORCH_CHECK(t.is_cuda(), "verl_mcore._C.", op, ": ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == like.device(), "verl_mcore._C.", op, ": ", name, " is on ", t.device(),
+  VM_CHECK(t.is_cuda(), "verl_mcore._C.", op, ": ", name, " must be a CUDA tensor");
+  VM_CHECK(t.device() == like.device(), "verl_mcore._C.", op, ": ", name, " is on ", t.device(),
               " but the other inputs are on ", like.device());
 }
 
@@ -38,14 +66,14 @@ verl_mcore::FloatDtype float_dtype(const Tensor& t, const char* name, const char
     case at::kBFloat16: return verl_mcore::FloatDtype::kBFloat16;
     case at::kHalf: return verl_mcore::FloatDtype::kFloat16;
     default:
-      TORCH_CHECK(false, "verl_mcore._C.", op, ": ", name, " must be float32, bfloat16 or float16, got ",
+      VM_CHECK(false, "verl_mcore._C.", op, ": ", name, " must be float32, bfloat16 or float16, got ",
                   t.scalar_type());
   }
 }
 
 verl_mcore::MaskDtype mask_dtype_of(const Tensor& mask, const char* op) {
   if (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte) return verl_mcore::MaskDtype::kBool;
-  TORCH_CHECK(mask.scalar_type() == at::kFloat, "verl_mcore._C.", op, ": mask must be bool, uint8 or float32, got ",
+  VM_CHECK(mask.scalar_type() == at::kFloat, "verl_mcore._C.", op, ": mask must be bool, uint8 or float32, got ",
               mask.scalar_type());
   return verl_mcore::MaskDtype::kFloat32;
 }
@@ -55,14 +83,14 @@ verl_mcore::MaskDtype mask_dtype_of(const Tensor& mask, const char* op) {
 // (count, mean, M2) of valid advantages, float32 [tiles, 3] (else an empty tensor).
 std::tuple<Tensor, Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mask, double gamma, double lam,
                                        int64_t stream, int64_t config, bool with_stats) {
-  TORCH_CHECK(rewards.dim() == 2, "verl_mcore._C.gae: rewards must be [batch, T], got shape ", rewards.sizes());
-  TORCH_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
+  VM_CHECK(rewards.dim() == 2, "verl_mcore._C.gae: rewards must be [batch, T], got shape ", rewards.sizes());
+  VM_CHECK(values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes(),
               "verl_mcore._C.gae: rewards ", rewards.sizes(), ", values ", values.sizes(), " and mask ",
               mask.sizes(), " must have the same shape");
   check_on_device(rewards, "rewards", rewards, "gae");
   check_on_device(values, "values", rewards, "gae");
   check_on_device(mask, "mask", rewards, "gae");
-  TORCH_CHECK(rewards.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+  VM_CHECK(rewards.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "verl_mcore._C.gae: rewards and values must be float32");
   const verl_mcore::MaskDtype mask_dtype = mask_dtype_of(mask, "gae");
   const c10::DeviceGuard guard(rewards.device());
@@ -88,11 +116,11 @@ std::tuple<Tensor, Tensor, Tensor> gae(Tensor rewards, Tensor values, Tensor mas
 
 // x[i] = mask[i] ? (x[i] - mean) * rstd : 0, in place. x: contiguous float32; mask: same shape.
 void masked_normalize_(Tensor x, Tensor mask, double mean, double rstd, int64_t stream) {
-  TORCH_CHECK(x.sizes() == mask.sizes(), "verl_mcore._C.masked_normalize_: x ", x.sizes(), " and mask ", mask.sizes(),
+  VM_CHECK(x.sizes() == mask.sizes(), "verl_mcore._C.masked_normalize_: x ", x.sizes(), " and mask ", mask.sizes(),
               " must have the same shape");
   check_on_device(x, "x", x, "masked_normalize_");
   check_on_device(mask, "mask", x, "masked_normalize_");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+  VM_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
               "verl_mcore._C.masked_normalize_: x must be a contiguous float32 tensor");
   const verl_mcore::MaskDtype mask_dtype = mask_dtype_of(mask, "masked_normalize_");
   const c10::DeviceGuard guard(x.device());
@@ -105,14 +133,14 @@ void masked_normalize_(Tensor x, Tensor mask, double mean, double rstd, int64_t 
 // Whiten x in place from gae's tile statistics, on the device; returns moments float64 [4] =
 // (n, mean, var, rstd) on x's device (the caller reads n to refuse n < 2).
 Tensor whiten_by_tile_stats_(Tensor x, Tensor mask, Tensor tile_stats, double eps, int64_t stream) {
-  TORCH_CHECK(x.sizes() == mask.sizes(), "verl_mcore._C.whiten_by_tile_stats_: x ", x.sizes(), " and mask ",
+  VM_CHECK(x.sizes() == mask.sizes(), "verl_mcore._C.whiten_by_tile_stats_: x ", x.sizes(), " and mask ",
               mask.sizes(), " must have the same shape");
   check_on_device(x, "x", x, "whiten_by_tile_stats_");
   check_on_device(mask, "mask", x, "whiten_by_tile_stats_");
   check_on_device(tile_stats, "tile_stats", x, "whiten_by_tile_stats_");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+  VM_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
               "verl_mcore._C.whiten_by_tile_stats_: x must be a contiguous float32 tensor");
-  TORCH_CHECK(tile_stats.scalar_type() == at::kFloat && tile_stats.dim() == 2 && tile_stats.size(1) == 3 &&
+  VM_CHECK(tile_stats.scalar_type() == at::kFloat && tile_stats.dim() == 2 && tile_stats.size(1) == 3 &&
                   tile_stats.is_contiguous(),
               "verl_mcore._C.whiten_by_tile_stats_: tile_stats must be contiguous float32 [tiles, 3]");
   const verl_mcore::MaskDtype mask_dtype = mask_dtype_of(mask, "whiten_by_tile_stats_");
@@ -133,10 +161,10 @@ Tensor rows_with_unit_stride(const Tensor& logits) {
 // logits: [tokens, V_local]; target: int64 [tokens]. Returns float32 [tokens, 4] local statistics
 // (see csrc/kernels.h).
 Tensor lpe_forward(Tensor logits, Tensor target, int64_t vocab_start, double inv_temp, int64_t stream) {
-  TORCH_CHECK(logits.dim() == 2, "verl_mcore._C.lpe_forward: logits must be [tokens, V_local], got ", logits.sizes());
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "verl_mcore._C.lpe_forward: target must be [",
+  VM_CHECK(logits.dim() == 2, "verl_mcore._C.lpe_forward: logits must be [tokens, V_local], got ", logits.sizes());
+  VM_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "verl_mcore._C.lpe_forward: target must be [",
               logits.size(0), "], got ", target.sizes());
-  TORCH_CHECK(target.scalar_type() == at::kLong, "verl_mcore._C.lpe_forward: target must be int64");
+  VM_CHECK(target.scalar_type() == at::kLong, "verl_mcore._C.lpe_forward: target must be int64");
   check_on_device(logits, "logits", logits, "lpe_forward");
   check_on_device(target, "target", logits, "lpe_forward");
   const auto dtype = float_dtype(logits, "logits", "lpe_forward");
@@ -154,15 +182,15 @@ Tensor lpe_forward(Tensor logits, Tensor target, int64_t vocab_start, double inv
 // Returns grad_logits [tokens, V_local] in the logits' dtype. logZ, Ez, g_logp, g_ent: float32 [tokens].
 Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double inv_temp, Tensor logZ, Tensor Ez,
                     Tensor g_logp, Tensor g_ent, int64_t stream) {
-  TORCH_CHECK(logits.dim() == 2, "verl_mcore._C.lpe_backward: logits must be [tokens, V_local], got ", logits.sizes());
+  VM_CHECK(logits.dim() == 2, "verl_mcore._C.lpe_backward: logits must be [tokens, V_local], got ", logits.sizes());
   const int64_t N = logits.size(0);
   const char* names[] = {"target", "logZ", "Ez", "g_logp", "g_ent"};
   Tensor* per_token[] = {&target, &logZ, &Ez, &g_logp, &g_ent};
   for (int i = 0; i < 5; ++i) {
-    TORCH_CHECK(per_token[i]->dim() == 1 && per_token[i]->size(0) == N, "verl_mcore._C.lpe_backward: ", names[i],
+    VM_CHECK(per_token[i]->dim() == 1 && per_token[i]->size(0) == N, "verl_mcore._C.lpe_backward: ", names[i],
                 " must be [", N, "], got ", per_token[i]->sizes());
     check_on_device(*per_token[i], names[i], logits, "lpe_backward");
-    TORCH_CHECK(per_token[i]->scalar_type() == (i == 0 ? at::kLong : at::kFloat),
+    VM_CHECK(per_token[i]->scalar_type() == (i == 0 ? at::kLong : at::kFloat),
                 "verl_mcore._C.lpe_backward: ", names[i], " must be ", i == 0 ? "int64" : "float32");
     *per_token[i] = per_token[i]->contiguous();
   }
@@ -181,9 +209,9 @@ Tensor lpe_backward(Tensor logits, Tensor target, int64_t vocab_start, double in
 
 void check_same(const Tensor& t, const char* name, const Tensor& like, const char* op) {
   check_on_device(t, name, like, op);
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "verl_mcore._C.", op, ": ", name, " is ", t.scalar_type(),
+  VM_CHECK(t.scalar_type() == like.scalar_type(), "verl_mcore._C.", op, ": ", name, " is ", t.scalar_type(),
               " but the other inputs are ", like.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "verl_mcore._C.", op, ": ", name, " must be contiguous");
+  VM_CHECK(t.is_contiguous(), "verl_mcore._C.", op, ": ", name, " must be contiguous");
 }
 
 // residual: [..., hidden] contiguous; delta: None or like residual (then residual += delta in place);
@@ -192,11 +220,11 @@ Tensor rmsnorm(Tensor residual, std::optional<Tensor> delta, Tensor weight, doub
   check_same(residual, "residual", residual, "rmsnorm");
   check_same(weight, "weight", residual, "rmsnorm");
   const int64_t hidden = residual.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "verl_mcore._C.rmsnorm: weight must be [", hidden,
+  VM_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "verl_mcore._C.rmsnorm: weight must be [", hidden,
               "], got ", weight.sizes());
   if (delta) {
     check_same(*delta, "delta", residual, "rmsnorm");
-    TORCH_CHECK(delta->sizes() == residual.sizes(), "verl_mcore._C.rmsnorm: delta ", delta->sizes(),
+    VM_CHECK(delta->sizes() == residual.sizes(), "verl_mcore._C.rmsnorm: delta ", delta->sizes(),
                 " and residual ", residual.sizes(), " differ in shape");
   }
   const c10::DeviceGuard guard(residual.device());
@@ -221,17 +249,17 @@ Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor r
   check_same(cache_v, "cache_v", qkv, op);
   check_on_device(positions, "positions", qkv, op);
   check_on_device(rows, "rows", qkv, op);
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
+  VM_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
               "verl_mcore._C.rope_cache: positions must be a contiguous int64 vector");
   const int64_t tokens = positions.size(0);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 1 && rows.size(0) == tokens,
+  VM_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 1 && rows.size(0) == tokens,
               "verl_mcore._C.rope_cache: rows must be a contiguous int64 vector like positions");
-  TORCH_CHECK(qkv.numel() == tokens * groups * (r + 2) * hd, "verl_mcore._C.rope_cache: qkv has ", qkv.numel(),
+  VM_CHECK(qkv.numel() == tokens * groups * (r + 2) * hd, "verl_mcore._C.rope_cache: qkv has ", qkv.numel(),
               " elements, expected tokens x groups x (r + 2) x hd = ", tokens, " x ", groups, " x ", r + 2, " x ", hd);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+  VM_CHECK(cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
               "verl_mcore._C.rope_cache: cos/sin must be [max_pos, ", hd, "]");
-  TORCH_CHECK(hd % 2 == 0, "verl_mcore._C.rope_cache: head dim must be even, got ", hd);
-  TORCH_CHECK(cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes() && cache_k.size(1) == groups &&
+  VM_CHECK(hd % 2 == 0, "verl_mcore._C.rope_cache: head dim must be even, got ", hd);
+  VM_CHECK(cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes() && cache_k.size(1) == groups &&
                   cache_k.size(2) == hd,
               "verl_mcore._C.rope_cache: caches must be [rows, ", groups, ", ", hd, "], got ", cache_k.sizes(),
               " and ", cache_v.sizes());
@@ -248,7 +276,7 @@ Tensor rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor r
 // x: [..., 2f] contiguous. Returns silu(x[..., :f]) * x[..., f:], [..., f] like x.
 Tensor swiglu(Tensor x, int64_t stream) {
   check_same(x, "x", x, "swiglu");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "verl_mcore._C.swiglu: x must be [..., 2f], got ", x.sizes());
+  VM_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "verl_mcore._C.swiglu: x must be [..., 2f], got ", x.sizes());
   const int64_t f = x.size(-1) / 2;
   auto shape = x.sizes().vec();
   shape.back() = f;
@@ -267,17 +295,17 @@ std::tuple<Tensor, Tensor> sample(Tensor logits, int64_t vocab, double temperatu
                                   int64_t stream) {
   const char* op = "sample";
   check_on_device(logits, "logits", logits, op);
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) >= vocab && vocab >= 1 &&
+  VM_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) >= vocab && vocab >= 1 &&
                   vocab <= int64_t(12000) * 256 && logits.size(0) <= 0x7fffffff,
               "verl_mcore._C.sample: logits must be [rows < 2^31, >= vocab] with unit column stride and vocab in "
               "[1, 3072000], got ", logits.sizes(), " strides ", logits.strides(), " vocab ", vocab);
   const bool greedy = temperature == 0.0;
-  TORCH_CHECK(greedy || temperature > 0.0, "verl_mcore._C.sample: temperature must be >= 0, got ", temperature);
+  VM_CHECK(greedy || temperature > 0.0, "verl_mcore._C.sample: temperature must be >= 0, got ", temperature);
   const int64_t rows = logits.size(0);
   if (!greedy) {
-    TORCH_CHECK(u.has_value(), "verl_mcore._C.sample: u is required unless temperature is 0");
+    VM_CHECK(u.has_value(), "verl_mcore._C.sample: u is required unless temperature is 0");
     check_on_device(*u, "u", logits, op);
-    TORCH_CHECK(u->scalar_type() == at::kDouble && u->is_contiguous() && u->dim() == 1 && u->size(0) == rows,
+    VM_CHECK(u->scalar_type() == at::kDouble && u->is_contiguous() && u->dim() == 1 && u->size(0) == rows,
                 "verl_mcore._C.sample: u must be contiguous float64 [", rows, "], got ", u->scalar_type(), " ",
                 u->sizes());
   }
@@ -303,34 +331,34 @@ Tensor paged_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor block_ta
   check_same(cache_v, "cache_v", q, op);
   check_on_device(block_table, "block_table", q, op);
   check_on_device(seq_lens, "seq_lens", q, op);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+  VM_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "verl_mcore._C.paged_attention: q and the caches must be bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK(q.dim() == 3, "verl_mcore._C.paged_attention: q must be [b, heads, hd], got ", q.sizes());
+  VM_CHECK(q.dim() == 3, "verl_mcore._C.paged_attention: q must be [b, heads, hd], got ", q.sizes());
   const int64_t b = q.size(0), heads = q.size(1), hd = q.size(2);
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(3) == hd &&
+  VM_CHECK(cache_k.dim() == 4 && cache_k.sizes() == cache_v.sizes() && cache_k.size(3) == hd &&
                   cache_k.size(0) >= 1 && cache_k.size(1) >= 1,
               "verl_mcore._C.paged_attention: caches must be [blocks >= 1, block_size >= 1, groups, ", hd,
               "] (q's head dim), got ", cache_k.sizes(), " and ", cache_v.sizes());
   const int64_t block_size = cache_k.size(1), groups = cache_k.size(2);
-  TORCH_CHECK(groups >= 1 && heads % groups == 0, "verl_mcore._C.paged_attention: q's ", heads,
+  VM_CHECK(groups >= 1 && heads % groups == 0, "verl_mcore._C.paged_attention: q's ", heads,
               " heads are not a multiple of the caches' ", groups, " KV groups");
-  TORCH_CHECK(hd % 8 == 0 && hd >= 8 && hd <= 256, "verl_mcore._C.paged_attention: head dim must be a multiple of 8 "
+  VM_CHECK(hd % 8 == 0 && hd >= 8 && hd <= 256, "verl_mcore._C.paged_attention: head dim must be a multiple of 8 "
               "in [8, 256], got ", hd);
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2 &&
+  VM_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2 &&
                   block_table.size(0) == b && block_table.size(1) >= 1,
               "verl_mcore._C.paged_attention: block_table must be contiguous int32 [", b, ", width >= 1], got ",
               block_table.scalar_type(), " ", block_table.sizes());
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.dim() == 1 &&
+  VM_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == b,
               "verl_mcore._C.paged_attention: seq_lens must be contiguous int32 [", b, "], got ",
               seq_lens.scalar_type(), " ", seq_lens.sizes());
   const int64_t width = block_table.size(1);
-  TORCH_CHECK(width * block_size < (int64_t(1) << 30), "verl_mcore._C.paged_attention: a block table of ", width,
+  VM_CHECK(width * block_size < (int64_t(1) << 30), "verl_mcore._C.paged_attention: a block table of ", width,
               " blocks of ", block_size, " tokens exceeds the kernel's 2^30 keys a sequence");
-  TORCH_CHECK(splits >= 1 && splits <= 1024, "verl_mcore._C.paged_attention: splits must be in [1, 1024], got ",
+  VM_CHECK(splits >= 1 && splits <= 1024, "verl_mcore._C.paged_attention: splits must be in [1, 1024], got ",
               splits);
   for (const Tensor* t : {&q, &cache_k, &cache_v}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+    VM_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                 "verl_mcore._C.paged_attention: q, cache_k and cache_v must start 16-byte aligned (the kernel reads "
                 "16-byte vectors); pass a contiguous copy");
   }
@@ -355,7 +383,7 @@ Tensor uniforms(Tensor keys, Tensor steps, int64_t stream) {
   const char* op = "uniforms";
   check_on_device(keys, "keys", keys, op);
   check_on_device(steps, "steps", keys, op);
-  TORCH_CHECK(keys.scalar_type() == at::kLong && steps.scalar_type() == at::kLong && keys.is_contiguous() &&
+  VM_CHECK(keys.scalar_type() == at::kLong && steps.scalar_type() == at::kLong && keys.is_contiguous() &&
                   steps.is_contiguous() && keys.dim() == 1 && steps.sizes() == keys.sizes(),
               "verl_mcore._C.uniforms: keys and steps must be contiguous int64 vectors of one length");
   const c10::DeviceGuard guard(keys.device());
