@@ -102,6 +102,12 @@ def main(argv=None) -> dict:
         parts["paged attention (csrc kernel)"] = (
             lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens, net.scale, flash="kernel"),
             kernel_bytes)
+    from verl_mcore.ops import triton_paged
+
+    if triton_paged.available() is None:  # the same reads with the products on tensor cores
+        parts["paged attention (triton)"] = (
+            lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens, net.scale, flash="triton"),
+            2 * int(lens.sum()) * net.groups * net.head_dim * e + 2 * q.numel() * e)
     out = {"device": torch.cuda.get_device_name(), "batch": b, "context": ctx, "copy_bytes_per_s": bw,
            "attention": engine.attention, "fused": engine.fused, "parts": {}}
     print(f"{out['device']}: copy {bw / 1e12:.2f} TB/s; batch {b}, context {ctx}; per call:")

@@ -11,7 +11,8 @@ of K/V it must read at the copy bandwidth. Prints one line per check.
     python bench/probe_paged_attention.py --sweep
 
 instead times, at the engine's decode shapes (batch x keys of issue 22's settings), the "sequence"
-flash call and csrc/paged_attention.cu at several split counts (the engine's own choice marked),
+flash call, csrc/paged_attention.cu and ops/triton_paged.py at several split counts (each one's own
+choice marked),
 each against its K/V bytes at the copy bandwidth: which split rule, and which mode, to take.
 """
 from __future__ import annotations
@@ -111,6 +112,16 @@ def sweep() -> None:
                 line.append(f"kernel/{splits}{mark} " + timed(
                     lambda q, kc, vc, t, n, s=splits: decode.extension().paged_attention(
                         q, kc, vc, t, n, scale, s, torch.cuda.current_stream().cuda_stream)))
+        try:
+            from verl_mcore.ops import triton_paged
+
+            chosen = triton_paged.splits_for(b, groups, whole, sms)
+            for splits in sorted({1, 2, 4, 8, chosen}):
+                mark = "*" if splits == chosen else ""
+                line.append(f"triton/{splits}{mark} " + timed(
+                    lambda q, kc, vc, t, n, s=splits: triton_paged.paged_attention(q, kc, vc, t, n, scale, splits=s)))
+        except Exception as e:  # noqa: BLE001 - the probe reports what fails
+            line.append(f"triton: FAILED {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         print("  ".join(line), flush=True)
         torch.cuda.empty_cache()
 

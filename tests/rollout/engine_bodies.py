@@ -418,3 +418,35 @@ def paged_edge_body(rank, world_size, hf_dir: str, tp_gen: int):
         except ValueError as e:
             res[f"bad_{name}"] = str(e)
     return res
+
+
+def triton_engine_body(rank, world_size, hf_dir: str):
+    """The engine with its decode attention forced to ops/triton_paged.py under Triton's CPU
+    interpreter (fp32), over 4-token blocks: greedy tokens and log-probs, then seeded samples with
+    prefix sharing and preemption, beside the same calls with the reference attention."""
+    from tests.triton_interpret import use_interpreter
+
+    use_interpreter()
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+
+    groups = setup(1, 1)
+    arch, model = generation_model(hf_dir, groups, 1, 1)
+    mode = NativeEngine._attention_mode
+    res = {}
+    try:
+        for name, forced in (("triton", ("triton", "forced: the interpreter on the CPU")), ("reference", (None, "forced"))):
+            NativeEngine._attention_mode = lambda self, forced=forced: forced
+            def run(eng, sp):
+                out = [(o.prompt_index, o.sample_index, o.token_ids, o.logprobs) for o in eng.generate(LONG_PROMPTS, sp)]
+                return out, eng.last_stats, eng.pool.used, eng.attention
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=LONG_NEW, logprobs=True)
+            res[name + "_greedy"] = run(NativeEngine(model, vocab_size=arch.vocab_size, block_size=4,
+                                                     max_num_seqs=3, steps_per_sync=3), greedy)
+            tight = NativeEngine(model, vocab_size=arch.vocab_size, block_size=4, max_num_seqs=16, steps_per_sync=2)
+            tight._blocks_that_fit = lambda: 13
+            res[name + "_sampled"] = run(tight, SamplingParams(n=4, temperature=1.0, max_new_tokens=LONG_NEW,
+                                                               seed=3, logprobs=True))
+    finally:
+        NativeEngine._attention_mode = mode
+    return res

@@ -1,5 +1,5 @@
 """The native engine as it runs on a GPU (CUDA graphs of the whole decode step, fused kernels,
-torch's paged flash attention or the csrc/ paged kernel, 256-token blocks): its tokens and log-probs
+torch's paged flash attention, the csrc/ or the Triton paged kernel, 256-token blocks): its tokens and log-probs
 against transformers' forward over the same sequences. The body runs in its own process
 (tests/rollout/native_gpu_body.py)."""
 import json
@@ -12,12 +12,16 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["default", "paged_kernel"])
+OPT_IN = {"default": "0", "paged_kernel": "1", "triton": "triton"}
+
+
+@pytest.fixture(scope="module", params=list(OPT_IN))
 def res(request):
-    """The body as the engine picks its attention, and with the csrc/ paged kernel opted in
-    (VERL_MCORE_PAGED_KERNEL=1: used where torch's flash kernel takes no block table)."""
+    """The body as the engine picks its attention, and with the csrc/ or the Triton paged kernel
+    opted in (VERL_MCORE_PAGED_KERNEL=1 / triton: used where torch's flash kernel takes no block
+    table)."""
     body = os.path.join(os.path.dirname(__file__), "native_gpu_body.py")
-    env = dict(os.environ, VERL_MCORE_PAGED_KERNEL="1" if request.param == "paged_kernel" else "0")
+    env = dict(os.environ, VERL_MCORE_PAGED_KERNEL=OPT_IN[request.param])
     out = subprocess.run([sys.executable, body], capture_output=True, text=True, timeout=600, env=env)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     assert out.returncode == 0 and line, out.stdout[-3000:] + out.stderr[-3000:]
@@ -27,8 +31,8 @@ def res(request):
 def test_gpu_path_is_the_fast_one(res, request):
     # paged flash where torch's kernel takes a block table; else the csrc/ paged kernel when opted
     # in, or one 256-multiple block a sequence
-    opted_in = request.node.callspec.params["res"] == "paged_kernel"
-    assert res["fused"] and res["attention"] in (("paged", "kernel") if opted_in else ("paged", "sequence"))
+    mode = {"default": "sequence", "paged_kernel": "kernel", "triton": "triton"}[request.node.callspec.params["res"]]
+    assert res["fused"] and res["attention"] in ("paged", mode)
     assert res["block_size"] == (768 if res["attention"] == "sequence" else 256)  # 511 + 40 tokens
 
 
@@ -53,7 +57,7 @@ def test_sampling_on_device_is_seeded_and_stops(res):
 def test_prefix_sharing_and_preemption_on_gpu(res):
     st, tight = res["greedy"]["stats"], res["greedy_tight"]["stats"]
     assert tight["rollout/kv_blocks"] == 6
-    if res["attention"] in ("paged", "kernel"):
+    if res["attention"] in ("paged", "kernel", "triton"):
         # prompts of 256, 257, 300 and 511 tokens have one full block; their second samples share it
         assert st["rollout/kv_shared_prefix_blocks"] == 4
         assert tight["rollout/preemptions"] > 0

@@ -130,3 +130,23 @@ def test_block_pool_counts_holders():
         pool.take(5)
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release(a[:1])
+
+
+@pytest.mark.distributed
+def test_engine_with_triton_paged_attention_in_the_interpreter(paged_model):
+    """ops/triton_paged.py as the engine's decode attention (Triton's CPU interpreter, fp32,
+    4-token blocks): transformers' greedy tokens, and the reference attention's seeded samples
+    under prefix sharing and preemption, every block returned."""
+    pytest.importorskip("triton", reason="Triton is not installed here (the GPU image has it)")
+    hf_dir, tokens, logps = paged_model
+    [res] = run_on_ranks(eb.triton_engine_body, 1, args=(hf_dir,), timeout=600)
+    out, _, used, attention = res["triton_greedy"]
+    assert attention == "triton" and used == 0
+    assert [o[2] for o in out] == tokens
+    assert max(abs(a - b) for o, ref in zip(out, logps) for a, b in zip(o[3], ref)) < 1e-4
+    got, stats, used, _ = res["triton_sampled"]
+    want, want_stats, _, attention = res["reference_sampled"]
+    assert attention is None and used == 0
+    assert stats["rollout/preemptions"] > 0 and stats["rollout/kv_shared_prefix_blocks"] > 0
+    assert [o[:3] for o in got] == [o[:3] for o in want]
+    assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x[3], y[3])) < 1e-4

@@ -4,7 +4,8 @@
     rope_cache(qkv, cos, sin, positions, rows, cache_k, cache_v, groups, r, hd) -> q
     swiglu(x) -> silu(x[..., :f]) * x[..., f:]   (the MLP's gated activation of its fused gate/up rows)
     paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale) -> out   (over a paged KV
-                        cache: torch's flash kernel, or csrc/paged_attention.cu with flash="kernel")
+                        cache: torch's flash kernel, csrc/paged_attention.cu with flash="kernel",
+                        ops/triton_paged.py with flash="triton")
 
 `available(tensor)` says whether the kernels serve a tensor (a CUDA tensor and the extension
 loaded); the references run everywhere and are the tests' oracle. All ops are forward-only.
@@ -153,8 +154,14 @@ def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Te
     contiguous slot); the variable-length kernel reads block_table[i, 0]'s first seq_lens[i]
     keys. flash="kernel" (`paged_kernel_supported`; bf16/fp16 where the csrc/ extension has it):
     csrc/paged_attention.cu, reading only each sequence's own keys once for all heads of a KV
-    group, any block size, split-K by `paged_kernel_splits`. Otherwise the reference, which reads
+    group, any block size, split-K by `paged_kernel_splits`. flash="triton"
+    (`paged_triton_supported`): ops/triton_paged.py, the same reads with the products on tensor
+    cores. Otherwise the reference, which reads
     all `width` blocks of every row (graph-safe too: no host sync)."""
+    if flash == "triton":
+        from verl_mcore.ops import triton_paged
+
+        return triton_paged.paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale)
     if flash == "kernel" and kernel_available(q):
         max_len = block_table.shape[1] * cache_k.shape[1]
         splits = paged_kernel_splits(q.shape[0], q.shape[1], cache_k.shape[2], max_len, _sm_count(q.device))
@@ -228,3 +235,20 @@ def paged_kernel_supported(device: torch.device, heads: int = 4, groups: int = 2
         device, heads, groups, hd, dtype, 16, 20,
         lambda q, kc, vc, table, lens, scale: [
             extension().paged_attention(q, kc, vc, table, lens, scale, splits, _stream(q)) for splits in (1, 3)])
+
+
+def paged_triton_supported(device: torch.device, heads: int = 4, groups: int = 2, hd: int = 64,
+                           dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """`paged_flash_supported` for flash="triton" (ops/triton_paged.py): 16-token blocks out of
+    order, lengths of 1, mid-table and the whole table, with one split and with three."""
+    from verl_mcore.ops import triton_paged
+
+    if device.type != "cuda":
+        return "not a CUDA device"
+    missing = triton_paged.available()
+    if missing:
+        return missing
+    return _matches_reference(
+        device, heads, groups, hd, dtype, 16, 20,
+        lambda q, kc, vc, table, lens, scale: [
+            triton_paged.paged_attention(q, kc, vc, table, lens, scale, splits=splits) for splits in (1, 3)])

@@ -337,7 +337,7 @@ class NativeEngine(RolloutEngine):
                                  f"reads no paged cache, so a block is a whole sequence ({self.attention_reason})")
             block_size = 0  # set per call: the longest sequence, rounded up to 256 tokens
         elif block_size is None:
-            block_size = 256 if self.attention in ("paged", "kernel") else 16
+            block_size = 256 if self.attention in ("paged", "kernel", "triton") else 16
         if self.attention == "paged" and block_size % 256:
             raise ValueError(f"NativeEngine: block_size {block_size}: torch's paged flash kernel "
                              "reads blocks of multiples of 256 tokens")
@@ -356,7 +356,7 @@ class NativeEngine(RolloutEngine):
         """How decode attention reads the cache (`decode_ops.paged_attention`'s flash argument)
         and, when not "paged", why not: "paged" (torch's flash kernel with a block table),
         "kernel" (csrc/paged_attention.cu, with VERL_MCORE_PAGED_KERNEL=1, where torch's flash
-        kernel takes no block table), "sequence" (a torch whose flash kernel takes no block table:
+        kernel takes no block table), "triton" (ops/triton_paged.py, VERL_MCORE_PAGED_KERNEL=triton), "sequence" (a torch whose flash kernel takes no block table:
         one block per sequence), None (the reference: CPU, fp32, a head dim flash rejects)."""
         net = self.net
         if net.device.type != "cuda":
@@ -369,12 +369,14 @@ class NativeEngine(RolloutEngine):
         paged = decode_ops.paged_flash_supported(*shape)
         if paged is None:
             return "paged", None
-        if os.environ.get("VERL_MCORE_PAGED_KERNEL") == "1":  # opt-in until timed on a GPU
-            kernel = decode_ops.paged_kernel_supported(*shape)
-            if kernel is None:
-                return "kernel", f"paged flash attention unavailable ({paged}): the csrc/ paged kernel"
-            warnings.warn(f"NativeEngine: VERL_MCORE_PAGED_KERNEL=1, but the csrc/ paged kernel fails its "
-                          f"self-check here ({kernel}); not used")
+        own = os.environ.get("VERL_MCORE_PAGED_KERNEL", "")
+        if own in ("1", "triton"):  # opt-in until one is faster than flash on a GPU
+            mode, name = ("kernel", "csrc/ paged kernel") if own == "1" else ("triton", "Triton paged kernel")
+            check = (decode_ops.paged_kernel_supported if own == "1" else decode_ops.paged_triton_supported)(*shape)
+            if check is None:
+                return mode, f"paged flash attention unavailable ({paged}): the {name}"
+            warnings.warn(f"NativeEngine: VERL_MCORE_PAGED_KERNEL={own}, but the {name} fails its "
+                          f"self-check here ({check}); not used")
         whole = decode_ops.sequence_flash_supported(*shape)
         if whole is None:
             return "sequence", f"paged flash attention unavailable ({paged}): one block per sequence"

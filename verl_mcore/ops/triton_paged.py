@@ -1,0 +1,141 @@
+"""Decode attention over a paged KV cache in Triton (`decode.paged_attention(flash="triton")`).
+
+torch 2.11's flash kernel takes no block table, and csrc/paged_attention.cu, which does, streams
+its keys on CUDA cores: with r = 6 query heads a KV group it needs ~6 fp32 FMAs per byte of K/V
+and measured 1.3-2.2x slower than flash (bench/RESULTS.md, 2026-12-06). This kernel does the
+products on tensor cores, as flash does, over the same paged cache:
+
+  * stage 1, one program per (sequence, KV group, split): the group's r query heads as the rows
+    of one tile (padded to 16, the smallest tensor-core tile), the split's keys in tiles of
+    BLOCK_N (each key's row looked up in the block table: any block size), scores = q kᵀ and
+    acc += p v as tl.dot, an online softmax per head in fp32 (base 2, q pre-scaled by
+    scale·log2 e); each K/V row is read once for all heads of its group. It writes the split's
+    (max, sum, unnormalised acc) to a float32 workspace;
+  * stage 2, one program per (sequence, head): the log-sum-exp combine of the splits. A split
+    whose share is empty has sum 0 and weight 0; a sequence of no keys gets zeros.
+
+Each sequence's keys are cut into `splits` equal shares on the device (from seq_lens), and the
+launch depends on shapes only, so one CUDA graph replays for any mix of lengths. p is rounded to
+the cache dtype before the p·v product, as in flash attention. Opt-in
+(VERL_MCORE_PAGED_KERNEL=triton) until timed against flash on a GPU; its oracle is
+`decode.paged_attention_reference`, on a GPU and on the CPU under TRITON_INTERPRET=1 (fp16/fp32:
+the interpreter has no bf16).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+BLOCK_N = 64  # keys a stage-1 iteration reads (a [BLOCK_N, hd] tile of K and of V)
+MIN_ROWS = 16  # query rows of a tensor-core tile
+
+
+def available() -> Optional[str]:
+    """None when Triton is importable, else why not."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("triton") is not None else "triton is not installed"
+
+
+def splits_for(batch: int, groups: int, max_len: int, sms: int) -> int:
+    """Shares of each sequence's keys, from shapes only (graph-safe): about four stage-1 programs
+    per SM, each share of the longest possible sequence at least 4 tiles of keys."""
+    programs = batch * groups
+    return max(1, min(-(-4 * sms // programs), max_len // (4 * BLOCK_N), 64))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, ml_ptr, scale_log2, width,
+                HEADS: tl.constexpr, GROUPS: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+                HD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr):
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + b)
+        share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN  # whole tiles, but the sequence's last
+        start = s * share
+        end = tl.minimum(start + share, seq_len)
+        rows = tl.arange(0, R_PAD)
+        d = tl.arange(0, HD)
+        head = g * R + rows
+        live = rows < R
+        q = tl.load(q_ptr + (b * HEADS + head)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
+        m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([R_PAD], tl.float32)
+        acc = tl.zeros([R_PAD, HD], tl.float32)
+        for n0 in range(start, end, BN):
+            pos = n0 + tl.arange(0, BN)
+            valid = pos < end
+            page = tl.load(table_ptr + b.to(tl.int64) * width + pos // PAGE, mask=valid, other=0)
+            row = page.to(tl.int64) * PAGE + pos % PAGE
+            off = (row * GROUPS + g)[:, None] * HD + d[None, :]
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2  # [R_PAD, BN], fp32
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: the tile holds a valid key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        base = (b * HEADS + head) * SPLITS + s
+        tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=live[:, None])
+        tl.store(ml_ptr + base * 2, m_i, mask=live)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=live)
+
+    @triton.jit
+    def combine(acc_ptr, ml_ptr, out_ptr, HD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+        bh = tl.program_id(0)  # sequence * heads + head
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, HD)
+        have = s < SPLITS
+        m = tl.load(ml_ptr + (bh * SPLITS + s) * 2, mask=have, other=float("-inf"))
+        l = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1, mask=have, other=0.0)
+        top = tl.max(m, 0)
+        w = tl.where(l > 0, tl.exp2(m - top), 0.0)  # empty shares (and no keys at all) weigh 0
+        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * HD + d[None, :], mask=have[:, None], other=0.0)
+        num = tl.sum(acc * w[:, None], 0)
+        den = tl.sum(l * w, 0)
+        out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+        tl.store(out_ptr + bh * HD + d, out.to(out_ptr.dtype.element_ty))
+
+    return partial, combine
+
+
+def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, splits: Optional[int] = None) -> torch.Tensor:
+    """`decode.paged_attention` (q [b, heads, hd] over the first seq_lens[i] keys of sequence i in
+    blocks block_table[i, :] of cache_k/cache_v [blocks, block_size, groups, hd]) by the Triton
+    kernels; `splits` None: `splits_for` the shapes."""
+    partial, combine = _kernels()
+    b, heads, hd = q.shape
+    page, groups = cache_k.shape[1], cache_k.shape[2]
+    if heads % groups or hd & (hd - 1) or hd < 16:
+        raise ValueError(f"triton paged attention: {heads} heads over {groups} KV groups, head dim {hd} "
+                         "(heads a multiple of groups, hd a power of two >= 16)")
+    width = block_table.shape[1]
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        splits = splits_for(b, groups, width * page, sms)
+    r = heads // groups
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    acc = torch.empty(b, heads, splits, hd, device=q.device, dtype=torch.float32)
+    ml = torch.empty(b, heads, splits, 2, device=q.device, dtype=torch.float32)
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    partial[(b, groups, splits)](q, cache_k, cache_v, table, lens, acc, ml, float(scale) * math.log2(math.e),
+                                 width, HEADS=heads, GROUPS=groups, R=r, R_PAD=max(MIN_ROWS, 1 << (r - 1).bit_length()),
+                                 HD=hd, PAGE=page, BN=BLOCK_N, SPLITS=splits, num_warps=4, num_stages=2)
+    combine[(b * heads,)](acc, ml, out, HD=hd, SPLITS=splits, S_PAD=max(2, 1 << (splits - 1).bit_length()),
+                          num_warps=4)
+    return out
