@@ -93,7 +93,10 @@ def main(argv=None) -> dict:
         "attention over the cache": (lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens,
                                                                  net.scale, flash=engine.attention), kv_bytes),
         "gated activation (torch)": (lambda: gated(fc1_out), e * 3 * b * ffn),
+        "gated activation (swiglu kernel)": (lambda: ops.swiglu(fc1_out), e * 3 * b * ffn),
         "megatron mlp (fc1, act, fc2)": (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
+        # what the engine runs (a plain SwiGLU MLP: fc1, the csrc swiglu kernel, fc2)
+        "engine mlp (fc1, swiglu, fc2)": (lambda: net._mlp(mlp, x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
         "lm head": (lambda: net.logits(logits_h), e * (model.vocab_size * (h + b) + b * h)),
     }
     if ops.kernel_available(q):

@@ -40,7 +40,7 @@ FILES = {
     "grpo_step.json": "bench_grpo_step.py", "trl_grpo.json": "bench_trl_grpo.py",
     "kernels.json": "bench_kernels.py",
     "rollout_grpo.json": "bench_rollout.py", "rollout_reasoning.json": "bench_rollout.py",
-    "rollout_memory.json": "bench_rollout.py",
+    "rollout_memory.json": "bench_rollout.py", "rollout_triton.json": "bench_rollout.py",
 }
 GOAL_MFU_3B = 0.45
 GOAL_ROLLOUT_RATIO = 5.0
@@ -97,7 +97,7 @@ def _ratio(num, den):
 def rollout_rows(found: dict) -> list[dict]:
     rows = []
     for name in ("rollout.json", "rollout_long.json", "rollout_grpo.json", "rollout_reasoning.json",
-                 "rollout_memory.json"):
+                 "rollout_memory.json", "rollout_triton.json"):
         r = found.get(name)
         if r is None:
             continue
@@ -109,7 +109,7 @@ def rollout_rows(found: dict) -> list[dict]:
             "contiguous_cache_slots": r.get("contiguous_cache_slots"),
             "slot_occupancy": r.get("slot_occupancy"),
             "new_tokens": r["new_tokens"], "layers": r.get("layers"), "cuda_graphs": r.get("cuda_graphs"),
-            "fused_decode": r.get("fused_decode"),
+            "fused_decode": r.get("fused_decode"), "attention": r.get("attention"),
             "native_tokens_per_s": r["native_tokens_per_s"], "hf_tokens_per_s": r.get("hf_tokens_per_s"),
             "native_over_hf": _ratio(r["native_tokens_per_s"], r.get("hf_tokens_per_s")),
             "unfused_tokens_per_s": r.get("unfused_tokens_per_s"),
@@ -233,7 +233,8 @@ def _rollout_md(rows: list[dict]) -> list[str]:
               _f(r["native_over_hf"], ".1f", "x"), _f(r.get("bound_tokens_per_s"), ",.0f"),
               _f(None if r.get("share_of_bound") is None else 100 * r["share_of_bound"], ".0f", "%"),
               f"{r['layers']} layers, " + ("CUDA graphs" if r["cuda_graphs"] else "no CUDA graphs")
-              + (", fused decode" if r["fused_decode"] else ", unfused decode")] for r in rows]
+              + (", fused decode" if r["fused_decode"] else ", unfused decode")
+              + (f", {r['attention']} attention" if r.get("attention") else "")] for r in rows]
     out = ["Rollout (bench/bench_rollout.py: Qwen2.5-1.5B shape, random weights, bf16, one GPU; "
            "sampling at temperature 1, forced lengths unless stop ids are listed; each timed after a "
            "warm-up call, except --once runs):", "",
