@@ -76,3 +76,14 @@ def test_triton_paged_self_check_and_graph_replay():
     graph.replay()
     want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
     assert (out.float() - want.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_paged_cascade_on_gpu(dtype, splits):
+    """Shared prompt blocks read once for a prefix group (more members than a group row holds,
+    two groups, one sequence alone) against the reference."""
+    from tests.ops.triton_cases import cascade_case
+
+    assert cascade_case(dtype, splits=splits, device="cuda") < 2e-2

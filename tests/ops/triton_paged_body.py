@@ -13,6 +13,7 @@ use_interpreter()
 
 import torch  # noqa: E402
 
+from tests.ops.triton_cases import cascade_case  # noqa: E402
 from verl_mcore.ops import decode, triton_paged  # noqa: E402
 
 # (batch, heads, groups, hd, block size, table width, dtype, splits): GQA 6 and 7 heads a group
@@ -35,4 +36,8 @@ for b, heads, groups, hd, page, width, dtype, splits in CASES:
     got = triton_paged.paged_attention(q, kc, vc, table, lens, hd ** -0.5, splits=splits)
     want = decode.paged_attention_reference(q, kc, vc, table, lens, hd ** -0.5)
     errors.append([str(dtype), splits, (got.float() - want.float()).abs().max().item(), got.dtype == dtype])
+
+for dtype in (torch.float32, torch.float16):
+    for splits in (1, 3):
+        errors.append([str(dtype), f"cascade/{splits}", cascade_case(dtype, splits=splits), True])
 print("RESULT " + json.dumps(errors))

@@ -132,14 +132,18 @@ def test_block_pool_counts_holders():
         pool.release(a[:1])
 
 
+@pytest.mark.slow  # ~3.5 min: every Triton program of every step interpreted in Python
 @pytest.mark.distributed
 def test_engine_with_triton_paged_attention_in_the_interpreter(paged_model):
     """ops/triton_paged.py as the engine's decode attention (Triton's CPU interpreter, fp32,
     4-token blocks): transformers' greedy tokens, and the reference attention's seeded samples
-    under prefix sharing and preemption, every block returned."""
+    under prefix sharing (the shared blocks read once for the samples: cascade) and preemption,
+    every block returned."""
     pytest.importorskip("triton", reason="Triton is not installed here (the GPU image has it)")
     hf_dir, tokens, logps = paged_model
-    [res] = run_on_ranks(eb.triton_engine_body, 1, args=(hf_dir,), timeout=600)
+    # fresh ranks: the interpreter patches triton.language while a kernel runs, so the kernels must
+    # be built and run in a process of their own
+    [res] = run_on_ranks(eb.triton_engine_body, 1, args=(hf_dir,), timeout=900, fresh=True)
     out, _, used, attention = res["triton_greedy"]
     assert attention == "triton" and used == 0
     assert [o[2] for o in out] == tokens
@@ -148,5 +152,7 @@ def test_engine_with_triton_paged_attention_in_the_interpreter(paged_model):
     want, want_stats, _, attention = res["reference_sampled"]
     assert attention is None and used == 0
     assert stats["rollout/preemptions"] > 0 and stats["rollout/kv_shared_prefix_blocks"] > 0
+    # the samples' shared prompt blocks read once a group (cascade), rounds with groups counted
+    assert stats["rollout/prefix_group_rounds"] > 0 and want_stats["rollout/prefix_group_rounds"] == 0
     assert [o[:3] for o in got] == [o[:3] for o in want]
     assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x[3], y[3])) < 1e-4

@@ -142,7 +142,7 @@ def paged_attention_reference(q: Tensor, cache_k: Tensor, cache_v: Tensor, block
 
 
 def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Tensor, seq_lens: Tensor,
-                    scale: float, flash: Optional[str] = None) -> Tensor:
+                    scale: float, flash: Optional[str] = None, cascade=None) -> Tensor:
     """Decode attention over a paged KV cache: q [b, heads, hd] (one token per sequence) over the
     first seq_lens[i] keys of sequence i, which sit in blocks block_table[i, 0], [i, 1], ... of
     cache_k/cache_v [blocks, block_size, groups, hd]. Returns [b, heads, hd].
@@ -156,12 +156,14 @@ def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Te
     csrc/paged_attention.cu, reading only each sequence's own keys once for all heads of a KV
     group, any block size, split-K by `paged_kernel_splits`. flash="triton"
     (`paged_triton_supported`): ops/triton_paged.py, the same reads with the products on tensor
-    cores. Otherwise the reference, which reads
+    cores; with `cascade` (triton_paged.paged_attention's), the keys a prefix group shares read
+    once for the group (other modes ignore it: their results are the same). Otherwise the
+    reference, which reads
     all `width` blocks of every row (graph-safe too: no host sync)."""
     if flash == "triton":
         from verl_mcore.ops import triton_paged
 
-        return triton_paged.paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale)
+        return triton_paged.paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale, cascade=cascade)
     if flash == "kernel" and kernel_available(q):
         max_len = block_table.shape[1] * cache_k.shape[1]
         splits = paged_kernel_splits(q.shape[0], q.shape[1], cache_k.shape[2], max_len, _sm_count(q.device))

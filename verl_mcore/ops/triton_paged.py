@@ -53,15 +53,17 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def partial(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, acc_ptr, ml_ptr, scale_log2, width,
+    def partial(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, first_ptr, acc_ptr, ml_ptr, scale_log2, width,
                 HEADS: tl.constexpr, GROUPS: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                HD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr):
+                HD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                HAS_FIRST: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
         seq_len = tl.load(lens_ptr + b)
-        share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN  # whole tiles, but the sequence's last
-        start = s * share
+        first = tl.load(first_ptr + b) if HAS_FIRST else 0  # keys before it: a shared prefix's
+        share = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), BN) * BN  # whole tiles, but the last
+        start = first + s * share
         end = tl.minimum(start + share, seq_len)
         rows = tl.arange(0, R_PAD)
         d = tl.arange(0, HD)
@@ -93,30 +95,109 @@ def _kernels():
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=live)
 
     @triton.jit
-    def combine(acc_ptr, ml_ptr, out_ptr, HD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    def prefix_partial(q_ptr, k_ptr, v_ptr, table_ptr, members_ptr, plen_ptr, acc_ptr, ml_ptr, scale_log2,
+                       width, HEADS: tl.constexpr, GROUPS: tl.constexpr, R: tl.constexpr, N_MAX: tl.constexpr,
+                       ROWS_PAD: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
+                       SPLITS: tl.constexpr):
+        """The first plen keys that the member sequences of one prefix group share (the same
+        blocks, read from the first member's table), for the r query heads of every member as
+        the rows of one tile: each shared K/V row is read once for the whole group."""
+        grp = tl.program_id(0)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        plen = tl.load(plen_ptr + grp)  # 0: no group in this row of the table
+        share = tl.cdiv(tl.cdiv(plen, SPLITS), BN) * BN
+        start = s * share
+        end = tl.minimum(start + share, plen)
+        rows = tl.arange(0, ROWS_PAD)
+        member = rows // R
+        inside = member < N_MAX
+        slot = tl.load(members_ptr + grp * N_MAX + member, mask=inside, other=-1)
+        live = inside & (slot >= 0)
+        slot = tl.where(live, slot, 0)
+        head = g * R + rows % R
+        d = tl.arange(0, HD)
+        q = tl.load(q_ptr + (slot * HEADS + head)[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
+        lead = tl.load(members_ptr + grp * N_MAX)
+        lead = tl.where(lead >= 0, lead, 0)
+        m_i = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS_PAD], tl.float32)
+        acc = tl.zeros([ROWS_PAD, HD], tl.float32)
+        for n0 in range(start, end, BN):
+            pos = n0 + tl.arange(0, BN)
+            valid = pos < end
+            page = tl.load(table_ptr + lead.to(tl.int64) * width + pos // PAGE, mask=valid, other=0)
+            row = page.to(tl.int64) * PAGE + pos % PAGE
+            off = (row * GROUPS + g)[:, None] * HD + d[None, :]
+            k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        base = (slot * HEADS + head) * SPLITS + s
+        tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=live[:, None])
+        tl.store(ml_ptr + base * 2, m_i, mask=live)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=live)
+
+    @triton.jit
+    def combine(acc_ptr, ml_ptr, pacc_ptr, pml_ptr, first_ptr, out_ptr, HEADS: tl.constexpr, HD: tl.constexpr,
+                SPLITS: tl.constexpr, S_PAD: tl.constexpr, HAS_PREFIX: tl.constexpr):
+        """out = the log-sum-exp combine of a head's split partials (and, with a shared prefix,
+        of its prefix group's), normalised."""
         bh = tl.program_id(0)  # sequence * heads + head
         s = tl.arange(0, S_PAD)
         d = tl.arange(0, HD)
         have = s < SPLITS
         m = tl.load(ml_ptr + (bh * SPLITS + s) * 2, mask=have, other=float("-inf"))
         l = tl.load(ml_ptr + (bh * SPLITS + s) * 2 + 1, mask=have, other=0.0)
-        top = tl.max(m, 0)
-        w = tl.where(l > 0, tl.exp2(m - top), 0.0)  # empty shares (and no keys at all) weigh 0
         acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * HD + d[None, :], mask=have[:, None], other=0.0)
-        num = tl.sum(acc * w[:, None], 0)
-        den = tl.sum(l * w, 0)
+        if HAS_PREFIX:
+            prefixed = tl.load(first_ptr + bh // HEADS) > 0  # else its prefix partials were not written
+            pm = tl.load(pml_ptr + (bh * SPLITS + s) * 2, mask=have & prefixed, other=float("-inf"))
+            pl = tl.load(pml_ptr + (bh * SPLITS + s) * 2 + 1, mask=have & prefixed, other=0.0)
+            pacc = tl.load(pacc_ptr + (bh * SPLITS + s)[:, None] * HD + d[None, :], mask=(have & prefixed)[:, None],
+                           other=0.0)
+            top = tl.maximum(tl.max(m, 0), tl.max(pm, 0))
+            w = tl.where(l > 0, tl.exp2(m - top), 0.0)
+            pw = tl.where(pl > 0, tl.exp2(pm - top), 0.0)
+            num = tl.sum(acc * w[:, None], 0) + tl.sum(pacc * pw[:, None], 0)
+            den = tl.sum(l * w, 0) + tl.sum(pl * pw, 0)
+        else:
+            top = tl.max(m, 0)
+            w = tl.where(l > 0, tl.exp2(m - top), 0.0)  # empty shares (and no keys at all) weigh 0
+            num = tl.sum(acc * w[:, None], 0)
+            den = tl.sum(l * w, 0)
         out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
         tl.store(out_ptr + bh * HD + d, out.to(out_ptr.dtype.element_ty))
 
-    return partial, combine
+    return partial, prefix_partial, combine
+
+
+def cascade_members(r: int) -> int:
+    """Sequences of one prefix group (their r query heads each are the rows of one tile of at
+    most 64): groups sharing more are cut into several."""
+    return max(1, min(8, 64 // r))
 
 
 def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, splits: Optional[int] = None) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, splits: Optional[int] = None,
+                    cascade: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """`decode.paged_attention` (q [b, heads, hd] over the first seq_lens[i] keys of sequence i in
     blocks block_table[i, :] of cache_k/cache_v [blocks, block_size, groups, hd]) by the Triton
-    kernels; `splits` None: `splits_for` the shapes."""
-    partial, combine = _kernels()
+    kernels; `splits` None: `splits_for` the shapes.
+
+    cascade (shared prompt prefixes): (members int32 [G, cascade_members(r)] -- the sequences of
+    each prefix group, -1 padded --, plen int32 [G] -- the keys the group shares, 0 for an unused
+    row --, first int32 [b] -- where each sequence's own keys start: its group's plen, or 0).
+    A group's members must hold the same blocks for their first plen keys (plen a multiple of the
+    block size); those keys are read once for the group (stage 1 of the prefix), the rest per
+    sequence, and the combine merges both."""
+    partial, prefix_partial, combine = _kernels()
     b, heads, hd = q.shape
     page, groups = cache_k.shape[1], cache_k.shape[2]
     if heads % groups or hd & (hd - 1) or hd < 16:
@@ -133,9 +214,25 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     ml = torch.empty(b, heads, splits, 2, device=q.device, dtype=torch.float32)
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    partial[(b, groups, splits)](q, cache_k, cache_v, table, lens, acc, ml, float(scale) * math.log2(math.e),
-                                 width, HEADS=heads, GROUPS=groups, R=r, R_PAD=max(MIN_ROWS, 1 << (r - 1).bit_length()),
-                                 HD=hd, PAGE=page, BN=BLOCK_N, SPLITS=splits, num_warps=4, num_stages=2)
-    combine[(b * heads,)](acc, ml, out, HD=hd, SPLITS=splits, S_PAD=max(2, 1 << (splits - 1).bit_length()),
+    scale_log2 = float(scale) * math.log2(math.e)
+    first = cascade[2].to(torch.int32).contiguous() if cascade is not None else lens  # (unread without)
+    partial[(b, groups, splits)](q, cache_k, cache_v, table, lens, first, acc, ml, scale_log2, width,
+                                 HEADS=heads, GROUPS=groups, R=r, R_PAD=max(MIN_ROWS, 1 << (r - 1).bit_length()),
+                                 HD=hd, PAGE=page, BN=BLOCK_N, SPLITS=splits, HAS_FIRST=cascade is not None,
+                                 num_warps=4, num_stages=2)
+    pacc, pml = acc, ml  # (unread without a cascade)
+    if cascade is not None:
+        members, plen = cascade[0].to(torch.int32).contiguous(), cascade[1].to(torch.int32).contiguous()
+        n_max = cascade_members(r)
+        if members.dim() != 2 or members.shape[1] != n_max or plen.shape != members.shape[:1]:
+            raise ValueError(f"triton paged attention: cascade members must be [G, {n_max}] with plen [G], got "
+                             f"{tuple(members.shape)} and {tuple(plen.shape)}")
+        pacc, pml = torch.empty_like(acc), torch.empty_like(ml)
+        prefix_partial[(members.shape[0], groups, splits)](
+            q, cache_k, cache_v, table, members, plen, pacc, pml, scale_log2, width, HEADS=heads, GROUPS=groups,
+            R=r, N_MAX=n_max, ROWS_PAD=max(MIN_ROWS, 1 << (n_max * r - 1).bit_length()), HD=hd, PAGE=page,
+            BN=BLOCK_N, SPLITS=splits, num_warps=4, num_stages=2)
+    combine[(b * heads,)](acc, ml, pacc, pml, first, out, HEADS=heads, HD=hd, SPLITS=splits,
+                          S_PAD=max(2, 1 << (splits - 1).bit_length()), HAS_PREFIX=cascade is not None,
                           num_warps=4)
     return out

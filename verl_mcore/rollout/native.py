@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_mcore.ops import decode as decode_ops
+from verl_mcore.ops import triton_paged
 from verl_mcore.rollout import kv_blocks
 from verl_mcore.rollout import sampling as sampling_mod
 from verl_mcore.rollout import tp_sampling
@@ -342,6 +343,10 @@ class NativeEngine(RolloutEngine):
             raise ValueError(f"NativeEngine: block_size {block_size}: torch's paged flash kernel "
                              "reads blocks of multiples of 256 tokens")
         self.block_size = block_size
+        # Shared prompt prefixes read once for their samples (cascade attention): the Triton
+        # paged kernel's, up to this many sequences a group (0: not read that way).
+        self.cascade_members = (triton_paged.cascade_members(self.net.heads // self.net.groups)
+                                if self.attention == "triton" else 0)
         self.pool: Optional[kv_blocks.BlockPool] = None
         self._capped = False  # the pool is what the memory budget allowed, not what was wanted
         self._graphs: dict = {}  # (slots, width) -> _DecodeState with its captured graph
@@ -515,7 +520,7 @@ class NativeEngine(RolloutEngine):
 
         def paged(i, q):
             return decode_ops.paged_attention(q, net.cache[i, 0], net.cache[i, 1], ds.table, seq_lens,
-                                              net.scale, flash=self.attention)
+                                              net.scale, flash=self.attention, cascade=ds.cascade)
 
         if self.fused:
             return net.logits(net.fused_decode(ds.last, ds.pos, rows, paged))[0]
@@ -677,6 +682,7 @@ class NativeEngine(RolloutEngine):
                            "rollout/kv_peak_blocks_used": float(self.pool.peak_used),
                            "rollout/kv_shared_prefix_blocks": float(st.shared_blocks),
                            "rollout/preemptions": float(st.preemptions),
+                           "rollout/prefix_group_rounds": float(st.cascade_rows),
                            "rollout/host_syncs": float(st.syncs)}
         return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
                              token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
@@ -690,7 +696,8 @@ class NativeEngine(RolloutEngine):
                _stop_capacity(len(set(sp.stop_token_ids))))
         ds = self._graphs.get(key)
         if ds is None:
-            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device)
+            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device,
+                                                  self.cascade_members if sp.n > 1 else 0)
         ds.configure(sp)
         return ds
 
@@ -801,7 +808,8 @@ class _DecodeState:
     `col`, one per step) until the host collects them. The CUDA graph of the decode step reads
     and writes these tensors in place."""
 
-    def __init__(self, slots: int, width: int, steps: int, sp: SamplingParams, device: torch.device):
+    def __init__(self, slots: int, width: int, steps: int, sp: SamplingParams, device: torch.device,
+                 cascade_members: int = 0):
         z = dict(device=device, dtype=torch.long)
         self.last, self.pos, self.gen, self.keys = (torch.zeros(slots, **z) for _ in range(4))
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
@@ -812,6 +820,10 @@ class _DecodeState:
         self.max_new = torch.zeros((), **z)
         cap = _stop_capacity(len(set(sp.stop_token_ids)))
         self.stop_ids = torch.full((cap,), -1, **z) if cap else None
+        # shared prompt prefixes (`_Schedule.prefix_groups`), when the attention reads them once
+        self.cascade = None if not cascade_members else tuple(
+            torch.zeros(shape, dtype=torch.int32, device=device)
+            for shape in ((slots, cascade_members), (slots,), (slots,)))
         self.sp = sp
         self.graph, self.logits = None, None
 
@@ -825,8 +837,12 @@ class _DecodeState:
 
     def load(self, st: "_Schedule") -> None:
         """The host's view of every slot, copied in (after admissions, growth and collection)."""
-        for dst, src in ((self.last, st.last), (self.pos, st.pos), (self.gen, st.gen),
-                         (self.keys, st.slot_keys), (self.alive, st.alive), (self.table, st.table)):
+        pairs = [(self.last, st.last), (self.pos, st.pos), (self.gen, st.gen), (self.keys, st.slot_keys),
+                 (self.alive, st.alive), (self.table, st.table)]
+        if self.cascade is not None:
+            st.prefix_groups(self.cascade[0].shape[1])
+            pairs += zip(self.cascade, (st.members, st.plen, st.first))
+        for dst, src in pairs:
             dst.copy_(torch.from_numpy(src))
         self.out_tokens.fill_(-1)
         self.col.zero_()
@@ -888,6 +904,11 @@ class _Schedule:
         self.slot_keys = np.zeros(slots, dtype=np.int64)
         self.alive = np.zeros(slots, dtype=bool)
         self.table = np.full((slots, width), kv_blocks.SCRATCH, dtype=np.int32)
+        # Shared prompt prefixes this round (`prefix_groups`; read by the Triton paged kernel).
+        self.members = np.full((slots, 1), -1, dtype=np.int32)
+        self.plen = np.zeros(slots, dtype=np.int32)
+        self.first = np.zeros(slots, dtype=np.int32)
+        self.cascade_rows = 0
         self.prefill_tokens = self.decode_steps = self.live_slot_steps = self.syncs = 0
         self.shared_blocks = self.preemptions = self.peak_live = self._admissions = 0
 
@@ -950,6 +971,41 @@ class _Schedule:
         self.alive[slot] = True
         self.last[slot] = t
         self.gen[slot] = len(self.tokens[s])
+
+    def prefix_groups(self, n_max: int) -> None:
+        """This round's prefix groups: decoding slots whose first block is shared (the samples of
+        a prompt admitted together) and the leading blocks they all hold, in rows of at most
+        n_max members -- `members` [slots, n_max] (-1 padded), `plen` (the shared keys) per row,
+        `first` (where a slot's own keys start) per slot. Only full prompt blocks are shared, so
+        a group's keys lie before every member's position."""
+        if self.members.shape[1] != n_max:
+            self.members = np.full((len(self.slot_seq), n_max), -1, dtype=np.int32)
+        self.members.fill(-1)
+        self.plen.fill(0)
+        self.first.fill(0)
+        buckets: dict[int, list[int]] = {}
+        for slot in self.live:
+            held = self.blocks[slot]
+            if self.alive[slot] and held and self.pool.refs[held[0]] > 1:
+                buckets.setdefault(held[0], []).append(slot)
+        row = 0
+        for slots in buckets.values():
+            lead = self.blocks[slots[0]]
+            common = len(lead)
+            for slot in slots[1:]:
+                other = self.blocks[slot]
+                common = min(common, next((i for i, (x, y) in enumerate(zip(lead, other)) if x != y),
+                                          min(len(lead), len(other))))
+            keys = common * self.pool.block_size
+            for i in range(0, len(slots), n_max):
+                chunk = slots[i:i + n_max]
+                if len(chunk) < 2 or keys == 0:
+                    continue  # nothing read once for several
+                self.members[row, :len(chunk)] = chunk
+                self.plen[row] = keys
+                self.first[chunk] = keys
+                row += 1
+        self.cascade_rows += row
 
     def add_blocks(self, slot: int, blocks: list[int]) -> None:
         held = len(self.blocks[slot])
