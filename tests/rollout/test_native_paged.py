@@ -156,3 +156,34 @@ def test_engine_with_triton_paged_attention_in_the_interpreter(paged_model):
     assert stats["rollout/prefix_group_rounds"] > 0 and want_stats["rollout/prefix_group_rounds"] == 0
     assert [o[:3] for o in got] == [o[:3] for o in want]
     assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x[3], y[3])) < 1e-4
+
+
+def test_prefix_groups_are_the_samples_holding_a_prompts_blocks():
+    """_Schedule.prefix_groups: decoding slots whose first block is shared, the leading blocks all
+    of them hold, rows of at most n_max members; a slot alone, or not decoding, has none."""
+    import numpy as np
+
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import _Schedule
+
+    pool = BlockPool(20, 4)
+    st = _Schedule([[1] * 9, [2] * 5], SamplingParams(n=3, temperature=1.0, max_new_tokens=4), 6, 5, pool, 0)
+    head = pool.take(3)  # prompt 0: 9 tokens, two full blocks and a partial one
+    st.place(0, 0, head)
+    for s, slot in ((1, 1), (2, 2)):
+        pool.share(head[:2])
+        st.place(s, slot, head[:2] + pool.take(1))
+    st.place(3, 3, pool.take(2))  # prompt 1 alone
+    other = pool.take(2)
+    st.place(4, 4, other)
+    pool.share(other[:1])
+    st.place(5, 5, other[:1] + pool.take(1))  # shares prompt 1's first block, not yet decoding
+    st.live = [0, 1, 2, 3, 4, 5]
+    st.alive[:] = [True, True, True, True, True, False]
+    st.prefix_groups(8)
+    assert st.members[0].tolist() == [0, 1, 2, -1, -1, -1, -1, -1] and st.plen[0] == 8
+    assert (st.members[1:] == -1).all() and (st.plen[1:] == 0).all()
+    assert st.first.tolist() == [8, 8, 8, 0, 0, 0]
+    st.prefix_groups(2)  # rows of two members: [0, 1], then 2 alone (no row)
+    assert st.members[:2].tolist() == [[0, 1], [-1, -1]] and st.first.tolist() == [8, 8, 0, 0, 0, 0]
+    assert st.cascade_rows == 2 and np.all(st.plen[1:] == 0)
