@@ -29,7 +29,7 @@ def test_triton_paged_matches_reference_in_the_interpreter():
     assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-3000:]
     for dtype, splits, err, same_dtype in json.loads(line[0][len("RESULT "):]):
         # fp16: p is rounded to fp16 before p.v, as in flash attention; fp32: summation order only
-        assert err < (2e-3 if dtype == "torch.float16" else 1e-5), (dtype, splits, err)
+        assert err < (2e-3 if dtype in ("torch.float16", "self-check") else 1e-5), (dtype, splits, err)
         assert same_dtype
 
 
@@ -80,10 +80,12 @@ def test_triton_paged_self_check_and_graph_replay():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_paged_cascade_on_gpu(dtype, splits):
+@pytest.mark.parametrize("heads,groups,hd,page,splits", [
+    (24, 2, 32, 16, 1), (24, 2, 32, 16, 3), (12, 2, 128, 256, None), (8, 8, 128, 16, 2), (16, 2, 64, 3, 4)])
+def test_triton_paged_cascade_on_gpu(dtype, heads, groups, hd, page, splits):
     """Shared prompt blocks read once for a prefix group (more members than a group row holds,
-    two groups, one sequence alone) against the reference."""
+    two groups, one sequence alone) against the reference: r = 12, 6 (Qwen2.5-1.5B), 1, 8; blocks
+    of 16, 256 and 3 tokens; the kernel's own split count."""
     from tests.ops.triton_cases import cascade_case
 
-    assert cascade_case(dtype, splits=splits, device="cuda") < 2e-2
+    assert cascade_case(dtype, heads=heads, groups=groups, hd=hd, page=page, splits=splits, device="cuda") < 2e-2

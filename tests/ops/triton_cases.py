@@ -13,7 +13,7 @@ def cascade_case(dtype, heads=24, groups=2, hd=32, page=16, width=6, splits=2, d
     r = heads // groups
     n_max = triton_paged.cascade_members(r)
     b = 10
-    g = torch.Generator().manual_seed(splits)
+    g = torch.Generator().manual_seed(splits or 0)
     blocks = iter(torch.randperm(b * width, generator=g).add(1).tolist())
     shared = {0: [next(blocks) for _ in range(3)], 7: [next(blocks)]}
     table = torch.zeros(b, width, dtype=torch.int32)

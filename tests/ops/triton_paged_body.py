@@ -40,4 +40,7 @@ for b, heads, groups, hd, page, width, dtype, splits in CASES:
 for dtype in (torch.float32, torch.float16):
     for splits in (1, 3):
         errors.append([str(dtype), f"cascade/{splits}", cascade_case(dtype, splits=splits), True])
+# the engine's self-check of the cascade (the GPU runs it before opting in), fp16 here
+check = decode._cascade_matches_reference(torch.device("cpu"), 12, 2, 64, torch.float16)
+errors.append(["self-check", "cascade", 0.0 if check is None else 1.0, check is None])
 print("RESULT " + json.dumps(errors))

@@ -445,6 +445,10 @@ def triton_engine_body(rank, world_size, hf_dir: str):
                                                      max_num_seqs=3, steps_per_sync=3), greedy)
             tight = NativeEngine(model, vocab_size=arch.vocab_size, block_size=4, max_num_seqs=16, steps_per_sync=2)
             tight._blocks_that_fit = lambda: 13
+            # first a call of one sample a prompt on the same 16 slots (a decode state of the same
+            # shape, without prefix groups): the n = 4 call must still get its own, with them
+            tight.generate(LONG_PROMPTS * 4, SamplingParams(temperature=1.0, max_new_tokens=LONG_NEW, seed=3,
+                                                            logprobs=True))
             res[name + "_sampled"] = run(tight, SamplingParams(n=4, temperature=1.0, max_new_tokens=LONG_NEW,
                                                                seed=3, logprobs=True))
     finally:

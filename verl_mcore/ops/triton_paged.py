@@ -178,6 +178,12 @@ def _kernels():
     return partial, prefix_partial, combine
 
 
+def _warps(hd: int, rows: int) -> int:
+    """Warps of a stage-1 program: 8 from a [16, 128] accumulator up (at 4 warps ptxas spilled
+    registers for hd 128: 255 registers and 272-536 bytes of spills, sm_90, Triton 3.6)."""
+    return 8 if hd * rows >= 128 * 16 else 4
+
+
 def cascade_members(r: int) -> int:
     """Sequences of one prefix group (their r query heads each are the rows of one tile of at
     most 64): groups sharing more are cut into several."""
@@ -195,8 +201,8 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     each prefix group, -1 padded --, plen int32 [G] -- the keys the group shares, 0 for an unused
     row --, first int32 [b] -- where each sequence's own keys start: its group's plen, or 0).
     A group's members must hold the same blocks for their first plen keys (plen a multiple of the
-    block size); those keys are read once for the group (stage 1 of the prefix), the rest per
-    sequence, and the combine merges both."""
+    block size, at most each member's seq_len: nothing checks either); those keys are read once
+    for the group (stage 1 of the prefix), the rest per sequence, and the combine merges both."""
     partial, prefix_partial, combine = _kernels()
     b, heads, hd = q.shape
     page, groups = cache_k.shape[1], cache_k.shape[2]
@@ -219,7 +225,7 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     partial[(b, groups, splits)](q, cache_k, cache_v, table, lens, first, acc, ml, scale_log2, width,
                                  HEADS=heads, GROUPS=groups, R=r, R_PAD=max(MIN_ROWS, 1 << (r - 1).bit_length()),
                                  HD=hd, PAGE=page, BN=BLOCK_N, SPLITS=splits, HAS_FIRST=cascade is not None,
-                                 num_warps=4, num_stages=2)
+                                 num_warps=_warps(hd, max(MIN_ROWS, r)), num_stages=2)
     pacc, pml = acc, ml  # (unread without a cascade)
     if cascade is not None:
         members, plen = cascade[0].to(torch.int32).contiguous(), cascade[1].to(torch.int32).contiguous()
@@ -231,7 +237,7 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
         prefix_partial[(members.shape[0], groups, splits)](
             q, cache_k, cache_v, table, members, plen, pacc, pml, scale_log2, width, HEADS=heads, GROUPS=groups,
             R=r, N_MAX=n_max, ROWS_PAD=max(MIN_ROWS, 1 << (n_max * r - 1).bit_length()), HD=hd, PAGE=page,
-            BN=BLOCK_N, SPLITS=splits, num_warps=4, num_stages=2)
+            BN=BLOCK_N, SPLITS=splits, num_warps=_warps(hd, n_max * r), num_stages=2)
     combine[(b * heads,)](acc, ml, pacc, pml, first, out, HEADS=heads, HD=hd, SPLITS=splits,
                           S_PAD=max(2, 1 << (splits - 1).bit_length()), HAS_PREFIX=cascade is not None,
                           num_warps=4)

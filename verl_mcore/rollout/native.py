@@ -692,12 +692,13 @@ class NativeEngine(RolloutEngine):
     def _decode_state(self, slots: int, width: int, sp: SamplingParams) -> "_DecodeState":
         """The device tensors the decode step reads and writes, kept with its CUDA graph: one per
         batch shape and sampling settings (a graph bakes in the sampler's branches)."""
+        # prefix groups form only among a prompt's samples, of at least two a group row
+        cascade = self.cascade_members if sp.n > 1 and self.cascade_members > 1 else 0
         key = (slots, width, sp.temperature, sp.top_p, sp.top_k, sp.logprobs,
-               _stop_capacity(len(set(sp.stop_token_ids))))
+               _stop_capacity(len(set(sp.stop_token_ids))), cascade)
         ds = self._graphs.get(key)
         if ds is None:
-            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device,
-                                                  self.cascade_members if sp.n > 1 else 0)
+            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device, cascade)
         ds.configure(sp)
         return ds
 
