@@ -77,10 +77,6 @@ def main(argv=None) -> dict:
     logits_h = torch.randn(1, b, h, device="cuda", dtype=net.dtype)
     mlp = layer.mlp
 
-    def gated(t):
-        a, c = torch.chunk(t, 2, dim=-1)
-        return torch.nn.functional.silu(a) * c
-
     kv_bytes = 2 * b * ctx * net.groups * net.head_dim * e
     parts = {
         "linear_qkv": (lambda: layer.self_attention.linear_qkv(x), e * (h * qkv_out + b * (h + qkv_out))),
@@ -92,7 +88,7 @@ def main(argv=None) -> dict:
                                                         r, net.head_dim), e * 2 * b * qkv_out),
         "attention over the cache": (lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens,
                                                                  net.scale, flash=engine.attention), kv_bytes),
-        "gated activation (torch)": (lambda: gated(fc1_out), e * 3 * b * ffn),
+        "gated activation (torch)": (lambda: ops.swiglu_reference(fc1_out), e * 3 * b * ffn),
         "gated activation (swiglu kernel)": (lambda: ops.swiglu(fc1_out), e * 3 * b * ffn),
         "megatron mlp (fc1, act, fc2)": (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
         # what the engine runs (a plain SwiGLU MLP: fc1, the csrc swiglu kernel, fc2)
