@@ -39,7 +39,7 @@ want() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
 PARTS="${*:-all}"
 
 if want tests; then
-  TAIL=6 run gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/models tests/rollout \
+  TAIL=12 run gpu_tests 220 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops tests/models tests/rollout \
     tests/engine/test_optim_step.py
 fi
 if want gae && ! want kernels; then
