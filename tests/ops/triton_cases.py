@@ -5,9 +5,9 @@ import torch
 from verl_mcore.ops import decode, triton_paged
 
 
-# Cascade: sequences 0-6 share their first 3 blocks (more than the 5 members a group holds at
-# r = 12: two rows of the member table), 7-8 their first block, 9 nothing; lengths from just past
-# the prefix to the whole table.
+# Cascade: sequences 0-6 share their first 3 blocks (at r = 12 more than the 5 members a group
+# holds: two rows of the member table; one row at r <= 9), 7-8 their first block, 9 nothing;
+# lengths from just past the prefix to the whole table.
 def cascade_case(dtype, heads=24, groups=2, hd=32, page=16, width=6, splits=2, device="cpu"):
     """The largest difference of triton_paged.paged_attention with a cascade from the reference."""
     r = heads // groups
@@ -24,11 +24,13 @@ def cascade_case(dtype, heads=24, groups=2, hd=32, page=16, width=6, splits=2, d
     vc = torch.randn(b * width + 1, page, groups, hd, generator=g).to(device, dtype)
     lens = torch.randint(3 * page + 1, width * page + 1, (b,), dtype=torch.int32, generator=g)
     lens[0] = 3 * page + 1
+    # rows of at most n_max members: 0-6 in one row or several (r = 12: 5 and 2), then 7-8
+    rows = [(list(range(i, min(7, i + n_max))), 3 * page) for i in range(0, 7, n_max)] + [([7, 8], page)]
     members = torch.full((b, n_max), -1, dtype=torch.int32)
-    members[0, :n_max] = torch.arange(n_max)
-    members[1, : 7 - n_max] = torch.arange(n_max, 7)
-    members[2, :2] = torch.tensor([7, 8])
-    plen = torch.tensor([3 * page, 3 * page, page] + [0] * (b - 3), dtype=torch.int32)
+    plen = torch.zeros(b, dtype=torch.int32)
+    for row, (chunk, keys) in enumerate(rows):
+        members[row, : len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
+        plen[row] = keys
     first = torch.tensor([3 * page] * 7 + [page] * 2 + [0], dtype=torch.int32)
     q = torch.randn(b, heads, hd, generator=g).to(device, dtype)
     table, lens, members, plen, first = (t.to(device) for t in (table, lens, members, plen, first))

@@ -39,7 +39,7 @@ def main() -> None:
     prompts = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist() for n in lengths]
     res = {}
 
-    def check(outs, tag):
+    def check(outs, tag, prompts=prompts):
         diffs, margins = [], []
         for o in outs:
             ref, margin = teacher_forced(hf, prompts[o.prompt_index], o.token_ids)
@@ -59,11 +59,14 @@ def main() -> None:
                              stop_token_ids=list(range(50)))
     check(engine.generate(prompts, sampled), "sampled")
     check(engine.generate(prompts, sampled), "sampled_again")
-    # A pool of 6 blocks besides the scratch block: sequences are preempted and recomputed.
+    # A pool of 6 blocks besides the scratch block, and prompts that cross a 256-token block
+    # boundary after their first round of steps (admission charges only that round): the growing
+    # sequences run out of blocks, the latest admitted are preempted and recomputed.
     tight = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=6, steps_per_sync=5)
     tight._blocks_that_fit = lambda: 7
     engine, base = tight, engine
-    check(tight.generate(prompts, greedy), "greedy_tight")
+    crossing = [torch.randint(0, arch.vocab_size, (n,), generator=g).tolist() for n in (230, 250, 300, 240, 246)]
+    check(tight.generate(crossing, greedy), "greedy_tight", crossing)
     eager = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=6, cuda_graphs=False,
                          fused_decode=False)
     engine = eager
