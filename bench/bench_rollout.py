@@ -284,6 +284,10 @@ def main(argv=None) -> int:
     else:
         assert all(n == args.new_tokens for n in lengths)
     occupancy = engine.last_stats.get("rollout/slot_occupancy")
+    # what ran, not what was asked: a failed capture falls back to eager decoding steps
+    result["cuda_graphs"] = bool(engine.last_stats.get("rollout/cuda_graphs", 0.0))
+    if not args.no_graphs and not result["cuda_graphs"]:
+        print("WARNING: CUDA graph capture failed; the timed call decoded eagerly")
     # Memory: the sequences the KV budget held at once, against the contiguous cache this engine
     # had before (slots x the longest sequence, rounded up to 256 tokens, in the same budget).
     kv = engine.last_stats

@@ -8,7 +8,7 @@
 # PARTS: kernels, rollout, actor, grpo, ppo (the same step with a critic: adv_estimator=gae),
 # trl, tests (GPU-marked tests), rollout_settings (issue 22's GRPO and long-response settings, the
 # KV memory report, the decode step's parts), attention (decode attention kernels against flash,
-# and the rollout with the Triton paged kernel), quickstart (trainer on CUDA, then a resume from its checkpoint),
+# and the rollout with torch's flash kernel), quickstart (trainer on CUDA, then a resume from its checkpoint),
 # or `all` (the default); rollout_short and actor_3b run one setting of rollout / actor, gae the
 # GAE rows of the kernel bench (the trainer's call included). grpo and ppo share one random model
 # in $BENCH_WORKDIR (default /tmp/bench_work); STEPS (default 3) steps each. One device call allows 10 minutes: `rollout actor tests` and
@@ -73,10 +73,11 @@ if want rollout_settings; then
 fi
 if want attention; then
   # decode attention at issue 22's shapes: torch's flash ("sequence"), the csrc and Triton paged
-  # kernels at several split counts; then the engine with the Triton paged kernel opted in
+  # kernels at several split counts; then the engine with torch's flash kernel instead of the
+  # default Triton one
   TAIL=8 run attention_sweep 120 python3 bench/probe_paged_attention.py --sweep
-  TAIL=8 VERL_MCORE_PAGED_KERNEL=triton run rollout_triton 150 python3 bench/bench_rollout.py --skip-hf \
-    --json "$OUT/rollout_triton.json"
+  TAIL=8 VERL_MCORE_PAGED_KERNEL=flash run rollout_flash 150 python3 bench/bench_rollout.py --skip-hf \
+    --json "$OUT/rollout_flash.json"
 fi
 if want actor; then
   TAIL=20 run actor_1.5b 110 python3 bench/bench_actor.py --shape 1.5b --seq 4096 --samples 32 \

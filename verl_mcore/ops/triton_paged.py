@@ -16,8 +16,10 @@ products on tensor cores, as flash does, over the same paged cache:
 
 Each sequence's keys are cut into `splits` equal shares on the device (from seq_lens), and the
 launch depends on shapes only, so one CUDA graph replays for any mix of lengths. p is rounded to
-the cache dtype before the p·v product, as in flash attention. Opt-in
-(VERL_MCORE_PAGED_KERNEL=triton) until timed against flash on a GPU; its oracle is
+the cache dtype before the p·v product, as in flash attention. The native engine's default decode
+attention on a GPU (behind `decode.paged_triton_supported`): on an H100 it reached 62-95% of the
+copy bandwidth at the engine's decode shapes where torch's flash kernel, reading the same keys
+unpaged, reached 46-80% (bench/RESULTS.md, 2026-12-06). Its oracle is
 `decode.paged_attention_reference`, on a GPU and on the CPU under TRITON_INTERPRET=1 (fp16/fp32:
 the interpreter has no bf16).
 """

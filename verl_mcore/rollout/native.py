@@ -359,10 +359,13 @@ class NativeEngine(RolloutEngine):
 
     def _attention_mode(self) -> tuple[Optional[str], Optional[str]]:
         """How decode attention reads the cache (`decode_ops.paged_attention`'s flash argument)
-        and, when not "paged", why not: "paged" (torch's flash kernel with a block table),
-        "kernel" (csrc/paged_attention.cu, with VERL_MCORE_PAGED_KERNEL=1, where torch's flash
-        kernel takes no block table), "triton" (ops/triton_paged.py, VERL_MCORE_PAGED_KERNEL=triton), "sequence" (a torch whose flash kernel takes no block table:
-        one block per sequence), None (the reference: CPU, fp32, a head dim flash rejects)."""
+        and why: "triton" (ops/triton_paged.py: the default on a GPU where Triton is installed and
+        the kernel passes its self-check; it measured faster than torch's flash kernel at every
+        decode shape, bench/RESULTS.md 2026-12-06), "paged" (torch's flash kernel with a block
+        table), "sequence" (a torch whose flash kernel takes no block table: one block per
+        sequence), "kernel" (csrc/paged_attention.cu, opt-in), None (the reference: CPU, fp32, a
+        head dim flash rejects). VERL_MCORE_PAGED_KERNEL picks one: "triton", "flash" (or "0":
+        torch's flash kernel, paged where it can be), "kernel" (or "1")."""
         net = self.net
         if net.device.type != "cuda":
             return None, "not on a GPU"
@@ -371,21 +374,30 @@ class NativeEngine(RolloutEngine):
         if net.head_dim % 8 or net.head_dim > 256:
             return None, f"head dim {net.head_dim}"
         shape = (net.device, net.heads, net.groups, net.head_dim, net.dtype)
+        choice = os.environ.get("VERL_MCORE_PAGED_KERNEL", "").strip().lower()
+        choice = {"0": "flash", "1": "kernel"}.get(choice, choice)
+        if choice not in ("", "triton", "flash", "kernel"):
+            raise ValueError(f"NativeEngine: VERL_MCORE_PAGED_KERNEL={choice!r}: use triton, flash (0) or "
+                             "kernel (1), or leave it unset")
+        if choice in ("", "triton", "kernel"):
+            mode, name, check = (("kernel", "csrc/ paged kernel", decode_ops.paged_kernel_supported)
+                                 if choice == "kernel" else
+                                 ("triton", "Triton paged kernel", decode_ops.paged_triton_supported))
+            failed = check(*shape)
+            if failed is None:
+                return mode, f"the {name}" + (" (VERL_MCORE_PAGED_KERNEL)" if choice else "")
+            if choice:
+                warnings.warn(f"NativeEngine: VERL_MCORE_PAGED_KERNEL={choice}, but the {name} fails its "
+                              f"self-check here ({failed}); torch's flash kernel instead")
+        else:
+            failed = "VERL_MCORE_PAGED_KERNEL=flash"
         paged = decode_ops.paged_flash_supported(*shape)
         if paged is None:
-            return "paged", None
-        own = os.environ.get("VERL_MCORE_PAGED_KERNEL", "")
-        if own in ("1", "triton"):  # opt-in until one is faster than flash on a GPU
-            mode, name = ("kernel", "csrc/ paged kernel") if own == "1" else ("triton", "Triton paged kernel")
-            check = (decode_ops.paged_kernel_supported if own == "1" else decode_ops.paged_triton_supported)(*shape)
-            if check is None:
-                return mode, f"paged flash attention unavailable ({paged}): the {name}"
-            warnings.warn(f"NativeEngine: VERL_MCORE_PAGED_KERNEL={own}, but the {name} fails its "
-                          f"self-check here ({check}); not used")
+            return "paged", f"torch's paged flash kernel (the paged kernel: {failed})"
         whole = decode_ops.sequence_flash_supported(*shape)
         if whole is None:
-            return "sequence", f"paged flash attention unavailable ({paged}): one block per sequence"
-        return None, f"paged flash: {paged}; per-sequence flash: {whole}"
+            return "sequence", f"paged kernel: {failed}; paged flash: {paged}: one block per sequence"
+        return None, f"paged kernel: {failed}; paged flash: {paged}; per-sequence flash: {whole}"
 
     @classmethod
     def from_config(cls, rollout_cfg, model: torch.nn.Module, *, vocab_size: int, groups,
@@ -683,7 +695,9 @@ class NativeEngine(RolloutEngine):
                            "rollout/kv_shared_prefix_blocks": float(st.shared_blocks),
                            "rollout/preemptions": float(st.preemptions),
                            "rollout/prefix_group_rounds": float(st.cascade_rows),
-                           "rollout/host_syncs": float(st.syncs)}
+                           "rollout/host_syncs": float(st.syncs),
+                           # 0 when a capture failed and decoding fell back to eager steps
+                           "rollout/cuda_graphs": float(self.use_graphs)}
         return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
                              token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
                              finish_reason=st.finish[s])
@@ -831,10 +845,9 @@ class _DecodeState:
     def configure(self, sp: SamplingParams) -> None:
         self.sp = sp
         self.max_new.fill_(sp.max_new_tokens)
-        if self.stop_ids is not None:
+        if self.stop_ids is not None:  # sorted, padded with the largest id (still sorted)
             ids = sorted(set(sp.stop_token_ids))
-            self.stop_ids.fill_(-1)
-            self.stop_ids[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            self.stop_ids.copy_(torch.as_tensor(ids + ids[-1:] * (self.stop_ids.shape[0] - len(ids))))
 
     def load(self, st: "_Schedule") -> None:
         """The host's view of every slot, copied in (after admissions, growth and collection)."""
@@ -869,8 +882,9 @@ class _DecodeState:
         self.col += 1
         self.gen += live.long()
         done = self.gen >= self.max_new
-        if self.stop_ids is not None:
-            done |= torch.isin(tokens, self.stop_ids)
+        if self.stop_ids is not None:  # sorted: a binary search (torch.isin syncs: unique)
+            at = torch.searchsorted(self.stop_ids, tokens).clamp_(max=self.stop_ids.shape[0] - 1)
+            done |= self.stop_ids[at] == tokens
         live &= ~done
         self.last.copy_(torch.where(live, tokens, self.last))
         self.pos += live.long()
