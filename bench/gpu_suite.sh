@@ -5,7 +5,8 @@
 #
 #   [COMMIT=sha] bash bench/gpu_suite.sh [PART...]   (carry: .whl with the cp312 megatron-core
 #                                   wheel, and trl/datasets/dill/multiprocess wheels for the TRL part)
-# PARTS: kernels, rollout, actor, grpo, ppo (the same step with a critic: adv_estimator=gae),
+# PARTS: kernels, rollout, settings (issue 22's four rollout settings), actor, grpo, ppo (the same
+# step with a critic: adv_estimator=gae),
 # trl, tests (GPU-marked tests), rollout_settings (issue 22's GRPO and long-response settings, the
 # KV memory report, the decode step's parts), attention (decode attention kernels against flash,
 # and the rollout with torch's flash kernel), quickstart (trainer on CUDA, then a resume from its checkpoint),
@@ -70,6 +71,18 @@ if want rollout_settings; then
     --prompt-len 512 --new-tokens 4096 --stop-tokens 100 --n 8 --gpu-memory-utilization 0.03 \
     --json "$OUT/rollout_memory.json"
   TAIL=16 run decode_parts 90 python3 bench/bench_decode_parts.py --json "$OUT/decode_parts.json"
+fi
+if want settings; then
+  # issue 22's four settings in one call (its Done-when): 128 x (256 + 256), 64 x (1024 + 1024),
+  # the GRPO step's generation (64 prompts x 8 samples x (512 + 512)) and long responses ending at
+  # varied lengths (256 x (512 + up to 4096), 100 random stop ids), each against its bound
+  TAIL=5 run rollout 120 python3 bench/bench_rollout.py --skip-hf --json "$OUT/rollout.json"
+  TAIL=5 run rollout_long 120 python3 bench/bench_rollout.py --skip-hf --batch 64 --prompt-len 1024 \
+    --new-tokens 1024 --json "$OUT/rollout_long.json"
+  TAIL=5 run rollout_grpo 120 python3 bench/bench_rollout.py --skip-hf --batch 512 --prompt-len 512 \
+    --new-tokens 512 --n 8 --json "$OUT/rollout_grpo.json"
+  TAIL=5 run rollout_reasoning 200 python3 bench/bench_rollout.py --skip-hf --batch 256 --prompt-len 512 \
+    --new-tokens 4096 --stop-tokens 100 --n 8 --json "$OUT/rollout_reasoning.json"
 fi
 if want attention; then
   # decode attention at issue 22's shapes: torch's flash ("sequence"), the csrc and Triton paged

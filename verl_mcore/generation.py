@@ -16,17 +16,21 @@ actor ranks send them (`WeightSender`), and the weight-sync check runs across th
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
 from verl_mcore.rollout.base import SamplingParams
 
+log = logging.getLogger("verl_mcore.generation")
+
 
 class EngineStats:
     """What the engine says of its calls (`last_stats`: NativeEngine's, none for vLLM), summed over
     a step's calls: sequences preempted for KV memory, the most live at once, slot occupancy (the
-    share of decoding slot-steps that advanced a live sequence), prompt blocks shared."""
+    share of decoding slot-steps that advanced a live sequence), prompt blocks shared, whether
+    every call decoded in CUDA graphs."""
 
     def __init__(self):
         self.calls: list[dict] = []
@@ -48,6 +52,9 @@ class EngineStats:
                                                       for c in calls)}
         if slot_steps:
             out["rollout/slot_occupancy"] = live / slot_steps
+        graphs = [c["rollout/cuda_graphs"] for c in calls if "rollout/cuda_graphs" in c]
+        if graphs:  # 0 once a capture failed: the engine decodes eagerly from then on
+            out["rollout/cuda_graphs"] = min(graphs)
         return out
 
 
@@ -147,11 +154,16 @@ def _engine(cfg, groups, info, model, repartitioner):
         return VLLMEngine.from_config(cfg, groups, info, model, repartitioner)
     from verl_mcore.rollout.native import NativeEngine
 
-    return NativeEngine(model, vocab_size=info.arch.vocab_size,
-                        tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
-                        repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
-                        max_num_seqs=r.max_num_seqs,
-                        gpu_memory_utilization=r.gpu_memory_utilization)
+    engine = NativeEngine(model, vocab_size=info.arch.vocab_size,
+                          tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
+                          repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
+                          max_num_seqs=r.max_num_seqs,
+                          gpu_memory_utilization=r.gpu_memory_utilization)
+    if dist.get_rank() == 0:
+        log.info("native engine: decode attention %s (%s), fused decode step %s, CUDA graphs %s",
+                 engine.attention or "reference", engine.attention_reason,
+                 engine.fused or engine.fused_decode_reason, engine.use_graphs)
+    return engine
 
 
 class _CrossSetCheck:
