@@ -348,6 +348,11 @@ def paged_body(rank, world_size, hf_dir: str, tp_gen: int, fused: bool = False):
         res["greedy_n4"] = run(engine(max_num_seqs=16), SamplingParams(n=4, temperature=0.0,
                                                                        max_new_tokens=LONG_NEW))
         res["sampled_tight"] = run(tight, sampled)
+        # responses ending at varied lengths, stepped over every slot or compacted into fewer
+        varied = SamplingParams(n=4, temperature=1.0, max_new_tokens=LONG_NEW, seed=7, logprobs=True,
+                                stop_token_ids=list(range(0, arch.vocab_size, 4)))
+        res["varied"] = run(engine(max_num_seqs=16, steps_per_sync=2, min_compact_slots=0), varied)
+        res["varied_compact"] = run(engine(max_num_seqs=16, steps_per_sync=2, min_compact_slots=1), varied)
         from bench.bench_rollout import stage_breakdown  # the bench's stages are the engine's methods
 
         res["breakdown"] = stage_breakdown(tight, lambda: tight.generate(LONG_PROMPTS, sampled))

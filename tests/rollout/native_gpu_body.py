@@ -59,6 +59,13 @@ def main() -> None:
                              stop_token_ids=list(range(50)))
     check(engine.generate(prompts, sampled), "sampled")
     check(engine.generate(prompts, sampled), "sampled_again")
+    # the tail compacted into fewer slots (4, 2, 1: a graph each) as the last sequences finish
+    compact = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=6, steps_per_sync=5,
+                           min_compact_slots=1)
+    engine, base = compact, engine
+    check(compact.generate(prompts, sampled), "sampled_compact")
+    engine = base
+    del compact
     # A pool of 6 blocks besides the scratch block, and prompts that cross a 256-token block
     # boundary after their first round of steps (admission charges only that round): the growing
     # sequences run out of blocks, the latest admitted are preempted and recomputed.

@@ -36,7 +36,7 @@ def test_gpu_path_is_the_fast_one(res, request):
     assert res["block_size"] == (768 if res["attention"] == "sequence" else 256)  # 511 + 40 tokens
 
 
-@pytest.mark.parametrize("tag", ["greedy", "sampled", "greedy_tight", "sampled_eager"])
+@pytest.mark.parametrize("tag", ["greedy", "sampled", "greedy_tight", "sampled_eager", "sampled_compact"])
 def test_tokens_and_logprobs_match_transformers(res, tag):
     r = res[tag]
     # bf16: the engine's log-probs within bf16 rounding of transformers' on the same sequence
@@ -50,8 +50,9 @@ def test_every_call_decodes_in_cuda_graphs(res):
     # a capture that fails falls back to eager steps with a warning only: stop ids once did (the
     # stop check's torch.isin synced), and with them the graph's split count changed between calls
     assert {tag: res[tag]["stats"]["rollout/cuda_graphs"] for tag in ("greedy", "sampled", "sampled_again",
-            "greedy_tight", "sampled_eager")} == dict(greedy=1, sampled=1, sampled_again=1, greedy_tight=1,
-                                                      sampled_eager=0)
+            "greedy_tight", "sampled_eager", "sampled_compact")} == dict(
+        greedy=1, sampled=1, sampled_again=1, greedy_tight=1, sampled_eager=0, sampled_compact=1)
+    assert res["sampled_compact"]["stats"]["rollout/compactions"] > 0
 
 
 def test_sampling_on_device_is_seeded_and_stops(res):

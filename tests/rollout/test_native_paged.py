@@ -187,3 +187,53 @@ def test_prefix_groups_are_the_samples_holding_a_prompts_blocks():
     st.prefix_groups(2)  # rows of two members: [0, 1], then 2 alone (no row)
     assert st.members[:2].tolist() == [[0, 1], [-1, -1]] and st.first.tolist() == [8, 8, 0, 0, 0, 0]
     assert st.cascade_rows == 2 and np.all(st.plen[1:] == 0)
+
+
+def test_compact_moves_live_sequences_into_the_first_slots():
+    """_Schedule.compact: the live sequences of slots n and up move to free slots below n with
+    their blocks, table row, position, token, step and key; the vacated slots read nothing."""
+    import numpy as np
+
+    from verl_mcore.rollout import kv_blocks
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import _Schedule
+
+    pool = BlockPool(20, 4)
+    st = _Schedule([[1] * 5] * 4, SamplingParams(temperature=1.0, max_new_tokens=4), 8, 3, pool, 0)
+    for s, slot in ((0, 1), (1, 5), (2, 7), (3, 2)):
+        st.place(s, slot, pool.take(2))
+        st.pos[slot], st.gen[slot], st.last[slot], st.slot_keys[slot] = 5 + s, 1 + s, 40 + s, 100 + s
+        st.alive[slot] = True
+    st.live = [1, 5, 7, 2]
+    before = {s: (list(st.blocks[st.slot_of[s]]), st.table[st.slot_of[s]].tolist(), int(st.pos[st.slot_of[s]]),
+                  int(st.gen[st.slot_of[s]]), int(st.last[st.slot_of[s]]), int(st.slot_keys[st.slot_of[s]]))
+              for s in range(4)}
+    st.compact(4)
+    assert sorted(st.live) == [0, 1, 2, 3] and st.live[0] == 1 and st.live[3] == 2  # admission order kept
+    for s in range(4):
+        slot = st.slot_of[s]
+        assert slot < 4 and st.slot_seq[slot] == s and st.alive[slot]
+        assert (list(st.blocks[slot]), st.table[slot].tolist(), int(st.pos[slot]), int(st.gen[slot]),
+                int(st.last[slot]), int(st.slot_keys[slot])) == before[s]
+    for slot in range(4, 8):
+        assert st.slot_seq[slot] == -1 and not st.alive[slot] and st.blocks[slot] == []
+        assert np.all(st.table[slot] == kv_blocks.SCRATCH) and st.pos[slot] == 0
+    assert st.compactions == 1
+    st.compact(4)  # nothing left to move
+    assert st.compactions == 1
+
+
+@pytest.mark.distributed
+def test_compacted_tail_gives_the_same_samples(paged):
+    """Responses ending at varied lengths (a quarter of the vocabulary are stop ids): with
+    compaction the live sequences move into fewer slots as others finish, and the samples,
+    log-probs and finish reasons are those of the engine that steps every slot."""
+    res, _, _ = paged
+    want, want_stats, _ = res["varied"]
+    got, stats, used = res["varied_compact"]
+    assert len({len(o[2]) for o in want}) > 3  # varied lengths: a tail to compact
+    assert [(o[:3], o[4]) for o in got] == [(o[:3], o[4]) for o in want]
+    assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x[3], y[3])) < 1e-5
+    assert used == 0
+    assert stats["rollout/compactions"] > 0 and want_stats["rollout/compactions"] == 0
+    assert stats["rollout/slot_occupancy"] > want_stats["rollout/slot_occupancy"]

@@ -298,13 +298,17 @@ class NativeEngine(RolloutEngine):
     steps_per_sync: decoding steps between the host's looks at the device: sampling, stop and length
         checks run on the device; the host collects tokens, frees finished slots and admits
         waiting sequences every this many steps (a finished slot idles until then).
+    min_compact_slots: when no sequence waits and the live ones fit in fewer slots, they are
+        moved into the first slots (host bookkeeping only: their KV stays in its blocks) and the
+        step runs over the smallest power of two of slots that holds them, at least this many
+        (0: never). A call's tail -- the last long responses -- then no longer steps every slot.
     """
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, tp_group=None,
                  repartitioner=None, keep_weights_buffer: bool = False, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, fused_decode: bool = True,
-                 block_size: Optional[int] = None, steps_per_sync: int = 16):
+                 block_size: Optional[int] = None, steps_per_sync: int = 16, min_compact_slots: int = 16):
         while not hasattr(model, "decoder") and hasattr(model, "module"):
             model = model.module  # DDP / Float16Module wrappers of the training model
         self.net = _CachedGPT(model)
@@ -328,6 +332,7 @@ class NativeEngine(RolloutEngine):
         self.use_graphs = cuda_graphs and self.net.device.type == "cuda"
         self.max_prefill_tokens = max_prefill_tokens
         self.steps_per_sync = steps_per_sync
+        self.min_compact_slots = min_compact_slots
         self.fused_decode_reason = (self.net.fused_decode_supported() if fused_decode
                                     else "fused_decode=False")
         self.fused = self.fused_decode_reason is None
@@ -677,17 +682,22 @@ class NativeEngine(RolloutEngine):
             if not st.live:
                 continue  # everything admitted finished at its first token
             steps = self._grow(st)
+            active = self._active_slots(st, slots)
+            if active != ds.slots:
+                st.compact(active)
+                ds = self._decode_state(active, width, sp)
             ds.load(st)
             for _ in range(steps):
                 self._step(ds)
             self._collect(st, ds, steps)
-        occupancy = st.live_slot_steps / max(1, st.decode_steps * slots)
+        occupancy = st.live_slot_steps / max(1, st.stepped_slot_steps)
         self.last_stats = {"rollout/seconds": time.perf_counter() - start,
                            "rollout/response_tokens": float(sum(map(len, st.tokens))),
                            "rollout/prefill_tokens": float(st.prefill_tokens),
                            "rollout/decode_steps": float(st.decode_steps),
                            "rollout/slots": float(slots),
                            "rollout/slot_occupancy": occupancy,
+                           "rollout/compactions": float(st.compactions),
                            "rollout/peak_live_sequences": float(st.peak_live),
                            "rollout/kv_blocks": float(self.pool.num_blocks - 1),
                            "rollout/kv_block_tokens": float(self.block_size),
@@ -702,6 +712,13 @@ class NativeEngine(RolloutEngine):
                              token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
                              finish_reason=st.finish[s])
                 for s in range(st.n_seq)]
+
+    def _active_slots(self, st: "_Schedule", slots: int) -> int:
+        """Slots the next round steps: all of them while sequences wait to be admitted, else the
+        smallest power of two (at least min_compact_slots) that holds the live ones."""
+        if st.waiting or not self.min_compact_slots:
+            return slots
+        return min(slots, max(self.min_compact_slots, 1 << (len(st.live) - 1).bit_length()))
 
     def _decode_state(self, slots: int, width: int, sp: SamplingParams) -> "_DecodeState":
         """The device tensors the decode step reads and writes, kept with its CUDA graph: one per
@@ -804,6 +821,7 @@ class NativeEngine(RolloutEngine):
         lps = ds.out_logprobs[:, :steps].cpu().numpy() if st.sp.logprobs else None
         st.syncs += 1
         st.decode_steps += steps
+        st.stepped_slot_steps += steps * ds.slots
         for slot in list(st.live):
             row = toks[slot]
             n = int(np.argmax(row < 0)) if (row < 0).any() else steps
@@ -826,6 +844,7 @@ class _DecodeState:
     def __init__(self, slots: int, width: int, steps: int, sp: SamplingParams, device: torch.device,
                  cascade_members: int = 0):
         z = dict(device=device, dtype=torch.long)
+        self.slots = slots
         self.last, self.pos, self.gen, self.keys = (torch.zeros(slots, **z) for _ in range(4))
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.table = torch.zeros(slots, width, dtype=torch.int32, device=device)
@@ -850,14 +869,15 @@ class _DecodeState:
             self.stop_ids.copy_(torch.as_tensor(ids + ids[-1:] * (self.stop_ids.shape[0] - len(ids))))
 
     def load(self, st: "_Schedule") -> None:
-        """The host's view of every slot, copied in (after admissions, growth and collection)."""
+        """The host's view of this state's slots (the schedule's first `slots`: live sequences
+        sit there), copied in after admissions, growth and collection."""
         pairs = [(self.last, st.last), (self.pos, st.pos), (self.gen, st.gen), (self.keys, st.slot_keys),
                  (self.alive, st.alive), (self.table, st.table)]
         if self.cascade is not None:
             st.prefix_groups(self.cascade[0].shape[1])
             pairs += zip(self.cascade, (st.members, st.plen, st.first))
         for dst, src in pairs:
-            dst.copy_(torch.from_numpy(src))
+            dst.copy_(torch.from_numpy(src[: self.slots]))
         self.out_tokens.fill_(-1)
         self.col.zero_()
 
@@ -925,6 +945,7 @@ class _Schedule:
         self.first = np.zeros(slots, dtype=np.int32)
         self.cascade_rows = 0
         self.prefill_tokens = self.decode_steps = self.live_slot_steps = self.syncs = 0
+        self.stepped_slot_steps = self.compactions = 0
         self.shared_blocks = self.preemptions = self.peak_live = self._admissions = 0
 
     def context(self, s: int) -> list[int]:
@@ -1021,6 +1042,28 @@ class _Schedule:
                 self.first[chunk] = keys
                 row += 1
         self.cascade_rows += row
+
+    def compact(self, n: int) -> None:
+        """Move the live sequences of slots n and up into free slots below n (n >= the live
+        count). Only the host's bookkeeping moves: a sequence's KV stays in its blocks, which
+        its table row names wherever it sits; its random stream is keyed by the sequence."""
+        free = [slot for slot in range(n) if self.slot_seq[slot] < 0]
+        moved = False
+        for i, slot in enumerate(self.live):
+            if slot < n:
+                continue
+            to = free.pop(0)
+            s = self.slot_seq[slot]
+            self.slot_seq[to], self.slot_seq[slot], self.slot_of[s] = s, -1, to
+            self.blocks[to], self.blocks[slot] = self.blocks[slot], []
+            for a in (self.table, self.last, self.pos, self.gen, self.slot_keys, self.alive, self.admitted_at):
+                a[to] = a[slot]
+            self.table[slot] = kv_blocks.SCRATCH
+            self.alive[slot] = False
+            self.pos[slot] = self.gen[slot] = self.last[slot] = 0
+            self.live[i] = to
+            moved = True
+        self.compactions += moved
 
     def add_blocks(self, slot: int, blocks: list[int]) -> None:
         held = len(self.blocks[slot])
