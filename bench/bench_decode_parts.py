@@ -6,7 +6,9 @@ Builds the Qwen2.5-1.5B-shaped model of bench/bench_rollout.py, fills an engine'
 `context` tokens per sequence, and times (CUDA graph of 20 calls, median of 5 replays, after a
 warm-up) one layer's parts -- the four GEMMs, RMSNorm, rotary + cache write, attention over the
 cache (the engine's mode, and csrc/paged_attention.cu where the extension has it), the gated
-activation --, the LM head, the sampler with its stop checks, and the whole step.
+activation --, the LM head, the sampler with its stop checks, and the whole step; then the
+kernels one eager step launches (torch.profiler: count and device time by name, and their sum
+against the replayed step: the gaps between launches).
 Each part's share = (bytes it must read and write) / (time x the copy bandwidth measured in this
 run); the whole step against the weights + KV bytes one step must read (bench/roofline.py).
 """
@@ -27,6 +29,37 @@ def graph_time_ms(fn, calls: int = 20, reps: int = 5) -> float:
     from bench.bench_kernels import graph_time_ms as timed
 
     return timed(fn, [()], reps, calls_per_graph=calls)
+
+
+def step_kernels(step, step_ms: float, top: int = 25, device: str = "cuda") -> dict:
+    """The kernels one eager `step()` launches (torch.profiler; one profiled step after a warm-up),
+    grouped by name: count and device time per step, and their sum against the graph-replayed step
+    time (the rest: gaps between kernels). device "cpu" groups CPU ops instead (a smoke test)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    kernels: dict[str, list] = {}
+    for ev in prof.events():
+        us = ev.device_time_total if cuda else ev.self_cpu_time_total
+        if ev.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU) and us > 0:
+            entry = kernels.setdefault(ev.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += us
+    launched = sum(c for c, _ in kernels.values())
+    busy_us = sum(t for _, t in kernels.values())
+    print(f"  kernels of one eager step: {launched} launches, {busy_us:.0f} us of kernel time against "
+          f"{step_ms * 1e3:.0f} us for the graph replay (gaps: {step_ms * 1e3 - busy_us:.0f} us)")
+    for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {us:8.1f} us  {count:4d}x  {name}")
+    return {"launches": launched, "kernel_us": busy_us, "graph_step_us": step_ms * 1e3,
+            "by_name": {name: {"count": c, "us": t} for name, (c, t) in kernels.items()}}
 
 
 def main(argv=None) -> dict:
@@ -151,6 +184,8 @@ def main(argv=None) -> dict:
             out["parts"][name] = {"ms": ms, "bytes": nbytes, "share": nbytes / (ms / 1e3) / bw}
             print(f"  {name:32s} {ms * 1e3:8.1f} us  {nbytes / 1e6:8.2f} MB  "
                   f"{out['parts'][name]['share']:5.0%} of copy bandwidth")
+        out["kernels"] = step_kernels(lambda: (ds.col.zero_(), ds.pos.fill_(ctx - 1), engine._graph_body(ds)),
+                                      step_ms)
     print(json.dumps(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -34,3 +34,18 @@ def test_sequences_leave_the_decode_when_done():
     same = generation_bound(ARCH, [4, 6], 3, bw, 1e15)
     assert same.prefill_seconds == b.prefill_seconds
     assert same.decode_seconds == pytest.approx((2 * weight_bytes(ARCH) + kv * (5 + 6 + 7 + 8)) / bw)
+
+
+def test_decode_parts_groups_a_steps_kernels_by_name():
+    """bench_decode_parts.step_kernels (on the GPU: the CUDA kernels of one eager decode step),
+    here over CPU ops: counts per name, their time summed, the gap to the replayed step."""
+    import torch
+
+    from bench.bench_decode_parts import step_kernels
+
+    x = torch.randn(64, 64)
+    out = step_kernels(lambda: [(x @ x).relu() for _ in range(3)], 10.0, device="cpu")
+    assert out["by_name"]["aten::relu"]["count"] == 3 and out["by_name"]["aten::mm"]["count"] == 3
+    assert out["launches"] == sum(v["count"] for v in out["by_name"].values())
+    assert out["kernel_us"] == pytest.approx(sum(v["us"] for v in out["by_name"].values()))
+    assert out["graph_step_us"] == 10_000.0
