@@ -6,10 +6,11 @@
 #   [COMMIT=sha] bash bench/gpu_suite.sh [PART...]   (carry: .whl with the cp312 megatron-core
 #                                   wheel, and trl/datasets/dill/multiprocess wheels for the TRL part)
 # PARTS: kernels, rollout, settings (issue 22's four rollout settings), actor, grpo, ppo (the same
-# step with a critic: adv_estimator=gae),
-# trl, tests (GPU-marked tests), rollout_settings (issue 22's GRPO and long-response settings, the
-# KV memory report, the decode step's parts), attention (decode attention kernels against flash,
-# and the rollout with torch's flash kernel), quickstart (trainer on CUDA, then a resume from its checkpoint),
+# step with a critic: adv_estimator=gae), trl, tests (GPU-marked tests), rollout_settings (issue
+# 22's long responses with the stage breakdown, the KV memory at a small budget, paged and one
+# block a sequence, the decode step's parts and kernels), attention (decode attention kernels
+# against flash, and the rollout with torch's flash kernel), quickstart (trainer on CUDA, then a
+# resume from its checkpoint),
 # or `all` (the default); rollout_short and actor_3b run one setting of rollout / actor, gae the
 # GAE rows of the kernel bench (the trainer's call included). grpo and ppo share one random model
 # in $BENCH_WORKDIR (default /tmp/bench_work); STEPS (default 3) steps each. One device call allows 10 minutes: `rollout actor tests` and
@@ -60,17 +61,19 @@ if want rollout; then
     --new-tokens 1024 --json "$OUT/rollout_long.json"
 fi
 if want rollout_settings; then
-  # issue 22's settings: the GRPO step's generation (64 prompts x 8 samples) and long responses
-  # ending at varied lengths (100 random stop ids: mean ~1,400 tokens), then the memory report in
-  # a budget that holds 32 contiguous 4,608-token slots, and each decode part against its bytes.
-  TAIL=6 run rollout_grpo 150 python3 bench/bench_rollout.py --skip-hf --batch 512 --prompt-len 512 \
-    --new-tokens 512 --n 8 --json "$OUT/rollout_grpo.json"
+  # issue 22's long responses (100 random stop ids: mean ~1,400 tokens) with the engine's stages
+  # timed apart, then the KV memory at a small budget (3% of free memory) with the paged cache and
+  # with torch's flash kernel (one block a sequence) -- both measured, 64 sequences so that the
+  # flash run finishes --, and each decode part against its bytes with the step's kernels.
   TAIL=6 run rollout_reasoning 240 python3 bench/bench_rollout.py --skip-hf --batch 256 --prompt-len 512 \
     --new-tokens 4096 --stop-tokens 100 --n 8 --breakdown --json "$OUT/rollout_reasoning.json"
-  TAIL=6 run rollout_memory 120 python3 bench/bench_rollout.py --skip-hf --once --batch 256 \
-    --prompt-len 512 --new-tokens 4096 --stop-tokens 100 --n 8 --gpu-memory-utilization 0.03 \
-    --json "$OUT/rollout_memory.json"
-  TAIL=16 run decode_parts 90 python3 bench/bench_decode_parts.py --json "$OUT/decode_parts.json"
+  memory=(--skip-hf --once --batch 64 --prompt-len 512 --new-tokens 4096 --stop-tokens 100 --n 8
+          --gpu-memory-utilization 0.03)
+  TAIL=6 VERL_MCORE_PAGED_KERNEL=triton run rollout_memory_triton 150 python3 bench/bench_rollout.py \
+    "${memory[@]}" --json "$OUT/rollout_memory_triton.json"
+  TAIL=6 VERL_MCORE_PAGED_KERNEL=flash run rollout_memory_flash 150 python3 bench/bench_rollout.py \
+    "${memory[@]}" --json "$OUT/rollout_memory_flash.json"
+  TAIL=45 run decode_parts 120 python3 bench/bench_decode_parts.py --json "$OUT/decode_parts.json"
 fi
 if want settings; then
   # issue 22's four settings in one call (its Done-when): 128 x (256 + 256), 64 x (1024 + 1024),

@@ -40,8 +40,8 @@ FILES = {
     "grpo_step.json": "bench_grpo_step.py", "trl_grpo.json": "bench_trl_grpo.py",
     "kernels.json": "bench_kernels.py",
     "rollout_grpo.json": "bench_rollout.py", "rollout_reasoning.json": "bench_rollout.py",
-    "rollout_memory.json": "bench_rollout.py", "rollout_triton.json": "bench_rollout.py",
-    "rollout_flash.json": "bench_rollout.py",
+    "rollout_flash.json": "bench_rollout.py", "rollout_memory_triton.json": "bench_rollout.py",
+    "rollout_memory_flash.json": "bench_rollout.py",
 }
 GOAL_MFU_3B = 0.45
 GOAL_ROLLOUT_RATIO = 5.0
@@ -98,7 +98,7 @@ def _ratio(num, den):
 def rollout_rows(found: dict) -> list[dict]:
     rows = []
     for name in ("rollout.json", "rollout_long.json", "rollout_grpo.json", "rollout_reasoning.json",
-                 "rollout_memory.json", "rollout_triton.json", "rollout_flash.json"):
+                 "rollout_flash.json", "rollout_memory_triton.json", "rollout_memory_flash.json"):
         r = found.get(name)
         if r is None:
             continue
