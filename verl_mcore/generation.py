@@ -29,8 +29,8 @@ log = logging.getLogger("verl_mcore.generation")
 class EngineStats:
     """What the engine says of its calls (`last_stats`: NativeEngine's, none for vLLM), summed over
     a step's calls: sequences preempted for KV memory, the most live at once, slot occupancy (the
-    share of decoding slot-steps that advanced a live sequence), prompt blocks shared, whether
-    every call decoded in CUDA graphs."""
+    share of the slot-steps stepped that advanced a live sequence), prompt blocks shared, tails
+    compacted, whether every call decoded in CUDA graphs."""
 
     def __init__(self):
         self.calls: list[dict] = []
@@ -43,17 +43,19 @@ class EngineStats:
         calls, self.calls = self.calls, []
         if not calls:
             return {}
-        slot_steps = sum(c.get("rollout/decode_steps", 0.0) * c.get("rollout/slots", 0.0) for c in calls)
-        live = sum(c.get("rollout/slot_occupancy", 0.0) * c.get("rollout/decode_steps", 0.0)
-                   * c.get("rollout/slots", 0.0) for c in calls)
-        out = {"rollout/preemptions": sum(c.get("rollout/preemptions", 0.0) for c in calls),
+
+        def total(key: str) -> float:
+            return sum(c.get(key, 0.0) for c in calls)
+
+        out = {"rollout/preemptions": total("rollout/preemptions"),
                "rollout/peak_live_sequences": max(c.get("rollout/peak_live_sequences", 0.0) for c in calls),
-               "rollout/kv_shared_prefix_blocks": sum(c.get("rollout/kv_shared_prefix_blocks", 0.0)
-                                                      for c in calls)}
-        if slot_steps:
-            out["rollout/slot_occupancy"] = live / slot_steps
+               "rollout/kv_shared_prefix_blocks": total("rollout/kv_shared_prefix_blocks"),
+               "rollout/compactions": total("rollout/compactions")}
+        # the slots the engine stepped (fewer than it has once a call's tail is compacted)
+        if total("rollout/stepped_slot_steps"):
+            out["rollout/slot_occupancy"] = total("rollout/live_slot_steps") / total("rollout/stepped_slot_steps")
         graphs = [c["rollout/cuda_graphs"] for c in calls if "rollout/cuda_graphs" in c]
-        if graphs:  # 0 once a capture failed: the engine decodes eagerly from then on
+        if graphs:  # 0 once any call decoded eagerly
             out["rollout/cuda_graphs"] = min(graphs)
         return out
 

@@ -237,3 +237,35 @@ def test_compacted_tail_gives_the_same_samples(paged):
     assert used == 0
     assert stats["rollout/compactions"] > 0 and want_stats["rollout/compactions"] == 0
     assert stats["rollout/slot_occupancy"] > want_stats["rollout/slot_occupancy"]
+
+
+def test_step_engine_stats_weigh_each_call_by_the_slots_it_stepped():
+    """generation.EngineStats over a step's calls: occupancy is the live slot-steps over the
+    slot-steps stepped, summed over calls (a compacted call steps fewer slots than it has), and
+    compactions, preemptions and shared blocks add up; one eager call makes cuda_graphs 0."""
+    from verl_mcore.generation import EngineStats
+
+    stats = EngineStats()
+    stats.add({"rollout/live_slot_steps": 30.0, "rollout/stepped_slot_steps": 40.0, "rollout/slots": 16.0,
+               "rollout/decode_steps": 10.0, "rollout/slot_occupancy": 0.75, "rollout/compactions": 2.0,
+               "rollout/preemptions": 1.0, "rollout/peak_live_sequences": 9.0, "rollout/cuda_graphs": 1.0,
+               "rollout/kv_shared_prefix_blocks": 3.0})
+    stats.add({"rollout/live_slot_steps": 10.0, "rollout/stepped_slot_steps": 60.0, "rollout/slots": 16.0,
+               "rollout/decode_steps": 10.0, "rollout/slot_occupancy": 1 / 6, "rollout/compactions": 0.0,
+               "rollout/preemptions": 2.0, "rollout/peak_live_sequences": 12.0, "rollout/cuda_graphs": 0.0,
+               "rollout/kv_shared_prefix_blocks": 0.0})
+    out = stats.take()
+    assert out == {"rollout/slot_occupancy": 0.4, "rollout/compactions": 2.0, "rollout/preemptions": 3.0,
+                   "rollout/peak_live_sequences": 12.0, "rollout/kv_shared_prefix_blocks": 3.0,
+                   "rollout/cuda_graphs": 0.0}
+    assert stats.take() == {}  # taken: the next step starts empty
+
+
+def test_an_unknown_paged_kernel_choice_fails_on_every_machine(monkeypatch):
+    """VERL_MCORE_PAGED_KERNEL is read before anything else decides the mode: a typo raises here
+    too (CPU), not only on a GPU where it would have picked a kernel."""
+    from verl_mcore.rollout.native import NativeEngine
+
+    monkeypatch.setenv("VERL_MCORE_PAGED_KERNEL", "trition")
+    with pytest.raises(ValueError, match="VERL_MCORE_PAGED_KERNEL='trition': use triton, flash"):
+        NativeEngine._attention_mode(None)

@@ -302,6 +302,10 @@ class NativeEngine(RolloutEngine):
         moved into the first slots (host bookkeeping only: their KV stays in its blocks) and the
         step runs over the smallest power of two of slots that holds them, at least this many
         (0: never). A call's tail -- the last long responses -- then no longer steps every slot.
+        Samples do not depend on the slot (their random stream is keyed by sequence and step), but
+        on a GPU the kernels' sums may run in another order at another batch size (GEMM tiles,
+        the Triton kernel's split count): the tokens are those of the uncompacted run up to float
+        rounding at sampling boundaries, and the same from run to run.
     """
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, tp_group=None,
@@ -371,6 +375,11 @@ class NativeEngine(RolloutEngine):
         sequence), "kernel" (csrc/paged_attention.cu, opt-in), None (the reference: CPU, fp32, a
         head dim flash rejects). VERL_MCORE_PAGED_KERNEL picks one: "triton", "flash" (or "0":
         torch's flash kernel, paged where it can be), "kernel" (or "1")."""
+        choice = os.environ.get("VERL_MCORE_PAGED_KERNEL", "").strip().lower()
+        choice = {"0": "flash", "1": "kernel"}.get(choice, choice)
+        if choice not in ("", "triton", "flash", "kernel"):  # a typo fails on every machine
+            raise ValueError(f"NativeEngine: VERL_MCORE_PAGED_KERNEL={choice!r}: use triton, flash (0) or "
+                             "kernel (1), or leave it unset")
         net = self.net
         if net.device.type != "cuda":
             return None, "not on a GPU"
@@ -379,11 +388,6 @@ class NativeEngine(RolloutEngine):
         if net.head_dim % 8 or net.head_dim > 256:
             return None, f"head dim {net.head_dim}"
         shape = (net.device, net.heads, net.groups, net.head_dim, net.dtype)
-        choice = os.environ.get("VERL_MCORE_PAGED_KERNEL", "").strip().lower()
-        choice = {"0": "flash", "1": "kernel"}.get(choice, choice)
-        if choice not in ("", "triton", "flash", "kernel"):
-            raise ValueError(f"NativeEngine: VERL_MCORE_PAGED_KERNEL={choice!r}: use triton, flash (0) or "
-                             "kernel (1), or leave it unset")
         if choice in ("", "triton", "kernel"):
             mode, name, check = (("kernel", "csrc/ paged kernel", decode_ops.paged_kernel_supported)
                                  if choice == "kernel" else
@@ -697,6 +701,8 @@ class NativeEngine(RolloutEngine):
                            "rollout/decode_steps": float(st.decode_steps),
                            "rollout/slots": float(slots),
                            "rollout/slot_occupancy": occupancy,
+                           "rollout/live_slot_steps": float(st.live_slot_steps),
+                           "rollout/stepped_slot_steps": float(st.stepped_slot_steps),
                            "rollout/compactions": float(st.compactions),
                            "rollout/peak_live_sequences": float(st.peak_live),
                            "rollout/kv_blocks": float(self.pool.num_blocks - 1),
@@ -706,7 +712,8 @@ class NativeEngine(RolloutEngine):
                            "rollout/preemptions": float(st.preemptions),
                            "rollout/prefix_group_rounds": float(st.cascade_rows),
                            "rollout/host_syncs": float(st.syncs),
-                           # 0 when a capture failed and decoding fell back to eager steps
+                           # 1: decoded in CUDA graphs; 0 off the GPU, with cuda_graphs=False, or
+                           # after a failed capture (the engine then decodes eagerly)
                            "rollout/cuda_graphs": float(self.use_graphs)}
         return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
                              token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
