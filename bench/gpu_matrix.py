@@ -415,6 +415,11 @@ def judge(case: Case, run_dir: Path, log: str, want: list[int]) -> tuple[int, li
     present = [p for p in case.absent if fnmatch.filter(names, p)]
     if present:
         problems.append(f"unexpected metric {', '.join(present)}")
+    # The engine only warns when a decode step's capture fails and then decodes eagerly: on the
+    # GPU that is a bug (a stop check that synced did it once), not a slower success.
+    failed = [line.strip() for line in log.splitlines() if "CUDA graph capture failed" in line]
+    if failed:
+        problems.append(f"the engine decoded eagerly: {failed[0][:200]}")
     if case.resume:
         resumed = want[-1] - 1  # the first run's last step, saved at its end
         if f"resumed from step {resumed}" not in log:

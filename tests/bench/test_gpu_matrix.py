@@ -145,6 +145,10 @@ def test_judge_checks_rows_finiteness_expected_metrics_and_resume(tmp_path):
         "the second run's log does not say 'resumed from step 3'"]
     (tmp_path / "none").mkdir()
     assert gm.judge(case, tmp_path / "none", "", [1])[0] == 0
+    eager = ("native.py:547: UserWarning: NativeEngine: CUDA graph capture failed (CUDA error: operation "
+             "failed due to a previous error during capture); decoding eagerly\n")
+    assert gm.judge(case, _run_dir(tmp_path / "e", good), eager, [1, 2, 3])[1] == [
+        "the engine decoded eagerly: " + eager.strip()[:200]]
 
 
 def _results():
