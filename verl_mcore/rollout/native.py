@@ -1061,13 +1061,10 @@ class _Schedule:
                 continue
             to = free.pop(0)
             s = self.slot_seq[slot]
-            self.slot_seq[to], self.slot_seq[slot], self.slot_of[s] = s, -1, to
-            self.blocks[to], self.blocks[slot] = self.blocks[slot], []
+            self.slot_seq[to], self.slot_of[s], self.blocks[to] = s, to, self.blocks[slot]
             for a in (self.table, self.last, self.pos, self.gen, self.slot_keys, self.alive, self.admitted_at):
                 a[to] = a[slot]
-            self.table[slot] = kv_blocks.SCRATCH
-            self.alive[slot] = False
-            self.pos[slot] = self.gen[slot] = self.last[slot] = 0
+            self._clear(slot)
             self.live[i] = to
             moved = True
         self.compactions += moved
@@ -1085,13 +1082,17 @@ class _Schedule:
         self.preemptions += 1
 
     def _vacate(self, slot: int) -> None:
-        s = self.slot_seq[slot]
         self.pool.release(self.blocks[slot])
-        self.blocks[slot] = []
-        self.slot_seq[slot] = -1
-        del self.slot_of[s]
+        del self.slot_of[self.slot_seq[slot]]
         if slot in self.live:
             self.live.remove(slot)
+        self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
+        """A free slot: no sequence, no blocks, nothing to read (its table row is the scratch
+        block's)."""
+        self.blocks[slot] = []
+        self.slot_seq[slot] = -1
         self.alive[slot] = False
         self.pos[slot] = self.gen[slot] = self.last[slot] = 0
         self.table[slot] = kv_blocks.SCRATCH
