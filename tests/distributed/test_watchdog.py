@@ -16,12 +16,16 @@ from verl_mcore.distributed.watchdog import (EXIT_COLLECTIVE_TIMEOUT, Watchdog,
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0
+RANK1_EXTRA_S = 2.0
 
 
 def _hang_main() -> None:
     """One rank of the hang program (run in a subprocess with RANK/WORLD_SIZE/MASTER_* set).
 
-    Rank 0 enters an all_reduce; rank 1 is stuck in another phase and never joins it.
+    Rank 0 enters an all_reduce; rank 1 is stuck in another phase and never joins it. Rank 1's
+    phase times out RANK1_EXTRA_S later: had both fired together, rank 1's exit could close the
+    gloo pair under rank 0's all_reduce first, and rank 0 would end by that RuntimeError (exit 1,
+    still naming its phase) instead of by its own watchdog -- the race CI met at aa3b2cf.
     """
     import torch
     import torch.distributed as dist
@@ -39,7 +43,8 @@ def _hang_main() -> None:
             with wd.phase("actor_update", op="all_reduce grads"):
                 dist.all_reduce(torch.ones(4))
         else:
-            with wd.phase("compute_rewards", op="reward function"):
+            with wd.phase("compute_rewards", op="reward function",
+                          timeout_s=timeout_s + RANK1_EXTRA_S):
                 time.sleep(120)
     print("finished without the watchdog", flush=True)
 
@@ -74,9 +79,10 @@ def test_hung_collective_reports_phase_on_every_rank():
         assert f"[rank {rank}] WATCHDOG" in err and EXPECTED[rank] + " inside step" in err, err
         assert "finished without the watchdog" not in out
         entered = float(out.split("entering ")[1].split()[0])
-        # Fires after the timeout, within a few polls of it (ended is an upper bound: rank 1 is
+        # Fires after its timeout, within a few polls of it (ended is an upper bound: rank 1 is
         # collected after rank 0).
-        assert TIMEOUT_S <= ended - entered < TIMEOUT_S + 5, (rank, ended - entered)
+        timeout = TIMEOUT_S + (RANK1_EXTRA_S if rank == 1 else 0.0)
+        assert timeout <= ended - entered < timeout + 5, (rank, ended - entered)
 
 
 @pytest.mark.distributed
