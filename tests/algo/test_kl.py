@@ -17,6 +17,7 @@ from verl_mcore.algo.kl import (
 )
 
 KINDS = ["k1", "abs", "k2", "k3", "low_var_kl"]
+VERL_NAMES = {"kl": "k1", "mse": "k2"}  # verl's names for ours
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -26,7 +27,35 @@ def test_kl_penalty_matches_reference(kind):
     rp[0, 0] = lp[0, 0] + 30.0  # k3 clamps: log-ratio to 20, the estimate to 10
     expected = ref.kl_tokens(lp, rp, "k3" if kind == "low_var_kl" else kind)
     torch.testing.assert_close(kl_penalty(lp, rp, kind), torch.tensor(expected, dtype=torch.float64))
-    assert set(KL_PENALTIES) == set(KINDS)
+    names = KINDS + list(VERL_NAMES)
+    assert set(KL_PENALTIES) == set(names) | {n + "+" for n in names}
+
+
+def test_schema_lists_every_penalty():
+    import typing
+
+    from verl_mcore.config.schema import KLKind
+    assert set(typing.get_args(KLKind)) == set(KL_PENALTIES)
+
+
+@pytest.mark.parametrize("name", sorted(VERL_NAMES))
+def test_verl_names_are_our_estimators(name):
+    b = loss_batch(3)
+    assert torch.equal(kl_penalty(b["log_prob"], b["ref_log_prob"], name),
+                       kl_penalty(b["log_prob"], b["ref_log_prob"], VERL_NAMES[name]))
+
+
+@pytest.mark.parametrize("kind", KINDS + list(VERL_NAMES))
+def test_plus_takes_value_of_estimator_and_gradient_of_k2(kind):
+    """verl's straight-through "+" form: k1/k3's expected gradient is not KL's, k2's is."""
+    b = loss_batch(4)
+    rp = b["ref_log_prob"]
+    rp[0, 0] = b["log_prob"][0, 0] + 30.0  # inside k3's clamp: the value is clamped, the gradient not
+    lp = b["log_prob"].clone().requires_grad_(True)
+    plus = kl_penalty(lp, rp, kind + "+")
+    torch.testing.assert_close(plus.detach(), kl_penalty(b["log_prob"], rp, kind), rtol=0, atol=1e-12)
+    plus.sum().backward()
+    torch.testing.assert_close(lp.grad, b["log_prob"] - rp)  # d/dlogp of 0.5 (logp - ref)^2
 
 
 def test_k3_is_nonnegative_and_clamped():

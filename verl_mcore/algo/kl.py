@@ -13,6 +13,11 @@ Estimators, with log r = logp - ref_logp (Schulman, "Approximating KL Divergence
     k2  = 0.5 * (log r)^2
     k3  = exp(-log r) - 1 + log r   ("low_var_kl"): unbiased, >= 0, low variance; log r is clamped
           to [-20, 20] before exp and the result to [-10, 10] so one wild token cannot blow up.
+
+verl's names are accepted with verl's meaning, so a verl config runs unchanged: "kl" is k1 (verl's
+default), "mse" is k2, and a name ending in "+" ("k3+", "low_var_kl+", "k1+", ...) takes its value
+from the named estimator and its gradient from k2 (a straight-through estimate: k1's and k3's
+expected gradients are not KL's, k2's is). Without a gradient (the in-reward KL) "+" changes nothing.
 """
 from __future__ import annotations
 
@@ -64,13 +69,29 @@ def _k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return (neg_log_ratio.exp() - neg_log_ratio - 1).clamp(-K3_CLAMP, K3_CLAMP)
 
 
-# name -> fn(logp [batch, T], ref_logp [batch, T]) -> kl [batch, T]
-KL_PENALTIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+def _with_k2_gradient(estimate: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    """The "+" form of an estimator: its value, k2's gradient."""
+    def penalty(logp: Tensor, ref_logp: Tensor) -> Tensor:
+        k2 = _k2(logp, ref_logp)
+        return k2 - k2.detach() + estimate(logp, ref_logp).detach()
+    return penalty
+
+
+_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k1": _k1,
+    "kl": _k1,
     "abs": _abs,
     "k2": _k2,
+    "mse": _k2,
     "k3": _k3,
     "low_var_kl": _k3,
+}
+
+# name -> fn(logp [batch, T], ref_logp [batch, T]) -> kl [batch, T]; config/schema.py's KLKind
+# lists the same names (a test keeps them equal).
+KL_PENALTIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    **_ESTIMATORS,
+    **{name + "+": _with_k2_gradient(fn) for name, fn in _ESTIMATORS.items()},
 }
 
 
@@ -119,9 +140,10 @@ def apply_kl_penalty(
     `token_rewards, logp, ref_logp, mask: [batch, T]`; beta = `kl_ctrl.value`.
     Returns `(rewards [batch, T], {"current_kl": ..., "kl_coef": beta})`. Masked positions keep
     their reward unchanged (estimators ignore them). current_kl is the mean over sequences with a
-    valid token of each sequence's token-mean KL, over all ranks of `group` (a collective), so that
-    the controller update that follows, `kl_ctrl.update(current_kl, n_steps=batch_size)`, is the
-    same on every rank. This function does not update the controller.
+    valid token of each sequence's token-mean KL (verl counts a sequence without one as KL 0 in
+    its mean; a response always has a valid token, its EOS, so the trainer's batches do not differ),
+    over all ranks of `group` (a collective), so that the controller update that follows,
+    `kl_ctrl.update(current_kl, n_steps=batch_size)`, is the same on every rank. This function does not update the controller.
     """
     same_device("apply_kl_penalty", token_rewards=token_rewards, logp=logp, ref_logp=ref_logp, mask=mask)
     if not (token_rewards.shape == logp.shape == mask.shape):

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 Dtype = Literal["bf16", "fp16", "fp32"]
+# KL estimators (algo/kl.py KL_PENALTIES): ours and verl's names; "+" = the value of the named
+# estimator with k2's gradient (verl's straight-through form).
+KLKind = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+                 "k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+"]
 
 
 @dataclass
@@ -229,7 +233,7 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     whiten_advantages: bool = True  # GAE: masked whitening over the batch's valid tokens
     use_kl_in_reward: bool = False
-    kl_penalty: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = "k1"
+    kl_penalty: KLKind = "k1"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
@@ -286,7 +290,7 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: KLKind = "low_var_kl"
     recompute_activations: bool = False
     # The old-log-prob forward pass before the update. "auto" skips it when the update is one
     # on-policy optimizer step (ppo_epochs = 1, one mini-batch = the whole batch) and no in-reward
