@@ -239,7 +239,7 @@ def gspo_tokens(logp, old_logp, adv, mask, lo, hi):
     for lp_row, olp_row, a_row, m_row in zip(rows(logp), rows(old_logp), rows(adv), rows(mask)):
         pos = valid_positions(m_row)
         log_s = sum(lp_row[t] - olp_row[t] for t in pos) / max(len(pos), 1)
-        s = math.exp(min(max(log_s, -20.0), 20.0))
+        s = math.exp(min(log_s, 10.0))  # verl's clamp: above only, and no gradient past it
         lrow, crow, grow = [], [], []
         for a in a_row:
             u = -a * s
@@ -249,7 +249,7 @@ def gspo_tokens(logp, old_logp, adv, mask, lo, hi):
             # Gradient through s_it = s * exp(logp - sg(logp)) is d/dlogp = s, only where the
             # unclipped term is the one that counts (inside the range they coincide).
             inside = 1 - lo <= s <= 1 + hi
-            grow.append(-a * s if (inside or u >= cl) else 0.0)
+            grow.append(-a * s if (inside or u >= cl) and log_s <= 10.0 else 0.0)
         loss.append(lrow)
         clipped.append(crow)
         grad.append(grow)

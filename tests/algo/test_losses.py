@@ -107,6 +107,24 @@ def test_gspo_matches_reference_value_and_gradient(seed, mode):
     torch.testing.assert_close(lp.grad, torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=1e-9)
 
 
+def test_gspo_clamps_the_sequence_log_ratio_above_at_10_like_verl():
+    """verl's compute_policy_loss_gspo: clamp(log s, max=10). A sequence 12 nats above its old
+    probability with A < 0 loses e^10 a token and gets no gradient; one 30 nats below is not
+    clamped (its ratio is ~0, and with A > 0 the unclipped -A s wins)."""
+    m = torch.ones(3, 4, dtype=torch.bool)
+    lp = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-12.0] * 4, [30.0] * 4, [0.1] * 4], dtype=torch.float64)
+    adv = torch.tensor([[-1.0] * 4, [1.0] * 4, [1.0] * 4], dtype=torch.float64)
+    b = {"log_prob": lp.detach(), "old_log_prob": old, "advantages": adv, "mask": m}
+    loss, _ = run_loss("gspo", b, lp, LossDenominators.of(m), "seq-mean-token-mean")
+    loss.backward()
+    s = math.exp(-0.1)
+    assert 1 - LO < s < 1 + HI
+    close(loss, (math.exp(10.0) - math.exp(-30.0) - s) / 3)
+    assert lp.grad[0].abs().max().item() == 0.0
+    torch.testing.assert_close(lp.grad[2], torch.full((4,), -s / 4 / 3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_reinforce_matches_reference(seed, mode):

@@ -41,6 +41,9 @@ __all__ = [
 ]
 
 LOG_RATIO_CLAMP = 20.0
+# GSPO's sequence log-ratio is clamped above only, at 10, as verl's compute_policy_loss_gspo does
+# (the clamp also zeroes the gradient of a sequence past it).
+GSPO_LOG_RATIO_MAX = 10.0
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,8 @@ def gspo_loss(
         log s_i   = (1 / n_i) sum_{valid t} (log_prob_it - old_log_prob_it)
         log s_it  = sg(log s_i) + log_prob_it - sg(log_prob_it)    (value s_i, per-token gradient)
         l_it      = max(-A s_it, -A clip(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
-    (log s_it clamped to [-20, 20]), no dual clip. The paper averages per sequence
+    (log s_it clamped above at 10, as verl does: beyond it the loss is constant and the gradient
+    0; no lower clamp, exp of a very negative value is 0), no dual clip. The paper averages per sequence
     (agg_mode seq-mean-token-mean) with small clip ranges (about 3e-4 / 4e-4).
     """
     _check_shapes("gspo_loss", log_prob, old_log_prob, advantages, mask)
@@ -142,7 +146,7 @@ def gspo_loss(
     token_log_ratio = torch.where(valid, log_prob - old_log_prob, log_prob.new_zeros(()))
     seq_log_ratio = token_log_ratio.sum(-1) / valid.sum(-1).clamp(min=1)
     log_ratio = seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    ratio = log_ratio.clamp(max=GSPO_LOG_RATIO_MAX).exp()
     loss_mat, clipped = _clipped_surrogate(ratio, advantages, params)
     loss = aggregate_loss(_weighted(loss_mat, token_weights), mask, params.agg_mode, denoms)
     return loss, {
