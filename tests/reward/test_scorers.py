@@ -26,6 +26,8 @@ GSM8K_CASES = [
     ("#### 71\nwait, #### 72", "72", 1.0, 1.0),            # verl: (1, 1): the last #### counts
     ("#### 72\nActually it is 70 for 2 days", "72", 1.0, 0.0),  # verl: (1, 0): flexible sees 2
     ("I don't know.", "72", 0.0, 0.0),                     # verl: (0, 0)
+    # ours (1, 1) verl (0, 0) because verl 0.9.1 reads only the last 300 characters
+    ("#### 72\n" + "and that is the answer. " * 17, "72", 1.0, 1.0),
     ("####72", "72", 0.0, 1.0),                            # verl: (0, 1): no space, not the format
     ("####  72", "72", 0.0, 1.0),                          # verl: (0, 1): two spaces
     ("#### 7.2", "72", 0.0, 0.0),                          # verl: (0, 0)
@@ -131,7 +133,11 @@ DAPO_CASES = [
     ("Final Answer: 5", "5", 1.0, "5"),
     ("Answer:\n5", "5", 1.0, "5"),                         # the space after ":" may be a newline
     ("Answer: 4\nno wait\nAnswer: 5", "5", 1.0, "5"),      # the last Answer: line
-    (r"so \boxed{5}", "5", -1.0, "[INVALID]"),             # a box is no Answer: line
+    (r"so \boxed{5}", "5", 1.0, "5"),                      # no Answer: line: the last box (verl 0.9.1)
+    (r"\boxed{4} then \boxed{5}", "5", 1.0, "5"),
+    (r"so \boxed{ 5}", "5", -1.0, " 5"),                   # ... compared unnormalised
+    ("Answer: 4\n" + r"\boxed{5}", "5", -1.0, "4"),       # an Answer: line wins over a box
+    (r"\boxed{5}" + "x" * 100, "5", -1.0, "[INVALID]"),    # a box outside the last 100 characters
     ("Answer: 5 " + "x" * 300, "5", -1.0, "[INVALID]"),    # outside the last 300 characters
     (r"Answer: $\frac{1}{2}$", r"\frac12", 1.0, r"\frac{1}{2}"),
     ("Answer: 1/2", r"\frac{1}{2}", -1.0, "1/2"),         # no a/b rule
@@ -199,15 +205,25 @@ def test_dispatch_math(source):
                                     "aime_2025", "aime"])
 def test_dispatch_dapo(source):
     assert default_compute_score(source, "Answer: 12", "12")["score"] == 1.0
-    assert default_compute_score(source, r"\boxed{12}", "12")["score"] == -1.0
+    assert default_compute_score(source, r"\boxed{12}", "12")["score"] == 1.0  # verl 0.9.1's box fallback
+    assert default_compute_score(source, "12", "12")["score"] == -1.0
     assert source in SCORERS
 
 
-@pytest.mark.parametrize("source", ["my/data", "gsm8k", "lighteval/MATH-Hard", "Math", "xaime",
-                                    "numina_olympiads"])
+@pytest.mark.parametrize("source", ["my/data", "gsm8k", "lighteval/MATH-Hard", "Math", "xaime"])
 def test_dispatch_unknown_source(source):  # verl: NotImplementedError for each of these too
     assert source not in SCORERS and SCORERS.get(source) is None
-    with pytest.raises(NotImplementedError, match=f"data_source='{source}'.*reward.custom_fn"):
+    with pytest.raises(NotImplementedError, match=f"data_source='{source}' \\(built in.*reward.custom_fn"):
+        default_compute_score(source, "x", "y")
+
+
+@pytest.mark.parametrize("source,verl_scorer", [("numina_olympiads", "prime_math"), ("taco", "sandbox"),
+                                                ("hiyouga/geometry3k", "geo3k"),
+                                                ("searchR1_nq", "search_r1_like_qa_em")])
+def test_dispatch_source_only_verl_scores_names_verls_scorer(source, verl_scorer):
+    """verl 0.9.1 scores these with scorers we do not build in: the error says which."""
+    assert source not in SCORERS
+    with pytest.raises(NotImplementedError, match=f"verl scores {source} -> verl's {verl_scorer}"):
         default_compute_score(source, "x", "y")
 
 

@@ -7,6 +7,10 @@ have, and only those, so a dataset prepared for verl gets the same scorer here:
   DAPO (`Answer:`, +1/-1)  math_dapo, math, math_dapo_reasoning, and every name starting with aime
 Any other name (`gsm8k`, `lighteval/MATH-Hard`, `EleutherAI/hendrycks_math`, ...) has no built-in
 scorer, as in verl: route it to one with reward.routes, or set reward.custom_fn.
+
+Unlike verl 0.9.1, which also scores the names in VERL_ONLY_SOURCES (Numina sets with its sympy
+grader prime_math, code sets by running the code in a sandbox, geometry3k, Search-R1 exact
+match), we build none of those in; the error for such a name says which verl scorer it meant.
 """
 from __future__ import annotations
 
@@ -17,6 +21,25 @@ from verl_mcore.reward import gsm8k, math_answers, math_dapo
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "aime*")
+# data_source -> the verl 0.9.1 scorer (verl/utils/reward_score/) that would take it; not built in
+VERL_ONLY_SOURCES = {
+    **{name: "prime_math" for name in (
+        "numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+        "numina_cn_k12", "numina_olympiads")},
+    **{name: "sandbox_fusion / prime_code (runs the response's code)"
+       for name in ("codecontests", "apps", "codeforces", "taco")},
+    "hiyouga/geometry3k": "geo3k",
+    **{f"searchR1_{name}": "search_r1_like_qa_em" for name in (
+        "nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")},
+}
+
+
+def unknown_source_hint(names) -> str:
+    """What verl would have scored some of `names` with (empty when none is verl's)."""
+    known = sorted({f"{n} -> verl's {VERL_ONLY_SOURCES[n]}" for n in names
+                    if isinstance(n, str) and n in VERL_ONLY_SOURCES})
+    return (f" (verl scores {'; '.join(known)}: not built in here, so give it a reward.custom_fn "
+            f"or a route)") if known else ""
 
 
 class ScorerTable(dict):
@@ -55,6 +78,7 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
     scorer = SCORERS.get(data_source)
     if scorer is None:
         raise NotImplementedError(
-            f"no built-in reward for data_source={data_source!r} (built in: {sorted(SCORERS)}); "
-            f"set reward.custom_fn, or route it with reward.route_by / reward.routes")
+            f"no built-in reward for data_source={data_source!r}{unknown_source_hint([data_source])} "
+            f"(built in: {sorted(SCORERS)}); set reward.custom_fn, or route it with "
+            f"reward.route_by / reward.routes")
     return scorer(solution_str, ground_truth)

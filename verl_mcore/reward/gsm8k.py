@@ -12,7 +12,10 @@ Where verl's gsm8k differs (it compares the extracted string with the ground tru
 `#### 18.00`, `#### 0.5` for `.5`, `#### 72.`, `#### $72` and an int ground truth score as wrong or
 unanswered there and right here; verl's flexible mode keeps commas (`1,000` is not 1000 there) and
 takes a lone `.` or `,` in the text for an answer (format_score where we give 0 for no number);
-its strict mode drops every comma (`#### 4,5` is 45 there and a wrong answer here).
+its strict mode drops every comma (`#### 4,5` is 45 there and a wrong answer here). verl 0.9.1
+reads only the response's last 300 characters (for regex speed; the cut can fall inside the
+answer); we read all of it, so `#### 72` followed by more than 300 characters of text is right
+here and unanswered there.
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
 from verl_mcore.reward import custom
-from verl_mcore.reward.builtin import SCORERS
+from verl_mcore.reward.builtin import SCORERS, unknown_source_hint
 from verl_mcore.reward.pool import ScoringPool
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome, checked, run_item
@@ -274,8 +274,9 @@ class RewardManager:
                     unknown.add(row["data_source"])
         if unknown:
             raise ValueError(
-                f"no reward for data_source {sorted(unknown, key=str)} in {', '.join(dataset.files)}: "
-                f"the built-in scorers know {sorted(SCORERS)}; set reward.custom_fn, or route these "
+                f"no reward for data_source {sorted(unknown, key=str)} in {', '.join(dataset.files)}"
+                f"{unknown_source_hint(unknown)}: the built-in scorers know {sorted(SCORERS)}; "
+                f"set reward.custom_fn, or route these "
                 f"rows with reward.route_by / reward.routes / reward.default_route")
 
     @staticmethod

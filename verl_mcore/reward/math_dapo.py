@@ -1,11 +1,13 @@
-"""DAPO-style math answers, with the semantics of verl's `math_dapo` scorer.
+"""DAPO-style math answers, with the semantics of verl's `math_dapo` scorer (verl 0.9.1).
 
 Only the last 300 characters of the response count (verl cuts there for speed: MATH-500's
 longest answer has 159). The answer is the rest of the line after the last `Answer:` there (any
 case, spaces around the colon allowed); both it and the ground truth get the Minerva
-normalisation below and must then be equal strings. No `Answer:` line scores as the answer
-`[INVALID]`, i.e. wrong; a `\\boxed{}` without an `Answer:` line is wrong too (this scorer does
-not read boxes unless strict_box_verify).
+normalisation below and must then be equal strings. Without an `Answer:` line, the content of
+the last `\\boxed{...}` in the final 100 of those characters is the answer, compared with the
+ground truth as strict_box_verify compares it (unnormalised); with neither, the answer is
+`[INVALID]`, i.e. wrong. (Older verl, e.g. commit 012542c, had no box fallback: a box without an
+`Answer:` line was wrong there.)
 
 Returns {"score": 1.0 or -1.0, "acc": True/False, "pred": the normalised answer}. The reward
 manager keeps `acc` as a 1.0/0.0 metric; `pred`, a string, is not logged.
@@ -89,4 +91,7 @@ def compute_score(response: str, ground_truth: Any, strict_box_verify: bool = Fa
         lines = _ANSWER_LINE.findall(tail)
         pred = normalize(lines[-1] if lines else NO_ANSWER)
         correct = pred == normalize(truth)
+        box = _last_braced_box(tail[-BOX_TAIL_CHARS:]) if pred == NO_ANSWER else None
+        if box is not None:  # verl 0.9.1's fallback: no `Answer:` line, the last box
+            pred, correct = box, box == truth
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
