@@ -286,7 +286,8 @@ def grpo(
     A_i = (s_i - mean_g) / (std_g + eps) with the unbiased std of the group, or s_i - mean_g when
     `norm_by_std=False` (Dr.GRPO). Zero at masked positions.
     Degenerate cases: a group of size 1 has no baseline, its advantage is 0; a group whose scores
-    are all equal gets 0 (the numerator is 0).
+    are all equal gets 0 (the numerator is 0). verl gives a lone sample mean 0 and std 1, i.e.
+    its raw score; the trainer never meets one (config validation wants rollout.n >= 2).
     """
     _check_group_inputs("grpo", scores, group_ids, mask)
     s = scores.to(_compute_dtype(scores))
@@ -302,7 +303,9 @@ def rloo(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
     """RLOO: leave-one-out baseline, A_i = s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean_g).
 
     `scores [batch]`, `group_ids [batch]`, `mask [batch, T]` -> `[batch, T]`, zero at masked
-    positions. A group of size 1 has no other sample to compare with: its advantage is 0.
+    positions. A group of size 1 has no other sample to compare with: its advantage is 0, as in
+    verl's compute_rloo_vectorized_outcome_advantage (verl's compute_rloo_outcome_advantage keeps
+    the raw score instead; the trainer never meets one: rollout.n >= 2).
     """
     _check_group_inputs("rloo", scores, group_ids, mask)
     s = scores.to(_compute_dtype(scores))
@@ -357,7 +360,8 @@ def reinforce_plus_plus_baseline(
 
     `token_rewards [batch, T]`, `group_ids [batch]`, `mask [batch, T]` -> advantages `[batch, T]`.
     score = sum of the row's valid token rewards (undiscounted outcome); a group of size 1 is its
-    own baseline (0 before whitening). The centred scores go to the valid tokens of their row and
+    own baseline (0 before whitening; verl uses mean 0 there, so its raw score enters the
+    whitening and shifts every row; the trainer never meets one: rollout.n >= 2). The centred scores go to the valid tokens of their row and
     are whitened with `masked_whiten(..., group=group)` (raises below 2 valid tokens in total).
     `scores [batch]` (optional): outcome scores of rows without valid tokens (`_sequence_scores`).
     """
