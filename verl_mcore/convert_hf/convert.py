@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from verl_mcore.convert_hf.safetensors_stream import write_safetensors
 from verl_mcore.engine.manifest import MANIFEST, build_manifest
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
-from verl_mcore.models.hf_weights import HFCheckpoint
+from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors, check_weight_files
 from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR as HF_CONFIG_SUBDIR
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
@@ -108,15 +109,24 @@ def _progress(total_bytes: int, enabled: bool, desc: str) -> tqdm:
 # HF -> mcore
 
 def hf_to_mcore_chunks(hf_dir: str, arch: HFArch, dtype: Optional[torch.dtype]) -> list[Chunk]:
-    """Every chunk of the dist checkpoint, each producing its tensor from the HF files."""
+    """Every chunk of the dist checkpoint, each producing its tensor from the HF files. Reads
+    only headers: every tensor's presence, dtype and shape against config.json are checked here,
+    and tensors nothing reads are warned of. dtype None keeps each tensor's HF dtype, except
+    that F64 is written as F32 (the exporter and the trainer serve bf16/fp16/fp32)."""
     ckpt = HFCheckpoint(hf_dir)
+    unused = check_tensors(ckpt, arch, _role_of(arch))
+    if unused:
+        warnings.warn(f"{hf_dir}: {len(unused)} tensors are not used by a {arch.model_type} of "
+                      f"{arch.num_layers} layers (config.json), e.g. {unused[:5]}; they are "
+                      "left out of the conversion")
     padded = arch.padded_vocab_size(1)
     chunks: list[Chunk] = []
     for pm in wm.param_maps(arch, _role_of(arch)):
         metas = []
         for name in pm.hf:
             shape, src_dtype = ckpt.shape_dtype(name)
-            metas.append(torch.empty(shape, dtype=dtype or src_dtype, device="meta"))
+            kept = torch.float32 if src_dtype == torch.float64 else src_dtype
+            metas.append(torch.empty(shape, dtype=dtype or kept, device="meta"))
         out_dtype = metas[0].dtype
         full = wm.hf_to_mcore(pm, arch, metas, padded)  # shape inference only
 
@@ -142,10 +152,11 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
     `dtype` "bf16"/"fp32"/"fp16" casts every tensor; None keeps the HF dtype.
     """
     arch = read_hf_arch(hf_dir, max_seq_len=max_seq_len)
+    check_weight_files(hf_dir, key="--hf")  # a cut or damaged file, named, before anything is written
+    chunks = hf_to_mcore_chunks(hf_dir, arch, parse_dtype(dtype) if dtype else None)
     release_freed_tensors_to_os()
     out = _Output(out_dir, force)
     try:
-        chunks = hf_to_mcore_chunks(hf_dir, arch, parse_dtype(dtype) if dtype else None)
         bar = _progress(sum(c.nbytes for c in chunks), progress, "hf-to-mcore")
         bar.set_postfix_str(f"0/{len(chunks)} tensors")
         done = [0]

@@ -121,6 +121,26 @@ def param_maps(arch: HFArch, role: str = "actor", layers: Sequence[int] | None =
     return maps
 
 
+def hf_shapes(arch: HFArch, role: str = "actor") -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for every HF tensor `param_maps(arch, role)` reads."""
+    H, F, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    by_suffix = {
+        "layernorm.weight": (H,), "model.norm.weight": (H,),
+        "q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+        "q_norm.weight": (hd,), "k_norm.weight": (hd,), "o_proj.weight": (H, q),
+        "gate_proj.weight": (F, H), "up_proj.weight": (F, H), "down_proj.weight": (H, F),
+        "embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
+        "score.weight": (arch.num_labels or 0, H),
+    }
+    shapes = {}
+    for pm in param_maps(arch, role):
+        for name in pm.hf:
+            shapes[name] = next(shape for suffix, shape in by_suffix.items() if name.endswith(suffix))
+    return shapes
+
+
 # --------------------------------------------------------------------------------------------
 # Names of GPTModel parameters <-> canonical names
 
