@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
