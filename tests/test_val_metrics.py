@@ -350,9 +350,10 @@ def test_user_function_may_not_take_a_builtin_name_nor_block():
     with pytest.raises(ValueError, match=r"returned \['score/mean@2'\]: the built-in metrics"):
         _metrics(fn=lambda *a: {"score/mean@2": 123.0}).compute(_samples())
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"trainer.val_metric_fn.timeout_s=0.3 s; it was here "
+    # 1 s: the worker thread must have reached the user's line for its stack to name it
+    with pytest.raises(TimeoutError, match=r"trainer.val_metric_fn.timeout_s=1.0 s; it was here "
                                            r"\(most recent call last\):\n  File .*test_val_metrics.py"):
-        _metrics(fn=lambda *a: time.sleep(60), fn_timeout_s=0.3).compute(_samples())
+        _metrics(fn=lambda *a: time.sleep(60), fn_timeout_s=1.0).compute(_samples())
     assert time.monotonic() - t0 < 5
 
 

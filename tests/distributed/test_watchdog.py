@@ -106,34 +106,56 @@ def test_sigterm_during_a_hang_reports_where_each_rank_is():
         assert f"[rank {rank}] SIGNAL SIGTERM" in err and f"in {EXPECTED[rank]}" in err, err
 
 
-def _recorder():
-    fired = []
-    return fired, (lambda msg: fired.append((time.monotonic(), msg)))
+class _Clock:
+    """A monotonic clock the test moves by hand (in binary fractions: sums are exact)."""
+
+    def __init__(self):
+        self.now = 1024.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_progress_resets_and_idle_outside_phases():
-    fired, on_expire = _recorder()
-    wd = Watchdog(0.5, rank=3, on_expire=on_expire, poll_s=0.05, stream=io.StringIO(),
+    fired, clock = [], _Clock()
+    wd = Watchdog(0.5, rank=3, on_expire=fired.append, stream=io.StringIO(), dump_stacks=False,
+                  clock=clock)
+    clock.now += 10  # no phase: idle, however long
+    assert not wd.check()
+    with wd.phase("generate", step=4):
+        for _ in range(8):  # 3 s in one phase, but beating
+            clock.now += 0.375
+            assert not wd.check()
+            wd.beat()
+        for op in ["a", "b", "c", "d", "e", "f"]:  # relabelling is progress too
+            clock.now += 0.375
+            assert not wd.check()
+            wd.set_op(op)
+        clock.now += 0.5  # exactly the timeout: not yet
+        assert not wd.check()
+    assert not fired
+    with wd.phase("checkpoint", op="save", timeout_s=0.25):  # its own timeout
+        clock.now += 0.25
+        assert not wd.check()
+        clock.now += 0.125
+        assert wd.check()
+    assert len(fired) == 1
+    assert fired[0].startswith("[rank 3] WATCHDOG") and "no progress for 0.4 s (timeout 0.25 s)" in fired[0]
+    assert "phase 'checkpoint', operation 'save', step" not in fired[0]  # no step given
+    assert "phase 'checkpoint', operation 'save'" in fired[0]
+    assert wd.expired_message == fired[0]
+
+
+def test_the_thread_checks_every_poll():
+    fired = []
+    wd = Watchdog(0.2, rank=1, on_expire=fired.append, poll_s=0.05, stream=io.StringIO(),
                   dump_stacks=False).start()
     try:
-        time.sleep(0.8)  # no phase: idle
-        assert not fired
-        with wd.phase("generate", step=4):
-            for _ in range(8):  # 0.8 s in one phase, but beating
-                time.sleep(0.1)
-                wd.beat()
-            for op in ["a", "b", "c", "d", "e", "f"]:
-                time.sleep(0.15)
-                wd.set_op(op)
-        assert not fired
-        start = time.monotonic()
-        with wd.phase("checkpoint", op="save", timeout_s=0.2):
-            time.sleep(0.6)
-        assert len(fired) == 1
-        assert fired[0][0] - start < 0.2 + 0.2
-        assert fired[0][1].startswith("[rank 3] WATCHDOG")
-        assert "phase 'checkpoint', operation 'save', step" not in fired[0][1]  # no step given
-        assert "phase 'checkpoint', operation 'save'" in fired[0][1]
+        with wd.phase("score"):
+            deadline = time.monotonic() + 30  # a bound for a loaded machine, not a measurement
+            while not fired and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert len(fired) == 1 and "in phase 'score'" in fired[0]
     finally:
         wd.stop()
 

@@ -117,7 +117,7 @@ def test_a_batch_class_as_a_route_target_gets_only_its_samples(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_batch_results_are_checked_like_scores(tmp_path, workers):
-    cfg = RewardConfig(num_workers=workers, fallback_score=-1.0, timeout_s=0.2,
+    cfg = RewardConfig(num_workers=workers, fallback_score=-1.0, timeout_s=0.5,
                        custom_cls=CustomClassKwargsConfig(path=user_classes.write(tmp_path),
                                                           name="Bad"))
     with RewardManager.from_config(cfg) as m:
@@ -138,13 +138,14 @@ def test_batch_results_are_checked_like_scores(tmp_path, workers):
         assert raised.metrics["reward/errors"] == 3
         assert "KeyError: 'no judge for this batch'" in raised.first_failure[1]
         if workers:
-            # the limit of one call is reward.timeout_s per sample of it: 0.2 s x 4 = 0.8 s
-            assert run("sleep 0.4", 4).scores == [1.0] * 4
+            # the limit of one call is reward.timeout_s per sample of it: 0.5 s x 4 = 2 s (a 1 s
+            # margin: a paused worker on a loaded 2-core machine must not fail this)
+            assert run("sleep 1.0", 4).scores == [1.0] * 4
             start = time.monotonic()
             late = run("sleep 30", 4)
             assert late.metrics["reward/timeouts"] == 4 and time.monotonic() - start < 10
-            assert ("no result from the batch call after reward.timeout_s=0.2 s x 4 samples = "
-                    "0.8 s" in late.first_failure[1])
+            assert ("no result from the batch call after reward.timeout_s=0.5 s x 4 samples = "
+                    "2 s" in late.first_failure[1])
             assert run("ok", 2).scores == [1.0, 1.0]  # the replaced worker scores on
 
 

@@ -82,12 +82,14 @@ class Watchdog:
     `timeout_s`: default seconds a phase may go without progress (trainer.collective_timeout_s).
     `rank`: printed in every message. `on_expire(message)`: what to do after reporting; default
     exits the process with EXIT_COLLECTIVE_TIMEOUT (tests pass a recorder). `poll_s`: check
-    interval, default timeout / 10 capped to [0.1 s, 10 s].
+    interval, default timeout / 10 capped to [0.1 s, 10 s]. `clock`: seconds, monotonic (tests
+    pass a fake one and call `check()` themselves, so a loaded machine cannot fail them).
     """
 
     def __init__(self, timeout_s: float, rank: int = 0, *,
                  on_expire: Optional[Callable[[str], None]] = None,
-                 poll_s: Optional[float] = None, stream=None, dump_stacks: bool = True):
+                 poll_s: Optional[float] = None, stream=None, dump_stacks: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout must be > 0 s (trainer.collective_timeout_s), got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -96,9 +98,10 @@ class Watchdog:
         self._on_expire = on_expire or _exit_process
         self._stream = stream
         self._dump_stacks = dump_stacks
+        self._clock = clock  # tests pass a fake one and call check() themselves
         self._lock = threading.Lock()
         self._stack: list[_Phase] = []
-        self._last_progress = time.monotonic()
+        self._last_progress = clock()
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._wakeup: Optional[tuple[int, int]] = None  # (read end, write end) of the signal pipe
@@ -154,7 +157,7 @@ class Watchdog:
             if step is None and self._stack:
                 step = self._stack[-1].step
             self._stack.append(_Phase(name, step, op, timeout_s or self.timeout_s))
-            self._last_progress = time.monotonic()
+            self._last_progress = self._clock()
         try:
             yield
         except BaseException as e:
@@ -165,7 +168,7 @@ class Watchdog:
         finally:
             with self._lock:
                 self._stack.pop()
-                self._last_progress = time.monotonic()
+                self._last_progress = self._clock()
 
     def set_op(self, op: str) -> None:
         """Relabel the operation of the innermost phase (counts as progress)."""
@@ -173,11 +176,11 @@ class Watchdog:
             if self._stack:
                 top = self._stack[-1]
                 self._stack[-1] = _Phase(top.name, top.step, op, top.timeout_s)
-            self._last_progress = time.monotonic()
+            self._last_progress = self._clock()
 
     def beat(self) -> None:
         """Progress inside a long phase (e.g. every decode chunk)."""
-        self._last_progress = time.monotonic()
+        self._last_progress = self._clock()
 
     def current(self) -> Optional[str]:
         with self._lock:
@@ -195,14 +198,21 @@ class Watchdog:
                     self._report_signals()
             elif self._stopped.wait(self.poll_s):
                 return
-            with self._lock:
-                if not self._stack:
-                    continue
-                top, outer = self._stack[-1], [p.name for p in self._stack[:-1]]
-                waited = time.monotonic() - self._last_progress
-            if waited > top.timeout_s:
-                self._report(top, outer, waited)
+            if self.check():
                 return
+
+    def check(self) -> bool:
+        """One poll: when the innermost phase has gone without progress for longer than its
+        timeout, report it and expire (True). The thread calls this every poll_s."""
+        with self._lock:
+            if not self._stack:
+                return False
+            top, outer = self._stack[-1], [p.name for p in self._stack[:-1]]
+            waited = self._clock() - self._last_progress
+        if waited <= top.timeout_s:
+            return False
+        self._report(top, outer, waited)
+        return True
 
     def _report_signals(self) -> None:
         try:
@@ -211,7 +221,7 @@ class Watchdog:
             return
         with self._lock:
             top = self._stack[-1] if self._stack else None
-            waited = time.monotonic() - self._last_progress
+            waited = self._clock() - self._last_progress
         where = f"in {self._describe(top)} (no progress for {waited:.1f} s)" if top else "outside any phase"
         for signum in data:
             try:
