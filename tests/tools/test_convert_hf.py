@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -178,3 +179,76 @@ def test_hf_dir_writer_shards_a_stream_and_commits_atomically(root):
     assert not os.path.exists(root / "w_gone") and not glob.glob(str(root / "w_gone*"))
     with pytest.raises(FileExistsError):
         HFDirWriter(out, src)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs the commands refuse before writing anything
+
+@pytest.fixture(scope="module")
+def llama(root):
+    """(HF directory, its hf-to-mcore checkpoint) of an untied 4-layer Llama, vocab 250 padded
+    to 256, made once for the checks below."""
+    src = hf_factory.save_tiny_model("llama2", str(root / "checks"), seed=12)
+    return src, convert_hf_to_mcore(src, str(root / "checks.mcore"), progress=False)
+
+
+def _tree(path) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), path)
+                  for d, _, files in os.walk(path) for f in files)
+
+
+def test_out_that_is_contains_or_lies_inside_an_input_is_refused(llama, tmp_path):
+    """--out equal to, above or inside --hf / --ckpt / the template, also through a symlink or
+    a relative path: refused naming both paths and the flag, the inputs untouched, --force or
+    not (it used to delete --hf, or make the checkpoint's manifest refuse it)."""
+    from verl_mcore.config import ConfigError
+    from verl_mcore.convert_hf.convert import HFDirWriter
+
+    src, ckpt = llama
+    before = {p: _tree(p) for p in (src, ckpt)}
+    link = str(tmp_path / "link")
+    os.symlink(src, link)
+    parent, name = os.path.split(src)
+    refused = [
+        ("is --hf", lambda: convert_hf_to_mcore(src, src, force=True)),
+        ("contains --hf", lambda: convert_hf_to_mcore(src, parent, force=True)),
+        ("lies inside --hf", lambda: convert_hf_to_mcore(src, os.path.join(src, "mcore"))),
+        ("is --hf", lambda: convert_hf_to_mcore(link, src, force=True)),
+        ("lies inside --ckpt", lambda: convert_mcore_to_hf(ckpt, os.path.join(ckpt, "hf"))),
+        ("contains --ckpt", lambda: convert_mcore_to_hf(ckpt, parent, force=True)),
+        ("lies inside --hf-template", lambda: convert_mcore_to_hf(
+            ckpt, os.path.join(src, "hf"), hf_template=src)),
+        ("lies inside model.path", lambda: HFDirWriter(os.path.join(src, "x"), src,
+                                                       inputs={"model.path": src})),
+    ]
+    cwd = os.getcwd()
+    os.chdir(parent)
+    try:  # a relative --out naming the input
+        with pytest.raises(ConfigError, match=r"--out checks is --hf .*\(resolved: "):
+            convert_hf_to_mcore(src, name, force=True, progress=False)
+    finally:
+        os.chdir(cwd)
+    for how, call in refused:
+        with pytest.raises(ConfigError, match=f"--out .* {how} .*choose an --out outside"):
+            call()
+    assert {p: _tree(p) for p in (src, ckpt)} == before
+    assert not glob.glob(os.path.join(parent, "*.tmp-*"))
+
+
+def test_cli_refuses_an_out_inside_a_step_directory(llama, tmp_path, capsys):
+    """A trainer step directory (meta.json + dist/): --out inside it is refused whether --ckpt
+    names the step or its dist/ (the export used to land in the step, and the next resume moved
+    the run's checkpoint aside as corrupt)."""
+    from tools.convert_hf.__main__ import main
+
+    src, ckpt = llama
+    step = tmp_path / "step_00000001"
+    shutil.copytree(ckpt, step / "dist")
+    (step / "meta.json").write_text(json.dumps({"format": 1, "step": 1}))
+    for given in (step, step / "dist"):
+        assert main(["mcore-to-hf", "--ckpt", str(given), "--out", str(step / "hf"),
+                     "--hf-template", src, "--quiet"]) == 2
+        assert f"--out {step / 'hf'} lies inside --ckpt {step}:" in capsys.readouterr().err
+    assert sorted(os.listdir(step)) == ["dist", "meta.json"]
+    assert main(["hf-to-mcore", "--hf", src, "--out", src, "--force", "--quiet"]) == 2
+    assert f"--out {src} is --hf {src}" in capsys.readouterr().err

@@ -95,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hf-to-mcore":
         from verl_mcore.convert_hf.convert import convert_hf_to_mcore
 
-        out = convert_hf_to_mcore(args.hf, args.out, dtype=args.dtype, force=args.force,
-                                  progress=not args.quiet, max_seq_len=args.max_seq_len)
+        try:
+            out = convert_hf_to_mcore(args.hf, args.out, dtype=args.dtype, force=args.force,
+                                      progress=not args.quiet, max_seq_len=args.max_seq_len)
+        except ConfigError as e:  # an --out that would overwrite or sit inside --hf
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {out}")
         return 0
     if args.command == "mcore-to-hf":

@@ -9,17 +9,20 @@ directory that looks complete.
 The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
 needs no template for a checkpoint made by hf-to-mcore, and a manifest.json (size and SHA-256 of
 every file, verl_mcore/engine/manifest.py) that every load checks first.
+
+No command writes its output over, above or inside one of its inputs (check_output_apart).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
+from verl_mcore.config.loading import ConfigError
 from verl_mcore.convert_hf.dist_ckpt import (
     Chunk,
     DistCheckpointReader,
@@ -28,6 +31,7 @@ from verl_mcore.convert_hf.dist_ckpt import (
     write_dist_checkpoint,
 )
 from verl_mcore.convert_hf.safetensors_stream import write_safetensors
+from verl_mcore.engine.checkpoint import DIST_DIR, META
 from verl_mcore.engine.manifest import MANIFEST, build_manifest
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
@@ -71,10 +75,42 @@ def copy_metadata_files(src: str, dst: str) -> None:
             shutil.copy2(path, os.path.join(dst, name))
 
 
-class _Output:
-    """A temporary sibling of `out_dir` that becomes `out_dir` on commit()."""
+def check_output_apart(out_dir: str, inputs: Mapping[str, Optional[str]]) -> None:
+    """Refuse an output directory that is, contains or lies inside one of `inputs` ({the flag
+    or key the user gave it by: path}; None and paths that do not exist are skipped), with
+    symlinks and relative paths resolved. Replacing such a directory (--force) deletes the
+    input; writing inside one changes a directory the command reads (a checkpoint's
+    manifest.json then lists other files, and every later load refuses the checkpoint)."""
+    out = os.path.realpath(out_dir)
+    for flag, path in inputs.items():
+        if not path or not os.path.exists(path):
+            continue
+        src = os.path.realpath(path)
+        if out == src:
+            where, harm = "is", "replacing it (--force) would delete the input"
+        elif _is_inside(src, out):
+            where, harm = "contains", "replacing it (--force) would delete the input"
+        elif _is_inside(out, src):
+            where, harm = "lies inside", ("writing there adds files to a directory this command "
+                                          "reads (a checkpoint's manifest.json no longer matches "
+                                          "and every later load refuses it)")
+        else:
+            continue
+        resolved = "" if (out, src) == (out_dir, path) else f" (resolved: {out}, {src})"
+        raise ConfigError(f"--out {out_dir} {where} {flag} {path}{resolved}: {harm}; choose an "
+                          f"--out outside {src} that does not contain it")
 
-    def __init__(self, out_dir: str, force: bool):
+
+def _is_inside(path: str, parent: str) -> bool:
+    return path != parent and os.path.commonpath([path, parent]) == parent
+
+
+class _Output:
+    """A temporary sibling of `out_dir` that becomes `out_dir` on commit(). `inputs`: every
+    path the command reads, by flag (check_output_apart), refused before anything is written."""
+
+    def __init__(self, out_dir: str, force: bool, inputs: Mapping[str, Optional[str]]):
+        check_output_apart(out_dir, inputs)
         self.out_dir = os.path.abspath(out_dir)
         if os.path.exists(self.out_dir) and not force:
             raise FileExistsError(f"{self.out_dir} exists; pass --force to overwrite it")
@@ -94,6 +130,18 @@ class _Output:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def checkpoint_dirs(ckpt: str) -> tuple[Optional[str], str]:
+    """(the trainer's step directory, or None; its dist checkpoint) of a --ckpt that names
+    either a step directory (…/checkpoints/actor/step_N) or a dist checkpoint directory."""
+    ckpt = os.path.abspath(ckpt)
+    if os.path.isfile(os.path.join(ckpt, META)) and os.path.isdir(os.path.join(ckpt, DIST_DIR)):
+        return ckpt, os.path.join(ckpt, DIST_DIR)
+    parent = os.path.dirname(ckpt)
+    if os.path.basename(ckpt) == DIST_DIR and os.path.isfile(os.path.join(parent, META)):
+        return parent, ckpt
+    return None, ckpt
 
 
 def _role_of(arch: HFArch) -> str:
@@ -143,7 +191,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
     """
     arch = read_hf_arch(hf_dir, max_seq_len=max_seq_len)
     release_freed_tensors_to_os()
-    out = _Output(out_dir, force)
+    out = _Output(out_dir, force, {"--hf": hf_dir})
     try:
         chunks = hf_to_mcore_chunks(hf_dir, arch, parse_dtype(dtype) if dtype else None)
         bar = _progress(sum(c.nbytes for c in chunks), progress, "hf-to-mcore")
@@ -218,17 +266,20 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] 
     release_freed_tensors_to_os()
     reader = reader or DistCheckpointReader(ckpt_dir)
     groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch))
+    step_dir, _ = checkpoint_dirs(ckpt_dir)
     return write_hf_dir(out_dir, groups, meta_src, force=force, progress=progress,
-                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf")
+                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf",
+                        inputs={"--ckpt": step_dir or ckpt_dir, "--hf-template": hf_template})
 
 
 def write_hf_dir(out_dir: str, groups: Sequence[HFGroup], meta_src: str, force: bool = False,
                  progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 desc: str = "hf") -> str:
+                 desc: str = "hf", *, inputs: Mapping[str, Optional[str]]) -> str:
     """An HF directory of `groups`' tensors, in their order: safetensors shards of at most
     max_shard_bytes (a new shard when the next group would pass it) and their index, then
     meta_src's non-weight files (config.json with the weights' dtype, tokenizer). One group is
-    produced and held at a time; written into a temporary sibling renamed at the end."""
+    produced and held at a time; written into a temporary sibling renamed at the end. `inputs`:
+    every path the tensors come from, by flag (check_output_apart)."""
     shards: list[list[HFGroup]] = [[]]
     size = 0
     for group in groups:
@@ -241,7 +292,7 @@ def write_hf_dir(out_dir: str, groups: Sequence[HFGroup], meta_src: str, force: 
     total = sum(_nbytes(s, d) for entries, _ in groups for _, s, d in entries)
     dtypes = {d for entries, _ in groups for _, _, d in entries}
 
-    out = _Output(out_dir, force)
+    out = _Output(out_dir, force, {**inputs, "meta_src": meta_src})
     try:
         bar = _progress(total, progress, desc)
         weight_map = {}
@@ -302,11 +353,13 @@ class HFDirWriter:
     """
 
     def __init__(self, out_dir: str, meta_src: str, force: bool = False,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 inputs: Optional[Mapping[str, Optional[str]]] = None):
         if not os.path.isfile(os.path.join(meta_src, "config.json")):
             raise FileNotFoundError(f"{meta_src}: no config.json to write next to the weights")
         self.meta_src, self.max_shard_bytes = meta_src, max_shard_bytes
-        self._out = _Output(out_dir, force)
+        # `inputs`: the caller's sources by the names its user gave them (model.path, ...).
+        self._out = _Output(out_dir, force, {**(inputs or {}), "meta_src": meta_src})
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
         self._shards: list[list[str]] = []  # the tensor names of each written shard
