@@ -252,3 +252,21 @@ def test_cli_refuses_an_out_inside_a_step_directory(llama, tmp_path, capsys):
     assert sorted(os.listdir(step)) == ["dist", "meta.json"]
     assert main(["hf-to-mcore", "--hf", src, "--out", src, "--force", "--quiet"]) == 2
     assert f"--out {src} is --hf {src}" in capsys.readouterr().err
+
+
+def test_sliding_window_checkpoint_verifies_and_exports_back(root):
+    """A Mistral with sliding_window converted with --max-seq-len: verify (its prompts are
+    shorter than the window) and mcore-to-hf (the bound is recorded in the checkpoint) work, and
+    the exported config.json is the original's, byte for byte."""
+    from tools.convert_hf.verify import verify
+
+    src = hf_factory.save_tiny_model("mistral", str(root / "sw"), seed=13, sliding_window=64)
+    ckpt = convert_hf_to_mcore(src, str(root / "sw.mcore"), max_seq_len=64, progress=False)
+    assert verify(src, ckpt)["max_abs"] <= 1e-4
+    for template in (None, src):
+        back = convert_mcore_to_hf(ckpt, str(root / f"sw.back{template is None}"),
+                                   hf_template=template, progress=False)
+        with open(os.path.join(src, "config.json"), "rb") as a, \
+                open(os.path.join(back, "config.json"), "rb") as b:
+            assert a.read() == b.read()
+        assert all(torch.equal(_state(src)[k], v) for k, v in _state(back).items())

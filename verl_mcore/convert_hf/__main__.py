@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="cast weights (default: keep the HF dtype)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="longest sequence the model will see (only for sliding-window configs)")
+                   help="longest sequence the model will see (only for sliding-window configs; "
+                        "recorded in the checkpoint for mcore-to-hf)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

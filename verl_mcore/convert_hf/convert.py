@@ -7,8 +7,9 @@ sibling directory that is renamed into place at the end, so an interrupted run n
 directory that looks complete.
 
 The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
-needs no template for a checkpoint made by hf-to-mcore, and a manifest.json (size and SHA-256 of
-every file, verl_mcore/engine/manifest.py) that every load checks first.
+needs no template for a checkpoint made by hf-to-mcore, conversion.json (the --max-seq-len a
+sliding-window config was converted under), and a manifest.json (size and SHA-256 of every file,
+verl_mcore/engine/manifest.py) that every load checks first.
 
 No command writes its output over, above or inside one of its inputs (check_output_apart).
 """
@@ -33,6 +34,7 @@ from verl_mcore.convert_hf.dist_ckpt import (
 from verl_mcore.convert_hf.safetensors_stream import write_safetensors
 from verl_mcore.engine.checkpoint import DIST_DIR, META
 from verl_mcore.engine.manifest import MANIFEST, build_manifest
+from verl_mcore.engine.safe_read import read_json
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint
@@ -41,6 +43,8 @@ from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR as HF_CONFIG_SUBDIR
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# hf-to-mcore's arguments that later reads of the stored config.json need ({"max_seq_len": N}).
+CONVERSION_RECORD = "conversion.json"
 
 
 def release_freed_tensors_to_os() -> None:
@@ -206,6 +210,10 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
         write_dist_checkpoint(out.tmp, chunks, arch.num_layers, on_written)
         bar.close()
         copy_metadata_files(hf_dir, os.path.join(out.tmp, HF_CONFIG_SUBDIR))
+        # A sliding-window config reads only with the sequence bound it was converted under:
+        # mcore-to-hf reads the stored config.json again.
+        with open(os.path.join(out.tmp, CONVERSION_RECORD), "w") as f:
+            json.dump({"max_seq_len": max_seq_len}, f)
         with open(os.path.join(out.tmp, MANIFEST), "w") as f:  # last: it covers every file
             json.dump(build_manifest(out.tmp), f, indent=1)
     except BaseException:
@@ -252,6 +260,13 @@ def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str) -> lis
             for pm, entries in _hf_plan(reader, arch, role)]
 
 
+def conversion_max_seq_len(ckpt_dir: str) -> Optional[int]:
+    """The --max-seq-len hf-to-mcore converted `ckpt_dir` with (None: not given, or not a
+    checkpoint of hf-to-mcore)."""
+    path = os.path.join(ckpt_dir, CONVERSION_RECORD)
+    return read_json(path).get("max_seq_len") if os.path.isfile(path) else None
+
+
 def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] = None,
                         force: bool = False, progress: bool = True,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -262,9 +277,9 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] 
     if not os.path.isfile(os.path.join(meta_src, "config.json")):
         raise FileNotFoundError(f"{meta_src}: no config.json; pass --hf-template PATH (an HF "
                                 "directory of the same architecture)")
-    arch = read_hf_arch(meta_src)
+    reader = reader or DistCheckpointReader(ckpt_dir)  # its manifest covers conversion.json
+    arch = read_hf_arch(meta_src, max_seq_len=conversion_max_seq_len(ckpt_dir))
     release_freed_tensors_to_os()
-    reader = reader or DistCheckpointReader(ckpt_dir)
     groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch))
     step_dir, _ = checkpoint_dirs(ckpt_dir)
     return write_hf_dir(out_dir, groups, meta_src, force=force, progress=progress,
@@ -327,11 +342,13 @@ def _set_config_dtype(path: str, dtypes: set) -> None:
     name = str(next(iter(dtypes))).removeprefix("torch.")
     with open(path) as f:
         cfg = json.load(f)
+    before = dict(cfg)
     for key in ("dtype", "torch_dtype"):
         if key in cfg or key == "dtype":
             cfg[key] = name
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    if cfg != before:  # else the template's file stays byte for byte
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
 
 
 # --------------------------------------------------------------------------------------------
