@@ -254,6 +254,75 @@ def test_cli_refuses_an_out_inside_a_step_directory(llama, tmp_path, capsys):
     assert f"--out {src} is --hf {src}" in capsys.readouterr().err
 
 
+def _template(src, dst, **edits) -> str:
+    """A copy of src's non-weight files with config.json fields changed."""
+    from verl_mcore.convert_hf.convert import copy_metadata_files
+
+    copy_metadata_files(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(edits)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+@pytest.mark.parametrize("edits,message", [
+    ({"num_hidden_layers": 3}, "num_layers = 3 in the config, 4 in the checkpoint"),
+    ({"num_hidden_layers": 5}, "num_layers = 5 in the config, 4 in the checkpoint"),
+    ({"vocab_size": 200}, "vocab_size = 200 in the config, 250 in the checkpoint"),
+    ({"tie_word_embeddings": True}, "tie_embeddings = True in the config, False in the checkpoint"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     "rope.theta = 1000000.0 in the config, 10000.0 in the checkpoint"),
+    ({"num_attention_heads": 2, "head_dim": 32}, "num_heads = 2 in the config, 4 in the"),
+])
+def test_template_of_another_architecture_is_refused(llama, tmp_path, edits, message):
+    """--hf-template against the config.json hf-to-mcore stored: every field compared (these
+    used to export silently: layers dropped, the embedding cut, the LM head dropped, another
+    RoPE or head split written)."""
+    from verl_mcore.config import ConfigError
+
+    src, ckpt = llama
+    template = _template(src, str(tmp_path / "template"), **edits)
+    out = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match=rf"{template}/config.json does not describe the "
+                                          rf"checkpoint .*hf_config/config.json.*{message}"):
+        convert_mcore_to_hf(ckpt, out, hf_template=template, progress=False)
+    assert not os.path.exists(out)
+
+
+def test_without_a_record_the_stored_tensors_are_checked(llama, tmp_path):
+    """A checkpoint without its stored config: the template is checked against the tensors
+    (stacked layer count, vocabulary rows exactly the padded size, no tensor left unread);
+    a matching template exports bit-exact."""
+    from verl_mcore.config import ConfigError
+    from verl_mcore.engine.manifest import MANIFEST, build_manifest
+
+    src, ckpt = llama
+    bare = str(tmp_path / "bare.mcore")
+    shutil.copytree(ckpt, bare)
+    shutil.rmtree(os.path.join(bare, "hf_config"))
+    os.remove(os.path.join(bare, MANIFEST))
+    with open(os.path.join(bare, MANIFEST), "w") as f:
+        json.dump(build_manifest(bare), f)
+    cases = {
+        "layers": ({"num_hidden_layers": 3}, r"num_hidden_layers = 3, but the checkpoint .* "
+                                             r"holds 4 layers"),
+        "vocab": ({"vocab_size": 120}, r"vocab_size = 120 \(padded to 128 rows\), but "
+                                       r"embedding.word_embeddings.weight .* has 256 rows"),
+        "tied": ({"tie_word_embeddings": True}, r"no place for \['output_layer.weight'\] "
+                                                r"\(tie_word_embeddings = true"),
+    }
+    for name, (edits, message) in cases.items():
+        template = _template(src, str(tmp_path / name), **edits)
+        with pytest.raises(ConfigError, match=message):
+            convert_mcore_to_hf(bare, str(tmp_path / "out"), hf_template=template,
+                                progress=False)
+    back = convert_mcore_to_hf(bare, str(tmp_path / "out"), hf_template=src, progress=False)
+    a, b = _state(src), _state(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sliding_window_checkpoint_verifies_and_exports_back(root):
     """A Mistral with sliding_window converted with --max-seq-len: verify (its prompts are
     shorter than the window) and mcore-to-hf (the bound is recorded in the checkpoint) work, and

@@ -265,6 +265,32 @@ def test_bad_inputs_are_refused_naming_the_fix(saved, hf_dir, tmp_path, capsys):
     assert not glob.glob(str(tmp_path / "x*"))
 
 
+@pytest.mark.parametrize("edits,message", [
+    ({"num_hidden_layers": 3}, "num_layers = 3 in the config, 4 in the checkpoint"),
+    ({"tie_word_embeddings": False}, "tie_embeddings = False in the config, True in the"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     "rope.theta = 500000.0 in the config, 10000.0 in the checkpoint"),
+    ({"max_position_embeddings": 64}, "max_position_embeddings = 64 in the config, 256 in the"),
+])
+def test_step_directory_refuses_a_template_of_another_architecture(full_step, hf_dir, tmp_path,
+                                                                   capsys, edits, message):
+    """--hf-template against the step's model_arch.json, every field it records (a one-layer
+    template used to drop layer 1, another rope_theta went into config.json silently)."""
+    template = str(tmp_path / "template")
+    shutil.copytree(hf_dir, template)
+    with open(os.path.join(template, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(template, "config.json"), "w") as f:
+        json.dump({**cfg, **edits}, f)
+    out = str(tmp_path / "out")
+    assert main(["mcore-to-hf", "--ckpt", full_step, "--out", out, "--hf-template", template,
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{template}/config.json does not describe" in err and "model_arch.json" in err, err
+    assert message in err, err
+    assert not os.path.exists(out)
+
+
 def test_exports_refuse_an_out_over_or_inside_what_they_read(saved, full_step, hf_dir,
                                                              tmp_path, capsys):
     """--out inside the step directory (the next resume would find files its manifest does not

@@ -9,21 +9,25 @@ directory that looks complete.
 The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
 needs no template for a checkpoint made by hf-to-mcore, conversion.json (the --max-seq-len a
 sliding-window config was converted under), and a manifest.json (size and SHA-256 of every file,
-verl_mcore/engine/manifest.py) that every load checks first.
+verl_mcore/engine/manifest.py) that every load checks first. mcore-to-hf checks a template
+against the checkpoint's record of its architecture and its tensors before writing.
 
 No command writes its output over, above or inside one of its inputs (check_output_apart).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from verl_mcore.config.loading import ConfigError
+from verl_mcore.config.resume import ARCH_FILE
 from verl_mcore.convert_hf.dist_ckpt import (
     Chunk,
     DistCheckpointReader,
@@ -45,6 +49,8 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # hf-to-mcore's arguments that later reads of the stored config.json need ({"max_seq_len": N}).
 CONVERSION_RECORD = "conversion.json"
+# A dist checkpoint's model tensors; a trainer's holds optimizer state beside them.
+MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
 
 
 def release_freed_tensors_to_os() -> None:
@@ -253,11 +259,100 @@ def _checkpoint_role(reader: DistCheckpointReader, arch: HFArch) -> str:
 HFGroup = tuple[list[tuple[str, tuple, torch.dtype]], Callable[[], dict[str, torch.Tensor]]]
 
 
-def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str) -> list[HFGroup]:
+def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str,
+                   config_src: str) -> list[HFGroup]:
     """The HF tensors of a dist checkpoint, one group per megatron tensor (a fused QKV gives
-    q, k, v), each read when the writer reaches it."""
+    q, k, v), each read when the writer reaches it. `arch` (read from `config_src`) is checked
+    against the checkpoint first (check_checkpoint_arch)."""
+    check_checkpoint_arch(reader, arch, role, config_src)
     return [(entries, lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore)))
             for pm, entries in _hf_plan(reader, arch, role)]
+
+
+def check_checkpoint_arch(reader: DistCheckpointReader, arch: HFArch, role: str,
+                          config_src: str) -> None:
+    """ConfigError, naming the field, the config's value and the checkpoint's, when the config
+    read from `config_src` (--hf-template, or the copy hf-to-mcore stored) does not describe
+    the checkpoint. Without this the export writes what the config describes: dropped layers,
+    a cut embedding, a dropped LM head, another RoPE, all silently."""
+    where = os.path.join(config_src, "config.json")
+    record = _arch_record(reader.ckpt_dir)
+    if record is not None:
+        _check_against_record(arch, where, *record, reader.ckpt_dir)
+    # hf-to-mcore pads at TP 1; the trainer records the padding it trained with.
+    padded = (record[0].get("padded_vocab_size") if record else None) or arch.padded_vocab_size()
+    _check_stored_tensors(reader, arch, role, where, padded)
+
+
+def _check_against_record(arch: HFArch, where: str, saved: dict, record_path: str,
+                          ckpt: str) -> None:
+    """Every field of the checkpoint's record of its architecture equals the config's."""
+    ours = _flat(json.loads(json.dumps(dataclasses.asdict(arch))))
+    diffs = [f"{k} = {ours[k]!r} in the config, {v!r} in the checkpoint"
+             for k, v in sorted(_flat(saved).items())
+             if k in ours and k != "torch_dtype" and ours[k] != v]
+    if diffs:
+        raise ConfigError(f"{where} does not describe the checkpoint {ckpt} (as {record_path} "
+                          "records it): " + "; ".join(diffs) + ". Pass --hf-template with the "
+                          "model the checkpoint was trained or converted from")
+
+
+def _check_stored_tensors(reader: DistCheckpointReader, arch: HFArch, role: str, where: str,
+                          padded_vocab: int) -> None:
+    """The checkpoint's model tensors are those of `arch`: as many stacked layers, none left
+    unread (an untied LM head under a tied config) or missing, vocabulary rows exactly
+    `padded_vocab`."""
+    ckpt = reader.ckpt_dir
+    stored = {key: tuple(md.size) for key, md in reader.metadata.state_dict_metadata.items()
+              if key.startswith(MODEL_PREFIXES) and isinstance(md, TensorStorageMetadata)}
+    for key, shape in sorted(stored.items()):
+        if key.startswith("decoder.layers.") and shape[0] != arch.num_layers:
+            raise ConfigError(f"{where}: num_hidden_layers = {arch.num_layers}, but the checkpoint "
+                              f"{ckpt} holds {shape[0]} layers ({key} is stacked {list(shape)})")
+    planned = {layer_key(pm.mcore)[0] for pm in wm.param_maps(arch, role)}
+    unread, missing = sorted(set(stored) - planned), sorted(planned - set(stored))
+    if unread or missing:
+        head = ""
+        if "output_layer.weight" in unread + missing:
+            head = (f" (tie_word_embeddings = {str(arch.tie_embeddings).lower()}: "
+                    + ("the checkpoint's own LM head would be dropped)" if arch.tie_embeddings
+                       else "the checkpoint's LM head is its embedding)"))
+        raise ConfigError(f"{where} does not describe the tensors of the checkpoint {ckpt}"
+                          + (f": it has no place for {unread[:4]}" if unread else "")
+                          + (f"; it needs {missing[:4]}, which the checkpoint lacks" if missing
+                             else "") + head)
+    lm_head = ["output_layer.weight"] if role != "reward" and not arch.tie_embeddings else []
+    for key in ["embedding.word_embeddings.weight"] + lm_head:
+        if stored[key][0] != padded_vocab:
+            raise ConfigError(f"{where}: vocab_size = {arch.vocab_size} (padded to "
+                              f"{padded_vocab} rows), but {key} of the checkpoint {ckpt} has "
+                              f"{stored[key][0]} rows")
+
+
+def _arch_record(ckpt_dir: str) -> Optional[tuple[dict, str]]:
+    """(the architecture a checkpoint was saved with, the file saying so): a trainer step's
+    model_arch.json (padded_vocab_size included), else the config.json hf-to-mcore stored;
+    None when there is neither."""
+    step_dir, dist_dir = checkpoint_dirs(ckpt_dir)
+    if step_dir and os.path.isfile(os.path.join(step_dir, ARCH_FILE)):
+        path = os.path.join(step_dir, ARCH_FILE)
+        return read_json(path), path
+    stored = os.path.join(dist_dir, HF_CONFIG_SUBDIR)
+    if os.path.isfile(os.path.join(stored, "config.json")):
+        arch = read_hf_arch(stored, max_seq_len=conversion_max_seq_len(dist_dir))
+        return dataclasses.asdict(arch), os.path.join(stored, "config.json")
+    return None
+
+
+def _flat(record: dict, prefix: str = "") -> dict:
+    """{"rope": {"theta": 1}} -> {"rope.theta": 1}."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def conversion_max_seq_len(ckpt_dir: str) -> Optional[int]:
@@ -280,7 +375,7 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] 
     reader = reader or DistCheckpointReader(ckpt_dir)  # its manifest covers conversion.json
     arch = read_hf_arch(meta_src, max_seq_len=conversion_max_seq_len(ckpt_dir))
     release_freed_tensors_to_os()
-    groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch))
+    groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch), meta_src)
     step_dir, _ = checkpoint_dirs(ckpt_dir)
     return write_hf_dir(out_dir, groups, meta_src, force=force, progress=progress,
                         max_shard_bytes=max_shard_bytes, desc="mcore-to-hf",

@@ -30,10 +30,11 @@ import torch
 import yaml
 
 from verl_mcore.config.loading import ConfigError, from_dict
-from verl_mcore.config.resume import CONFIG_FILE
+from verl_mcore.config.resume import ARCH_FILE, CONFIG_FILE
 from verl_mcore.config.schema import LoRAConfig
 from verl_mcore.convert_hf.convert import (
     DEFAULT_MAX_SHARD_BYTES,
+    MODEL_PREFIXES,
     HFGroup,
     _Output,
     checkpoint_dirs,
@@ -56,7 +57,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # stacked), or lora_output_layer.lora_<A|B>.lm_head (the output layer's, B with padded rows).
 _ADAPTER_KEY = re.compile(
     r"^(?:decoder\.layers\.\w+\.lora_linear_\w+|lora_output_layer)\.lora_([AB])\.(\w+)$")
-_MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")  # the rest is optimizer state
 
 
 @dataclasses.dataclass
@@ -109,7 +109,7 @@ def open_checkpoint(ckpt: str) -> tuple[DistCheckpointReader, Optional[LoRACheck
     more than adapters, a config.yaml whose actor.lora does not match the stored tensors."""
     step_dir, dist_dir = checkpoint_dirs(ckpt)
     if step_dir:
-        _check_against_manifest(step_dir, (META, CONFIG_FILE))
+        _check_against_manifest(step_dir, (META, CONFIG_FILE, ARCH_FILE))
     meta = read_json(os.path.join(step_dir, META)) if step_dir else None
     reader = DistCheckpointReader(dist_dir)
     if meta is not None and not meta.get("trainable_only"):
@@ -121,7 +121,7 @@ def open_checkpoint(ckpt: str) -> tuple[DistCheckpointReader, Optional[LoRACheck
         match = _ADAPTER_KEY.match(key)
         if match:
             adapters.setdefault(match.group(2), {})[match.group(1)] = tuple(stored[key].size)
-        elif key.startswith(_MODEL_PREFIXES) and not key.endswith("_extra_state") \
+        elif key.startswith(MODEL_PREFIXES) and not key.endswith("_extra_state") \
                 and hasattr(stored[key], "size"):
             others.append(key)
     if meta is None:
@@ -264,7 +264,8 @@ def _base_tensors(base: str, hf_template: Optional[str]) -> tuple[list[HFGroup],
         raise ConfigError(f"the base {base} is a dist checkpoint without the HF config "
                           f"hf-to-mcore stores in {CKPT_HF_CONFIG_SUBDIR}/; pass --hf-template "
                           "PATH (the HF directory it was converted from)")
-    return dist_hf_groups(DistCheckpointReader(base), read_hf_arch(meta_src), "actor"), meta_src
+    arch = read_hf_arch(meta_src)
+    return dist_hf_groups(DistCheckpointReader(base), arch, "actor", meta_src), meta_src
 
 
 def _base_weights(ckpt: LoRACheckpoint, base: Optional[str]) -> str:
