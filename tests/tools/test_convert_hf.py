@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -178,3 +179,163 @@ def test_hf_dir_writer_shards_a_stream_and_commits_atomically(root):
     assert not os.path.exists(root / "w_gone") and not glob.glob(str(root / "w_gone*"))
     with pytest.raises(FileExistsError):
         HFDirWriter(out, src)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs the commands refuse before writing anything
+
+@pytest.fixture(scope="module")
+def llama(root):
+    """(HF directory, its hf-to-mcore checkpoint) of an untied 4-layer Llama, vocab 250 padded
+    to 256, made once for the checks below."""
+    src = hf_factory.save_tiny_model("llama2", str(root / "checks"), seed=12)
+    return src, convert_hf_to_mcore(src, str(root / "checks.mcore"), progress=False)
+
+
+def _tree(path) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), path)
+                  for d, _, files in os.walk(path) for f in files)
+
+
+def test_out_that_is_contains_or_lies_inside_an_input_is_refused(llama, tmp_path):
+    """--out equal to, above or inside --hf / --ckpt / the template, also through a symlink or
+    a relative path: refused naming both paths and the flag, the inputs untouched, --force or
+    not (it used to delete --hf, or make the checkpoint's manifest refuse it)."""
+    from verl_mcore.config import ConfigError
+    from verl_mcore.convert_hf.convert import HFDirWriter
+
+    src, ckpt = llama
+    before = {p: _tree(p) for p in (src, ckpt)}
+    link = str(tmp_path / "link")
+    os.symlink(src, link)
+    parent, name = os.path.split(src)
+    refused = [
+        ("is --hf", lambda: convert_hf_to_mcore(src, src, force=True)),
+        ("contains --hf", lambda: convert_hf_to_mcore(src, parent, force=True)),
+        ("lies inside --hf", lambda: convert_hf_to_mcore(src, os.path.join(src, "mcore"))),
+        ("is --hf", lambda: convert_hf_to_mcore(link, src, force=True)),
+        ("lies inside --ckpt", lambda: convert_mcore_to_hf(ckpt, os.path.join(ckpt, "hf"))),
+        ("contains --ckpt", lambda: convert_mcore_to_hf(ckpt, parent, force=True)),
+        ("lies inside --hf-template", lambda: convert_mcore_to_hf(
+            ckpt, os.path.join(src, "hf"), hf_template=src)),
+        ("lies inside model.path", lambda: HFDirWriter(os.path.join(src, "x"), src,
+                                                       inputs={"model.path": src})),
+    ]
+    cwd = os.getcwd()
+    os.chdir(parent)
+    try:  # a relative --out naming the input
+        with pytest.raises(ConfigError, match=r"--out checks is --hf .*\(resolved: "):
+            convert_hf_to_mcore(src, name, force=True, progress=False)
+    finally:
+        os.chdir(cwd)
+    for how, call in refused:
+        with pytest.raises(ConfigError, match=f"--out .* {how} .*choose an --out outside"):
+            call()
+    assert {p: _tree(p) for p in (src, ckpt)} == before
+    assert not glob.glob(os.path.join(parent, "*.tmp-*"))
+
+
+def test_cli_refuses_an_out_inside_a_step_directory(llama, tmp_path, capsys):
+    """A trainer step directory (meta.json + dist/): --out inside it is refused whether --ckpt
+    names the step or its dist/ (the export used to land in the step, and the next resume moved
+    the run's checkpoint aside as corrupt)."""
+    from tools.convert_hf.__main__ import main
+
+    src, ckpt = llama
+    step = tmp_path / "step_00000001"
+    shutil.copytree(ckpt, step / "dist")
+    (step / "meta.json").write_text(json.dumps({"format": 1, "step": 1}))
+    for given in (step, step / "dist"):
+        assert main(["mcore-to-hf", "--ckpt", str(given), "--out", str(step / "hf"),
+                     "--hf-template", src, "--quiet"]) == 2
+        assert f"--out {step / 'hf'} lies inside --ckpt {step}:" in capsys.readouterr().err
+    assert sorted(os.listdir(step)) == ["dist", "meta.json"]
+    assert main(["hf-to-mcore", "--hf", src, "--out", src, "--force", "--quiet"]) == 2
+    assert f"--out {src} is --hf {src}" in capsys.readouterr().err
+
+
+def _template(src, dst, **edits) -> str:
+    """A copy of src's non-weight files with config.json fields changed."""
+    from verl_mcore.convert_hf.convert import copy_metadata_files
+
+    copy_metadata_files(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(edits)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+@pytest.mark.parametrize("edits,message", [
+    ({"num_hidden_layers": 3}, "num_layers = 3 in the config, 4 in the checkpoint"),
+    ({"num_hidden_layers": 5}, "num_layers = 5 in the config, 4 in the checkpoint"),
+    ({"vocab_size": 200}, "vocab_size = 200 in the config, 250 in the checkpoint"),
+    ({"tie_word_embeddings": True}, "tie_embeddings = True in the config, False in the checkpoint"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     "rope.theta = 1000000.0 in the config, 10000.0 in the checkpoint"),
+    ({"num_attention_heads": 2, "head_dim": 32}, "num_heads = 2 in the config, 4 in the"),
+])
+def test_template_of_another_architecture_is_refused(llama, tmp_path, edits, message):
+    """--hf-template against the config.json hf-to-mcore stored: every field compared (these
+    used to export silently: layers dropped, the embedding cut, the LM head dropped, another
+    RoPE or head split written)."""
+    from verl_mcore.config import ConfigError
+
+    src, ckpt = llama
+    template = _template(src, str(tmp_path / "template"), **edits)
+    out = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match=rf"{template}/config.json does not describe the "
+                                          rf"checkpoint .*hf_config/config.json.*{message}"):
+        convert_mcore_to_hf(ckpt, out, hf_template=template, progress=False)
+    assert not os.path.exists(out)
+
+
+def test_without_a_record_the_stored_tensors_are_checked(llama, tmp_path):
+    """A checkpoint without its stored config: the template is checked against the tensors
+    (stacked layer count, vocabulary rows exactly the padded size, no tensor left unread);
+    a matching template exports bit-exact."""
+    from verl_mcore.config import ConfigError
+    from verl_mcore.engine.manifest import MANIFEST, build_manifest
+
+    src, ckpt = llama
+    bare = str(tmp_path / "bare.mcore")
+    shutil.copytree(ckpt, bare)
+    shutil.rmtree(os.path.join(bare, "hf_config"))
+    os.remove(os.path.join(bare, MANIFEST))
+    with open(os.path.join(bare, MANIFEST), "w") as f:
+        json.dump(build_manifest(bare), f)
+    cases = {
+        "layers": ({"num_hidden_layers": 3}, r"num_hidden_layers = 3, but the checkpoint .* "
+                                             r"holds 4 layers"),
+        "vocab": ({"vocab_size": 120}, r"vocab_size = 120 \(padded to 128 rows\), but "
+                                       r"embedding.word_embeddings.weight .* has 256 rows"),
+        "tied": ({"tie_word_embeddings": True}, r"no place for \['output_layer.weight'\] "
+                                                r"\(tie_word_embeddings = true"),
+    }
+    for name, (edits, message) in cases.items():
+        template = _template(src, str(tmp_path / name), **edits)
+        with pytest.raises(ConfigError, match=message):
+            convert_mcore_to_hf(bare, str(tmp_path / "out"), hf_template=template,
+                                progress=False)
+    back = convert_mcore_to_hf(bare, str(tmp_path / "out"), hf_template=src, progress=False)
+    a, b = _state(src), _state(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sliding_window_checkpoint_verifies_and_exports_back(root):
+    """A Mistral with sliding_window converted with --max-seq-len: verify (its prompts are
+    shorter than the window) and mcore-to-hf (the bound is recorded in the checkpoint) work, and
+    the exported config.json is the original's, byte for byte."""
+    from tools.convert_hf.verify import verify
+
+    src = hf_factory.save_tiny_model("mistral", str(root / "sw"), seed=13, sliding_window=64)
+    ckpt = convert_hf_to_mcore(src, str(root / "sw.mcore"), max_seq_len=64, progress=False)
+    assert verify(src, ckpt)["max_abs"] <= 1e-4
+    for template in (None, src):
+        back = convert_mcore_to_hf(ckpt, str(root / f"sw.back{template is None}"),
+                                   hf_template=template, progress=False)
+        with open(os.path.join(src, "config.json"), "rb") as a, \
+                open(os.path.join(back, "config.json"), "rb") as b:
+            assert a.read() == b.read()
+        assert all(torch.equal(_state(src)[k], v) for k, v in _state(back).items())

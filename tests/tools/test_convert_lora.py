@@ -207,13 +207,19 @@ def test_adapter_directory_starts_a_model_at_another_layout(case, saved, tmp_pat
     assert layers == expected | ({None} if lora.HEAD in ck.targets else set())
 
 
-def test_a_fully_trained_step_directory_exports_as_before(root, hf_dir, tmp_path):
-    """No LoRA: --ckpt a step directory (its dist/ read as hf-to-mcore's), --hf-template for the
-    config the trainer's checkpoint does not carry; the weights come back to the bit."""
+@pytest.fixture(scope="module")
+def full_step(root, hf_dir):
+    """The step directory of a fully trained (no LoRA) model, saved as the trainer saves it."""
     results = run_on_ranks(lora_checkpoint_body, 2, timeout=300,
                            args=(hf_dir, 2, 1, None, TOKENS, SEED, str(root / "full_run")))
+    return results[0]["path"]
+
+
+def test_a_fully_trained_step_directory_exports_as_before(full_step, hf_dir, tmp_path):
+    """No LoRA: --ckpt a step directory (its dist/ read as hf-to-mcore's), --hf-template for the
+    config the trainer's checkpoint does not carry; the weights come back to the bit."""
     out = str(tmp_path / "hf")
-    assert main(["mcore-to-hf", "--ckpt", results[0]["path"], "--out", out, "--hf-template",
+    assert main(["mcore-to-hf", "--ckpt", full_step, "--out", out, "--hf-template",
                  hf_dir, "--quiet"]) == 0
     base, back = _state(hf_dir), _state(out)
     base.pop("lm_head.weight", None)  # tied
@@ -257,3 +263,60 @@ def test_bad_inputs_are_refused_naming_the_fix(saved, hf_dir, tmp_path, capsys):
     with pytest.raises(BadCheckpointError, match=r"config.yaml: changed since the save"):
         open_checkpoint(copy)
     assert not glob.glob(str(tmp_path / "x*"))
+
+
+@pytest.mark.parametrize("edits,message", [
+    ({"num_hidden_layers": 3}, "num_layers = 3 in the config, 4 in the checkpoint"),
+    ({"tie_word_embeddings": False}, "tie_embeddings = False in the config, True in the"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     "rope.theta = 500000.0 in the config, 10000.0 in the checkpoint"),
+    ({"max_position_embeddings": 64}, "max_position_embeddings = 64 in the config, 256 in the"),
+])
+def test_step_directory_refuses_a_template_of_another_architecture(full_step, hf_dir, tmp_path,
+                                                                   capsys, edits, message):
+    """--hf-template against the step's model_arch.json, every field it records (a one-layer
+    template used to drop layer 1, another rope_theta went into config.json silently)."""
+    template = str(tmp_path / "template")
+    shutil.copytree(hf_dir, template)
+    with open(os.path.join(template, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(template, "config.json"), "w") as f:
+        json.dump({**cfg, **edits}, f)
+    out = str(tmp_path / "out")
+    assert main(["mcore-to-hf", "--ckpt", full_step, "--out", out, "--hf-template", template,
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{template}/config.json does not describe" in err and "model_arch.json" in err, err
+    assert message in err, err
+    assert not os.path.exists(out)
+
+
+def test_exports_refuse_an_out_over_or_inside_what_they_read(saved, full_step, hf_dir,
+                                                             tmp_path, capsys):
+    """--out inside the step directory (the next resume would find files its manifest does not
+    list and move the run's checkpoint aside as corrupt) or over the base the adapters name
+    (--force would delete it): refused, nothing changed."""
+    from verl_mcore.engine import manifest
+
+    ck = saved("pp2_q_v")
+    before = {p: sorted(os.listdir(p)) for p in (ck.path, full_step, hf_dir)}
+
+    def refused(*args) -> str:
+        assert main(["mcore-to-hf", *args, "--quiet"]) == 2
+        return capsys.readouterr().err
+
+    assert f"lies inside --ckpt {ck.path}" in refused("--ckpt", ck.path, "--out",
+                                                      os.path.join(ck.path, "adapter"))
+    assert f"lies inside --ckpt {full_step}" in refused(
+        "--ckpt", os.path.join(full_step, "dist"), "--out", os.path.join(full_step, "hf"),
+        "--hf-template", hf_dir)
+    assert f"is base_weights of {ck.path}/meta.json {hf_dir}" in refused(
+        "--ckpt", ck.path, "--out", hf_dir, "--merge", "--force")
+    base = str(tmp_path / "proj" / "base")
+    shutil.copytree(hf_dir, base)
+    assert f"contains --base {base}" in refused(
+        "--ckpt", ck.path, "--out", str(tmp_path / "proj"), "--merge", "--base", base, "--force")
+    assert os.listdir(base) == os.listdir(hf_dir)
+    assert {p: sorted(os.listdir(p)) for p in before} == before
+    for step in (ck.path, full_step):  # still passes the manifest check of a resume
+        manifest.verify_share(step, manifest.read_manifest(step))

@@ -190,7 +190,9 @@ class Policy:
                 raise FileExistsError(f"Policy.save_pretrained: {out_dir} exists; pass "
                                       "overwrite=True to replace it (every file in it is removed)")
             writer = HFDirWriter(out_dir, self.info.hf_dir, force=overwrite,
-                                 max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+                                 max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+                                 inputs={"model.path": self.info.hf_dir,
+                                         "model.checkpoint": self.info.checkpoint})
 
         all_ranks_agree(lambda: open_dir() if s.rank == 0 else None, f"opening {out_dir}")
         model, repartitioner = build.build_generation_model(self.cfg, groups, self.info, self.actor)

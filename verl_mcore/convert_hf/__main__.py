@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="cast weights (default: keep the HF dtype)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="longest sequence the model will see (only for sliding-window configs)")
+                   help="longest sequence the model will see (only for sliding-window configs; "
+                        "recorded in the checkpoint for mcore-to-hf)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = convert_hf_to_mcore(args.hf, args.out, dtype=args.dtype, force=args.force,
                                       progress=not args.quiet, max_seq_len=args.max_seq_len)
-        except (ConfigError, UnsupportedConfigError) as e:  # the input, named; nothing written
+        except (ConfigError, UnsupportedConfigError) as e:  # the input, or an --out over it: named
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"wrote {out}")

@@ -7,20 +7,28 @@ sibling directory that is renamed into place at the end, so an interrupted run n
 directory that looks complete.
 
 The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
-needs no template for a checkpoint made by hf-to-mcore, and a manifest.json (size and SHA-256 of
-every file, verl_mcore/engine/manifest.py) that every load checks first.
+needs no template for a checkpoint made by hf-to-mcore, conversion.json (the --max-seq-len a
+sliding-window config was converted under), and a manifest.json (size and SHA-256 of every file,
+verl_mcore/engine/manifest.py) that every load checks first. mcore-to-hf checks a template
+against the checkpoint's record of its architecture and its tensors before writing.
+
+No command writes its output over, above or inside one of its inputs (check_output_apart).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from verl_mcore.config.loading import ConfigError
+from verl_mcore.config.resume import ARCH_FILE
 from verl_mcore.convert_hf.dist_ckpt import (
     Chunk,
     DistCheckpointReader,
@@ -29,7 +37,9 @@ from verl_mcore.convert_hf.dist_ckpt import (
     write_dist_checkpoint,
 )
 from verl_mcore.convert_hf.safetensors_stream import write_safetensors
+from verl_mcore.engine.checkpoint import DIST_DIR, META
 from verl_mcore.engine.manifest import MANIFEST, build_manifest
+from verl_mcore.engine.safe_read import read_json
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors, check_weight_files
@@ -38,6 +48,10 @@ from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR as HF_CONFIG_SUBDIR
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# hf-to-mcore's arguments that later reads of the stored config.json need ({"max_seq_len": N}).
+CONVERSION_RECORD = "conversion.json"
+# A dist checkpoint's model tensors; a trainer's holds optimizer state beside them.
+MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")
 
 
 def release_freed_tensors_to_os() -> None:
@@ -72,10 +86,42 @@ def copy_metadata_files(src: str, dst: str) -> None:
             shutil.copy2(path, os.path.join(dst, name))
 
 
-class _Output:
-    """A temporary sibling of `out_dir` that becomes `out_dir` on commit()."""
+def check_output_apart(out_dir: str, inputs: Mapping[str, Optional[str]]) -> None:
+    """Refuse an output directory that is, contains or lies inside one of `inputs` ({the flag
+    or key the user gave it by: path}; None and paths that do not exist are skipped), with
+    symlinks and relative paths resolved. Replacing such a directory (--force) deletes the
+    input; writing inside one changes a directory the command reads (a checkpoint's
+    manifest.json then lists other files, and every later load refuses the checkpoint)."""
+    out = os.path.realpath(out_dir)
+    for flag, path in inputs.items():
+        if not path or not os.path.exists(path):
+            continue
+        src = os.path.realpath(path)
+        if out == src:
+            where, harm = "is", "replacing it (--force) would delete the input"
+        elif _is_inside(src, out):
+            where, harm = "contains", "replacing it (--force) would delete the input"
+        elif _is_inside(out, src):
+            where, harm = "lies inside", ("writing there adds files to a directory this command "
+                                          "reads (a checkpoint's manifest.json no longer matches "
+                                          "and every later load refuses it)")
+        else:
+            continue
+        resolved = "" if (out, src) == (out_dir, path) else f" (resolved: {out}, {src})"
+        raise ConfigError(f"--out {out_dir} {where} {flag} {path}{resolved}: {harm}; choose an "
+                          f"--out outside {src} that does not contain it")
 
-    def __init__(self, out_dir: str, force: bool):
+
+def _is_inside(path: str, parent: str) -> bool:
+    return path != parent and os.path.commonpath([path, parent]) == parent
+
+
+class _Output:
+    """A temporary sibling of `out_dir` that becomes `out_dir` on commit(). `inputs`: every
+    path the command reads, by flag (check_output_apart), refused before anything is written."""
+
+    def __init__(self, out_dir: str, force: bool, inputs: Mapping[str, Optional[str]]):
+        check_output_apart(out_dir, inputs)
         self.out_dir = os.path.abspath(out_dir)
         if os.path.exists(self.out_dir) and not force:
             raise FileExistsError(f"{self.out_dir} exists; pass --force to overwrite it")
@@ -95,6 +141,18 @@ class _Output:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def checkpoint_dirs(ckpt: str) -> tuple[Optional[str], str]:
+    """(the trainer's step directory, or None; its dist checkpoint) of a --ckpt that names
+    either a step directory (…/checkpoints/actor/step_N) or a dist checkpoint directory."""
+    ckpt = os.path.abspath(ckpt)
+    if os.path.isfile(os.path.join(ckpt, META)) and os.path.isdir(os.path.join(ckpt, DIST_DIR)):
+        return ckpt, os.path.join(ckpt, DIST_DIR)
+    parent = os.path.dirname(ckpt)
+    if os.path.basename(ckpt) == DIST_DIR and os.path.isfile(os.path.join(parent, META)):
+        return parent, ckpt
+    return None, ckpt
 
 
 def _role_of(arch: HFArch) -> str:
@@ -155,7 +213,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
     check_weight_files(hf_dir, key="--hf")  # a cut or damaged file, named, before anything is written
     chunks = hf_to_mcore_chunks(hf_dir, arch, parse_dtype(dtype) if dtype else None)
     release_freed_tensors_to_os()
-    out = _Output(out_dir, force)
+    out = _Output(out_dir, force, {"--hf": hf_dir})
     try:
         bar = _progress(sum(c.nbytes for c in chunks), progress, "hf-to-mcore")
         bar.set_postfix_str(f"0/{len(chunks)} tensors")
@@ -169,6 +227,10 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
         write_dist_checkpoint(out.tmp, chunks, arch.num_layers, on_written)
         bar.close()
         copy_metadata_files(hf_dir, os.path.join(out.tmp, HF_CONFIG_SUBDIR))
+        # A sliding-window config reads only with the sequence bound it was converted under:
+        # mcore-to-hf reads the stored config.json again.
+        with open(os.path.join(out.tmp, CONVERSION_RECORD), "w") as f:
+            json.dump({"max_seq_len": max_seq_len}, f)
         with open(os.path.join(out.tmp, MANIFEST), "w") as f:  # last: it covers every file
             json.dump(build_manifest(out.tmp), f, indent=1)
     except BaseException:
@@ -208,11 +270,107 @@ def _checkpoint_role(reader: DistCheckpointReader, arch: HFArch) -> str:
 HFGroup = tuple[list[tuple[str, tuple, torch.dtype]], Callable[[], dict[str, torch.Tensor]]]
 
 
-def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str) -> list[HFGroup]:
+def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str,
+                   config_src: str) -> list[HFGroup]:
     """The HF tensors of a dist checkpoint, one group per megatron tensor (a fused QKV gives
-    q, k, v), each read when the writer reaches it."""
+    q, k, v), each read when the writer reaches it. `arch` (read from `config_src`) is checked
+    against the checkpoint first (check_checkpoint_arch)."""
+    check_checkpoint_arch(reader, arch, role, config_src)
     return [(entries, lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore)))
             for pm, entries in _hf_plan(reader, arch, role)]
+
+
+def check_checkpoint_arch(reader: DistCheckpointReader, arch: HFArch, role: str,
+                          config_src: str) -> None:
+    """ConfigError, naming the field, the config's value and the checkpoint's, when the config
+    read from `config_src` (--hf-template, or the copy hf-to-mcore stored) does not describe
+    the checkpoint. Without this the export writes what the config describes: dropped layers,
+    a cut embedding, a dropped LM head, another RoPE, all silently."""
+    where = os.path.join(config_src, "config.json")
+    record = _arch_record(reader.ckpt_dir)
+    if record is not None:
+        _check_against_record(arch, where, *record, reader.ckpt_dir)
+    # hf-to-mcore pads at TP 1; the trainer records the padding it trained with.
+    padded = (record[0].get("padded_vocab_size") if record else None) or arch.padded_vocab_size()
+    _check_stored_tensors(reader, arch, role, where, padded)
+
+
+def _check_against_record(arch: HFArch, where: str, saved: dict, record_path: str,
+                          ckpt: str) -> None:
+    """Every field of the checkpoint's record of its architecture equals the config's."""
+    ours = _flat(json.loads(json.dumps(dataclasses.asdict(arch))))
+    diffs = [f"{k} = {ours[k]!r} in the config, {v!r} in the checkpoint"
+             for k, v in sorted(_flat(saved).items())
+             if k in ours and k != "torch_dtype" and ours[k] != v]
+    if diffs:
+        raise ConfigError(f"{where} does not describe the checkpoint {ckpt} (as {record_path} "
+                          "records it): " + "; ".join(diffs) + ". Pass --hf-template with the "
+                          "model the checkpoint was trained or converted from")
+
+
+def _check_stored_tensors(reader: DistCheckpointReader, arch: HFArch, role: str, where: str,
+                          padded_vocab: int) -> None:
+    """The checkpoint's model tensors are those of `arch`: as many stacked layers, none left
+    unread (an untied LM head under a tied config) or missing, vocabulary rows exactly
+    `padded_vocab`."""
+    ckpt = reader.ckpt_dir
+    stored = {key: tuple(md.size) for key, md in reader.metadata.state_dict_metadata.items()
+              if key.startswith(MODEL_PREFIXES) and isinstance(md, TensorStorageMetadata)}
+    for key, shape in sorted(stored.items()):
+        if key.startswith("decoder.layers.") and shape[0] != arch.num_layers:
+            raise ConfigError(f"{where}: num_hidden_layers = {arch.num_layers}, but the checkpoint "
+                              f"{ckpt} holds {shape[0]} layers ({key} is stacked {list(shape)})")
+    planned = {layer_key(pm.mcore)[0] for pm in wm.param_maps(arch, role)}
+    unread, missing = sorted(set(stored) - planned), sorted(planned - set(stored))
+    if unread or missing:
+        head = ""
+        if "output_layer.weight" in unread + missing:
+            head = (f" (tie_word_embeddings = {str(arch.tie_embeddings).lower()}: "
+                    + ("the checkpoint's own LM head would be dropped)" if arch.tie_embeddings
+                       else "the checkpoint's LM head is its embedding)"))
+        raise ConfigError(f"{where} does not describe the tensors of the checkpoint {ckpt}"
+                          + (f": it has no place for {unread[:4]}" if unread else "")
+                          + (f"; it needs {missing[:4]}, which the checkpoint lacks" if missing
+                             else "") + head)
+    lm_head = ["output_layer.weight"] if role != "reward" and not arch.tie_embeddings else []
+    for key in ["embedding.word_embeddings.weight"] + lm_head:
+        if stored[key][0] != padded_vocab:
+            raise ConfigError(f"{where}: vocab_size = {arch.vocab_size} (padded to "
+                              f"{padded_vocab} rows), but {key} of the checkpoint {ckpt} has "
+                              f"{stored[key][0]} rows")
+
+
+def _arch_record(ckpt_dir: str) -> Optional[tuple[dict, str]]:
+    """(the architecture a checkpoint was saved with, the file saying so): a trainer step's
+    model_arch.json (padded_vocab_size included), else the config.json hf-to-mcore stored;
+    None when there is neither."""
+    step_dir, dist_dir = checkpoint_dirs(ckpt_dir)
+    if step_dir and os.path.isfile(os.path.join(step_dir, ARCH_FILE)):
+        path = os.path.join(step_dir, ARCH_FILE)
+        return read_json(path), path
+    stored = os.path.join(dist_dir, HF_CONFIG_SUBDIR)
+    if os.path.isfile(os.path.join(stored, "config.json")):
+        arch = read_hf_arch(stored, max_seq_len=conversion_max_seq_len(dist_dir))
+        return dataclasses.asdict(arch), os.path.join(stored, "config.json")
+    return None
+
+
+def _flat(record: dict, prefix: str = "") -> dict:
+    """{"rope": {"theta": 1}} -> {"rope.theta": 1}."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def conversion_max_seq_len(ckpt_dir: str) -> Optional[int]:
+    """The --max-seq-len hf-to-mcore converted `ckpt_dir` with (None: not given, or not a
+    checkpoint of hf-to-mcore)."""
+    path = os.path.join(ckpt_dir, CONVERSION_RECORD)
+    return read_json(path).get("max_seq_len") if os.path.isfile(path) else None
 
 
 def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] = None,
@@ -225,21 +383,24 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] 
     if not os.path.isfile(os.path.join(meta_src, "config.json")):
         raise FileNotFoundError(f"{meta_src}: no config.json; pass --hf-template PATH (an HF "
                                 "directory of the same architecture)")
-    arch = read_hf_arch(meta_src)
+    reader = reader or DistCheckpointReader(ckpt_dir)  # its manifest covers conversion.json
+    arch = read_hf_arch(meta_src, max_seq_len=conversion_max_seq_len(ckpt_dir))
     release_freed_tensors_to_os()
-    reader = reader or DistCheckpointReader(ckpt_dir)
-    groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch))
+    groups = dist_hf_groups(reader, arch, _checkpoint_role(reader, arch), meta_src)
+    step_dir, _ = checkpoint_dirs(ckpt_dir)
     return write_hf_dir(out_dir, groups, meta_src, force=force, progress=progress,
-                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf")
+                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf",
+                        inputs={"--ckpt": step_dir or ckpt_dir, "--hf-template": hf_template})
 
 
 def write_hf_dir(out_dir: str, groups: Sequence[HFGroup], meta_src: str, force: bool = False,
                  progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 desc: str = "hf") -> str:
+                 desc: str = "hf", *, inputs: Mapping[str, Optional[str]]) -> str:
     """An HF directory of `groups`' tensors, in their order: safetensors shards of at most
     max_shard_bytes (a new shard when the next group would pass it) and their index, then
     meta_src's non-weight files (config.json with the weights' dtype, tokenizer). One group is
-    produced and held at a time; written into a temporary sibling renamed at the end."""
+    produced and held at a time; written into a temporary sibling renamed at the end. `inputs`:
+    every path the tensors come from, by flag (check_output_apart)."""
     shards: list[list[HFGroup]] = [[]]
     size = 0
     for group in groups:
@@ -252,7 +413,7 @@ def write_hf_dir(out_dir: str, groups: Sequence[HFGroup], meta_src: str, force: 
     total = sum(_nbytes(s, d) for entries, _ in groups for _, s, d in entries)
     dtypes = {d for entries, _ in groups for _, _, d in entries}
 
-    out = _Output(out_dir, force)
+    out = _Output(out_dir, force, {**inputs, "meta_src": meta_src})
     try:
         bar = _progress(total, progress, desc)
         weight_map = {}
@@ -287,11 +448,13 @@ def _set_config_dtype(path: str, dtypes: set) -> None:
     name = str(next(iter(dtypes))).removeprefix("torch.")
     with open(path) as f:
         cfg = json.load(f)
+    before = dict(cfg)
     for key in ("dtype", "torch_dtype"):
         if key in cfg or key == "dtype":
             cfg[key] = name
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    if cfg != before:  # else the template's file stays byte for byte
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,11 +476,13 @@ class HFDirWriter:
     """
 
     def __init__(self, out_dir: str, meta_src: str, force: bool = False,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 inputs: Optional[Mapping[str, Optional[str]]] = None):
         if not os.path.isfile(os.path.join(meta_src, "config.json")):
             raise FileNotFoundError(f"{meta_src}: no config.json to write next to the weights")
         self.meta_src, self.max_shard_bytes = meta_src, max_shard_bytes
-        self._out = _Output(out_dir, force)
+        # `inputs`: the caller's sources by the names its user gave them (model.path, ...).
+        self._out = _Output(out_dir, force, {**(inputs or {}), "meta_src": meta_src})
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
         self._shards: list[list[str]] = []  # the tensor names of each written shard

@@ -30,19 +30,21 @@ import torch
 import yaml
 
 from verl_mcore.config.loading import ConfigError, from_dict
-from verl_mcore.config.resume import CONFIG_FILE
+from verl_mcore.config.resume import ARCH_FILE, CONFIG_FILE
 from verl_mcore.config.schema import LoRAConfig
 from verl_mcore.convert_hf.convert import (
     DEFAULT_MAX_SHARD_BYTES,
+    MODEL_PREFIXES,
     HFGroup,
     _Output,
+    checkpoint_dirs,
     dist_hf_groups,
     release_freed_tensors_to_os,
     write_hf_dir,
 )
 from verl_mcore.convert_hf.dist_ckpt import DistCheckpointReader
 from verl_mcore.engine import manifest
-from verl_mcore.engine.checkpoint import DIST_DIR, META
+from verl_mcore.engine.checkpoint import META
 from verl_mcore.engine.safe_read import BadCheckpointError, read_json
 from verl_mcore.models import lora as lora_lib
 from verl_mcore.models.hf_config import read_hf_arch
@@ -55,19 +57,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # stacked), or lora_output_layer.lora_<A|B>.lm_head (the output layer's, B with padded rows).
 _ADAPTER_KEY = re.compile(
     r"^(?:decoder\.layers\.\w+\.lora_linear_\w+|lora_output_layer)\.lora_([AB])\.(\w+)$")
-_MODEL_PREFIXES = ("decoder.", "embedding.", "output_layer.")  # the rest is optimizer state
-
-
-def checkpoint_dirs(ckpt: str) -> tuple[Optional[str], str]:
-    """(the trainer's step directory, or None; its dist checkpoint) of a --ckpt that names
-    either a step directory (…/checkpoints/actor/step_N) or a dist checkpoint directory."""
-    ckpt = os.path.abspath(ckpt)
-    if os.path.isfile(os.path.join(ckpt, META)) and os.path.isdir(os.path.join(ckpt, DIST_DIR)):
-        return ckpt, os.path.join(ckpt, DIST_DIR)
-    parent = os.path.dirname(ckpt)
-    if os.path.basename(ckpt) == DIST_DIR and os.path.isfile(os.path.join(parent, META)):
-        return parent, ckpt
-    return None, ckpt
 
 
 @dataclasses.dataclass
@@ -120,7 +109,7 @@ def open_checkpoint(ckpt: str) -> tuple[DistCheckpointReader, Optional[LoRACheck
     more than adapters, a config.yaml whose actor.lora does not match the stored tensors."""
     step_dir, dist_dir = checkpoint_dirs(ckpt)
     if step_dir:
-        _check_against_manifest(step_dir, (META, CONFIG_FILE))
+        _check_against_manifest(step_dir, (META, CONFIG_FILE, ARCH_FILE))
     meta = read_json(os.path.join(step_dir, META)) if step_dir else None
     reader = DistCheckpointReader(dist_dir)
     if meta is not None and not meta.get("trainable_only"):
@@ -132,7 +121,7 @@ def open_checkpoint(ckpt: str) -> tuple[DistCheckpointReader, Optional[LoRACheck
         match = _ADAPTER_KEY.match(key)
         if match:
             adapters.setdefault(match.group(2), {})[match.group(1)] = tuple(stored[key].size)
-        elif key.startswith(_MODEL_PREFIXES) and not key.endswith("_extra_state") \
+        elif key.startswith(MODEL_PREFIXES) and not key.endswith("_extra_state") \
                 and hasattr(stored[key], "size"):
             others.append(key)
     if meta is None:
@@ -184,16 +173,17 @@ def export_peft(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None,
     else the run's model.path (a dist checkpoint base is no model peft can name)."""
     from safetensors.torch import save_file
 
-    if base is None:
+    named = base
+    if named is None:
         recorded = ckpt.base
-        base = recorded if recorded and _is_hf_dir(recorded) else ckpt.model_path or recorded
-    tensors = ckpt.peft_tensors(_vocab_size(ckpt, base))
-    out = _Output(out_dir, force)
+        named = recorded if recorded and _is_hf_dir(recorded) else ckpt.model_path or recorded
+    tensors = ckpt.peft_tensors(_vocab_size(ckpt, named))
+    out = _Output(out_dir, force, _inputs(ckpt, base))
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()},
                   os.path.join(out.tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(out.tmp, ADAPTER_CONFIG), "w") as f:
-            json.dump(lora_lib.peft_config(ckpt.lora, base or ""), f, indent=2)
+            json.dump(lora_lib.peft_config(ckpt.lora, named or ""), f, indent=2)
     except BaseException:
         out.abort()
         raise
@@ -207,19 +197,19 @@ def export_merged(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None
     directory or a dist checkpoint) with the adapters merged in; config.json and tokenizer
     files from `hf_template`, else the base (an HF directory, or a dist checkpoint's stored
     copy)."""
-    base = _base_weights(ckpt, base)
+    base_dir = _base_weights(ckpt, base)
     release_freed_tensors_to_os()
-    groups, meta_src = _base_tensors(base, hf_template)
+    groups, meta_src = _base_tensors(base_dir, hf_template)
     arch = read_hf_arch(meta_src)
     if ckpt.num_layers is not None and arch.num_layers != ckpt.num_layers:
-        raise ConfigError(f"the base {base} has {arch.num_layers} layers, the adapters of "
+        raise ConfigError(f"the base {base_dir} has {arch.num_layers} layers, the adapters of "
                           f"{ckpt.step_dir} {ckpt.num_layers}; pass --base with the model the "
                           "run trained")
     modules = {f"{lora_lib.hf_module(layer, t)}.weight": (layer, t) for layer, t in ckpt.modules()}
     missing = sorted(set(modules) - {name for entries, _ in groups for name, _, _ in entries})
     if missing:
-        raise ConfigError(f"the base {base} has no {missing[:3]}: not the model the adapters of "
-                          f"{ckpt.step_dir} were trained on; pass --base with that one")
+        raise ConfigError(f"the base {base_dir} has no {missing[:3]}: not the model the adapters "
+                          f"of {ckpt.step_dir} were trained on; pass --base with that one")
 
     def merge(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, weight in tensors.items():
@@ -231,7 +221,15 @@ def export_merged(ckpt: LoRACheckpoint, out_dir: str, base: Optional[str] = None
 
     merged = [(entries, lambda produce=produce: merge(produce())) for entries, produce in groups]
     return write_hf_dir(out_dir, merged, meta_src, force=force, progress=progress,
-                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf --merge")
+                        max_shard_bytes=max_shard_bytes, desc="mcore-to-hf --merge",
+                        inputs={**_inputs(ckpt, base), "--hf-template": hf_template})
+
+
+def _inputs(ckpt: LoRACheckpoint, base: Optional[str]) -> dict[str, Optional[str]]:
+    """Every path an export of `ckpt` reads or names, by the flag or record it comes from."""
+    return {"--ckpt": ckpt.step_dir, "--base": base,
+            f"base_weights of {os.path.join(ckpt.step_dir, META)}": ckpt.base,
+            f"model.path of {os.path.join(ckpt.step_dir, CONFIG_FILE)}": ckpt.model_path}
 
 
 def _vocab_size(ckpt: LoRACheckpoint, base: Optional[str]) -> Optional[int]:
@@ -266,7 +264,8 @@ def _base_tensors(base: str, hf_template: Optional[str]) -> tuple[list[HFGroup],
         raise ConfigError(f"the base {base} is a dist checkpoint without the HF config "
                           f"hf-to-mcore stores in {CKPT_HF_CONFIG_SUBDIR}/; pass --hf-template "
                           "PATH (the HF directory it was converted from)")
-    return dist_hf_groups(DistCheckpointReader(base), read_hf_arch(meta_src), "actor"), meta_src
+    arch = read_hf_arch(meta_src)
+    return dist_hf_groups(DistCheckpointReader(base), arch, "actor", meta_src), meta_src
 
 
 def _base_weights(ckpt: LoRACheckpoint, base: Optional[str]) -> str:

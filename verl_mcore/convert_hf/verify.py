@@ -69,7 +69,7 @@ def transformers_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
     from verl_mcore.models.hf_config import read_hf_arch
 
-    seq_cls = read_hf_arch(hf_dir).num_labels is not None
+    seq_cls = read_hf_arch(hf_dir, max_seq_len=tokens.shape[1]).num_labels is not None
     cls = (transformers.AutoModelForSequenceClassification if seq_cls
            else transformers.AutoModelForCausalLM)
     model = cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -110,10 +110,11 @@ def _rank_main(rank: int, world_size: int, port: int, hf_dir: str, ckpt_dir: str
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(0)
-    arch = read_hf_arch(hf_dir)
+    seq_len = tokens.shape[1]
+    arch = read_hf_arch(hf_dir, max_seq_len=seq_len)
     role = "reward" if arch.num_labels is not None else "actor"
     model, _ = build_and_load(role, hf_path=hf_dir, checkpoint=ckpt_dir, dtype="fp32", tp=tp,
-                              pp=pp)
+                              pp=pp, max_seq_len=seq_len)
     out = megatron_logits(model, tokens)
     if out is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         out = out[..., : arch.vocab_size] if role == "actor" else out
@@ -138,11 +139,12 @@ def verify(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, batch: int = 2,
     """Max absolute and relative (to max |HF logit|) difference between megatron on the dist
     checkpoint at TP x PP and transformers on the HF directory, over random prompts.
 
-    Spawns tp * pp local ranks (gloo on CPU, NCCL on GPUs).
+    Spawns tp * pp local ranks (gloo on CPU, NCCL on GPUs). A sliding window at least
+    `seq_len` long never takes effect on these prompts, so such a config is compared too.
     """
     from verl_mcore.models.hf_config import read_hf_arch
 
-    tokens = prompts(read_hf_arch(hf_dir).vocab_size, batch, seq_len)
+    tokens = prompts(read_hf_arch(hf_dir, max_seq_len=seq_len).vocab_size, batch, seq_len)
     world = tp * pp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
