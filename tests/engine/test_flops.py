@@ -1,6 +1,8 @@
 """The FLOP count behind MFU, checked by hand on a small shape."""
 from types import SimpleNamespace
 
+import torch
+
 from verl_mcore.engine.flops import matmul_params, peak_flops, sequence_flops
 
 # 2 layers, hidden 8, 2 heads of 4 (d_attn 8), 1 KV group (d_kv 4), gated ffn 16, vocab 10.
@@ -26,3 +28,14 @@ def test_peak_by_device_name():
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("Some CPU") is None
+
+
+def test_measuring_the_matmul_ceiling_draws_nothing_from_the_global_generator(monkeypatch):
+    """It runs at a process's first step: a global draw there would shift every later dropout
+    mask of a resumed run against the straight one (LoRA dropout resumed inexactly)."""
+    from verl_mcore.engine import flops
+
+    monkeypatch.setattr(flops, "_MEASURED", {})
+    before = torch.get_rng_state()
+    assert flops.measured_matmul_ceiling(size=64, repeats=1) > 0
+    assert torch.equal(torch.get_rng_state(), before)

@@ -80,8 +80,11 @@ def measured_matmul_ceiling(size: int = 512, repeats: int = 5) -> float:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in _MEASURED:
-        a = torch.randn(size, size, device=device)
-        b = torch.randn(size, size, device=device)
+        # Its own generator: a draw from the global one, made at a process's first step, would
+        # shift every later dropout mask of a resumed run against the straight one.
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(size, size, device=device, generator=gen)
+        b = torch.randn(size, size, device=device, generator=gen)
         a @ b  # warm-up
         best = float("inf")
         for _ in range(repeats):
