@@ -76,6 +76,20 @@ def test_prompt_loader_keeps_its_place_when_the_batch_size_changes():
     assert PromptLoader.rebatch(state, 16)["batch_in_epoch"] == 1
 
 
+def test_a_batch_size_change_is_refused_with_batches_sampled_ahead():
+    """one_step_off: the queued batch's prompts are drawn again on resume for their dataset rows;
+    at a new batch size they were other rows (wrong ground truth) or an IndexError."""
+    change = resume.Change("data.train_batch_size", 8, 4)
+    loader = {"epoch": 0, "batch_in_epoch": 3, "batch_size": 8, "seed": 1}
+    with pytest.raises(resume.ResumeConfigError,
+                       match=r"data.train_batch_size: 8 in the checkpoint -> 4 from the config: "
+                             r"the checkpoint holds 1 batch\(es\) of 8 prompts sampled ahead.*"
+                             r"Set data.train_batch_size=8 again"):
+        resume.apply_to_state([change], {"loader": loader, "rollout_queue": [{"saved": 1}]})
+    state = resume.apply_to_state([change], {"loader": loader, "rollout_queue": []})  # sync
+    assert state["loader"]["batch_size"] == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer (1 rank, the tiny model)
 

@@ -17,7 +17,9 @@ and the config's value is used, including where the checkpoint restores state:
   - clip_grad and every loss / batch / sampling setting: read from the config at each step;
   - the KL controller: a changed algorithm.kl_ctrl.type or kl_coef starts it afresh at the
     config's coefficient (unchanged, an adaptive controller keeps the coefficient it reached);
-  - data.train_batch_size: the prompt loader keeps its place in the epoch (PromptLoader.rebatch).
+  - data.train_batch_size: the prompt loader keeps its place in the epoch (PromptLoader.rebatch);
+    refused when the checkpoint holds batches sampled ahead (one_step_off), whose prompts are
+    drawn again at the saved batch size (apply_to_state, after the weights are loaded).
 Refused before any weight is read (ResumeConfigError, naming the key and what to do):
   - another model architecture (model_arch.json against model.path's config.json);
   - another padded vocabulary size (model.make_vocab_size_divisible_by with the training TP):
@@ -153,6 +155,17 @@ def apply_to_state(changes: list[Change], state: dict) -> dict:
     if "data.train_batch_size" in keys:
         from verl_mcore.data.loader import PromptLoader
 
+        queued = state.get("rollout_queue") or []
+        if queued:
+            # The resume draws the queued batches' prompts again for their dataset rows (ground
+            # truth, data source): at another batch size they would be other rows.
+            change = keys["data.train_batch_size"]
+            raise ResumeConfigError(
+                f"cannot resume with this config: {change}: the checkpoint holds {len(queued)} "
+                f"batch(es) of {change.saved} prompts sampled ahead (rollout.mode=one_step_off), "
+                f"whose dataset rows are found again by drawing them at that batch size. Set "
+                f"data.train_batch_size={change.saved} again for this resume (it can change "
+                f"at a resume from a checkpoint that holds no batch sampled ahead)")
         state["loader"] = PromptLoader.rebatch(state["loader"], keys["data.train_batch_size"].current)
     return state
 
