@@ -62,6 +62,29 @@ def test_what_cannot_change_is_refused_by_name(tmp_path):
     assert "the checkpoint's model.path was /models/a" in str(e.value)
 
 
+def test_lora_shape_changes_are_refused_before_any_weight_is_read(tmp_path):
+    """Another actor.lora.r failed in megatron's load (CheckpointingException) after half the
+    roles had loaded; now each LoRA key is refused by name."""
+    lora = ["actor.lora.enable=true", "critic.lora.enable=true", "algorithm.adv_estimator=gae"]
+    ckpt = _saved(tmp_path, Config.load(None, lora))
+    cfg = Config.load(None, lora + ["actor.lora.r=4", "actor.lora.alpha=8",
+                                    "critic.lora.target_modules=[q_proj]",
+                                    "actor.lora.dropout=0.1", "actor.lora.lr=0.001"])
+    with pytest.raises(resume.ResumeConfigError) as e:
+        resume.compare(ckpt, cfg, arch())
+    message = str(e.value)
+    assert "actor.lora.r: 8 in the checkpoint -> 4 from the config" in message
+    assert "trained with actor.lora.r=8" in message
+    assert "actor.lora.alpha: 16.0 in the checkpoint -> 8.0" in message
+    assert "critic.lora.target_modules: ['all-linear'] in the checkpoint -> ['q_proj']" in message
+    assert "dropout" not in message and "lora.lr" not in message  # these may change
+    # Without LoRA in the checkpoint the adapter settings describe nothing that was saved.
+    (tmp_path / "plain").mkdir()
+    plain = _saved(tmp_path / "plain", Config.load(None, []))
+    changes = resume.compare(plain, Config.load(None, ["actor.lora.r=4"]), arch())
+    assert [c.key for c in changes] == ["actor.lora.r"]
+
+
 def test_a_checkpoint_without_a_record_resumes_as_before(tmp_path):
     (tmp_path / "step_00000001").mkdir()
     assert resume.compare(str(tmp_path / "step_00000001"), Config(), arch()) == []

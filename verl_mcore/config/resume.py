@@ -26,6 +26,8 @@ Refused before any weight is read (ResumeConfigError, naming the key and what to
     the embedding and output layer have that many rows;
   - algorithm.adv_estimator=gae from a checkpoint of a run without a critic;
   - data.seed, data.shuffle: the prompts still to come this epoch would change;
+  - a LoRA role's lora.r, lora.alpha, lora.target_modules (actor and critic): the adapters'
+    shapes or their scale;
   - parallel.use_distributed_optimizer, when the checkpoint holds optimizer state: the two
     optimizers' states have different formats (megatron-core 0.16.1 fails with KeyError
     'pre_wd_mult' loading one into the other).
@@ -52,6 +54,9 @@ CONFIG_FILE = "config.yaml"
 ARCH_FILE = "model_arch.json"
 ORDER_KEYS = ("data.seed", "data.shuffle")  # PromptLoader's order of the prompts
 KL_KEYS = ("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef")
+# What a role's adapters are: their tensors' shapes and set (r, target_modules) and the function
+# they compute (alpha / r scales B·A). lora.enable itself is matched at load (engine/checkpoint.py).
+LORA_KEYS = ("r", "alpha", "target_modules")
 
 
 class ResumeConfigError(ConfigError):
@@ -136,6 +141,14 @@ def _refused(changes: list[Change], saved: dict, saved_arch: dict, arch: dict, c
     if optimizer is not None and _lookup(saved, "checkpoint.save_optimizer") is not False:
         out.append(f"{optimizer}: the checkpoint's optimizer state has the other optimizer's "
                    f"format; set parallel.use_distributed_optimizer={optimizer.saved} again")
+    for role in ("actor", "critic"):
+        if _lookup(saved, f"{role}.lora.enable") is True and getattr(cfg, role).lora.enable:
+            for key in (f"{role}.lora.{k}" for k in LORA_KEYS):
+                if key in by_key:
+                    out.append(f"{by_key[key]}: the checkpoint's {role} LoRA adapters were "
+                               f"trained with {key}={by_key[key].saved!r} and cannot load into "
+                               f"(or would compute something else in) adapters of another one; "
+                               f"set it again, or start a new run in a new trainer.run_dir")
     for key in ORDER_KEYS:
         if key in by_key:
             out.append(f"{by_key[key]}: the prompts still to come would change mid-epoch; set "
