@@ -113,6 +113,39 @@ def test_a_batch_size_change_is_refused_with_batches_sampled_ahead():
     assert state["loader"]["batch_size"] == 4
 
 
+@pytest.mark.parametrize("change", [["actor.ppo_mini_batch_size=4"], ["actor.ppo_epochs=3"],
+                                    ["data.train_batch_size=16"]])
+def test_the_lr_continues_at_the_training_step_after_a_batch_change(change):
+    """The schedule's length is total_steps x optimizer steps per training step; a resume kept
+    the checkpoint's counter (in the old unit) against the new length, and the LR jumped."""
+    import torch
+
+    from verl_mcore.build import optimizer_steps_per_training_step
+    from verl_mcore.config.schema import OptimConfig
+    from verl_mcore.engine.engine import _build_scheduler
+
+    optim = OptimConfig(lr=1e-3, min_lr=1e-5, lr_schedule="cosine", lr_warmup_steps=2)
+    common = ["trainer.total_steps=10", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2"]
+    old, new = Config.load(None, common), Config.load(None, common + change)
+
+    def scheduler(cfg, training_steps):
+        per_step = optimizer_steps_per_training_step(cfg, "actor")
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
+        s = _build_scheduler(optim, opt, cfg.trainer.total_steps * per_step)
+        s.step(training_steps * per_step)
+        return s, per_step
+
+    saved, saved_per_step = scheduler(old, 6)
+    resumed, per_step = scheduler(new, 0)
+    assert per_step != saved_per_step
+    resumed.num_steps = 0  # as load_checkpoint does
+    resumed.load_state_dict(saved.state_dict())
+    resume.rescale_schedule("actor", resumed, saved_per_step, per_step)
+    straight, _ = scheduler(new, 6)
+    assert resumed.num_steps == straight.num_steps
+    assert resumed.optimizer.param_groups[0]["lr"] == straight.optimizer.param_groups[0]["lr"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer (1 rank, the tiny model)
 

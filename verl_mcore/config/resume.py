@@ -10,7 +10,8 @@ and the config's value is used, including where the checkpoint restores state:
   - the LR schedule, actor and critic (lr, min_lr, lr_schedule, lr_warmup_steps, weight_decay;
     its length follows trainer.total_steps and the batch sizes): the scheduler is built with
     megatron's override_opt_param_scheduler, so a load restores only its step counter
-    (engine/engine.py _build_scheduler);
+    (engine/engine.py _build_scheduler), rescaled to this config's optimizer steps per
+    training step when the batch sizes or ppo_epochs changed (rescale_schedule);
   - the optimizer's settings (lr bounds, betas, eps), which megatron's optimizer load replaces
     with the saved param groups': put back after the load
     (MegatronEngine.config_hyperparameters_kept);
@@ -181,6 +182,22 @@ def apply_to_state(changes: list[Change], state: dict) -> dict:
                 f"at a resume from a checkpoint that holds no batch sampled ahead)")
         state["loader"] = PromptLoader.rebatch(state["loader"], keys["data.train_batch_size"].current)
     return state
+
+
+def rescale_schedule(role: str, scheduler, saved_per_step: int, per_step: int) -> None:
+    """Put `scheduler` (just loaded: its step counter in the checkpoint's optimizer steps) at
+    the same training step in this config's optimizer steps. Its length is total_steps times
+    per_step (build.optimizer_steps_per_training_step), so a changed ppo_mini_batch_size,
+    ppo_epochs or train_batch_size kept the old counter against a new length: the LR jumped.
+    Skipped updates and critic warmup scale with it (they are whole training steps)."""
+    if per_step == saved_per_step:
+        return
+    steps = scheduler.num_steps * per_step // saved_per_step
+    log.info("resume: %s LR schedule at optimizer step %d of the checkpoint (%d per training "
+             "step) -> %d (%d per training step)", role, scheduler.num_steps, saved_per_step,
+             steps, per_step)
+    scheduler.num_steps = 0
+    scheduler.step(steps)  # sets the param groups' lr and weight decay for that step
 
 
 _MISSING = object()
