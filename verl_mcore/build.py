@@ -265,16 +265,24 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
                           load_weights=loader, vocab_size=info.arch.vocab_size)
 
 
-def optimizer_steps_per_training_step(cfg: Config, mini_batch_prompts: int, epochs: int) -> int:
-    return epochs * (cfg.data.train_batch_size // mini_batch_prompts)
+def optimizer_steps_per_training_step(cfg: Config, role: str) -> int:
+    """The optimizer steps `role` ("actor" / "critic") takes per training step: the LR
+    schedule's unit (its length is total_steps times this; a resume rescales its position when
+    this changes, config/resume.py)."""
+    a = cfg.actor
+    if role == "actor":
+        mini, epochs = a.ppo_mini_batch_size, a.ppo_epochs
+    else:
+        mini = cfg.critic.ppo_mini_batch_size or a.ppo_mini_batch_size
+        epochs = cfg.critic.ppo_epochs or a.ppo_epochs
+    return epochs * (cfg.data.train_batch_size // mini)
 
 
 def build_actor(cfg: Config, groups, info: ModelInfo):
     from verl_mcore.engine.actor import Actor
 
     a = cfg.actor
-    steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, a.ppo_mini_batch_size,
-                                                                        a.ppo_epochs)
+    steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, "actor")
     engine = build_engine(cfg, groups, info, "actor", a.dtype, optim=a.optim,
                           recompute=a.recompute_activations, lr_decay_steps=steps)
     return Actor(engine, a, mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n,
@@ -313,7 +321,7 @@ def build_critic(cfg: Config, groups, info: ModelInfo):
     c = cfg.critic
     mini = c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
     epochs = c.ppo_epochs or cfg.actor.ppo_epochs
-    steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, mini, epochs)
+    steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, "critic")
     engine = build_engine(cfg, groups, info, "critic", c.dtype, optim=c.optim,
                           recompute=c.recompute_activations, lr_decay_steps=steps)
     return Critic(engine, c, mini_batch_size=mini * cfg.rollout.n, ppo_epochs=epochs,

@@ -9,7 +9,9 @@ pointer last). The critic is saved before the actor, so a kill between the two l
 actor's previous step as its newest; resume takes the newest step complete for every role, and
 good for every role (engine.checkpoint.load_newest: a step with a corrupt actor or critic
 checkpoint is set aside as a whole, and the run falls back to the step before). An explicit
-checkpoint.load_path that fails its checks is refused, never replaced by another.
+checkpoint.load_path that fails its checks is refused, never replaced by another. Rotation
+(checkpoint.keep_last) counts only steps complete for every role, so the critic's commit of a
+step never deletes the step the actor still needs to resume from.
 
 The actor's checkpoint also holds the run's resolved config (config.yaml) and the model's
 architecture (model_arch.json), which a resume compares with its own (config/resume.py).
@@ -93,8 +95,9 @@ class RunCheckpoints:
         self.actor = Checkpointer.from_config(ckpt_cfg, roots["actor"], ranks.get("actor"))
         self.critic = (Checkpointer.from_config(ckpt_cfg, roots["critic"], ranks.get("critic"))
                        if with_critic else None)
-        for ckpt in self._roles():  # recorded by a LoRA role's adapter-only checkpoints
-            ckpt.base_weights = base_weights
+        for ckpt in self._roles():
+            ckpt.base_weights = base_weights  # recorded by a LoRA role's adapter-only checkpoints
+            ckpt.step_roots = [c.root for c in self._roles()]  # rotated as pairs of one step
         self.expected = sum(expected_bytes.values()) if expected_bytes else None
         self.run_files = run_files
 

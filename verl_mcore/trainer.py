@@ -784,7 +784,10 @@ class Trainer:
         rollouts = self.schedule.state_dict()
         return {"step": self.step_index, "loader": rollouts["loader"],
                 "rollout_queue": rollouts["queue"], "kl_ctrl": self.kl_ctrl.state_dict(),
-                "skipped_updates": self.skipped_updates}
+                "skipped_updates": self.skipped_updates,
+                "optimizer_steps_per_step": {  # the LR schedules' unit (resume.rescale_schedule)
+                    role: build.optimizer_steps_per_training_step(self.cfg, role)
+                    for role in (("actor", "critic") if self.cfg.uses_critic else ("actor",))}}
 
     def save_checkpoint(self, step: int) -> None:
         with self.watchdog.phase("checkpoint", step=step):
@@ -811,6 +814,11 @@ class Trainer:
             self.tracking.resumed_at(0)
             return
         state = resume.apply_to_state(changes, state)
+        saved_per_step = state.get("optimizer_steps_per_step") or {}  # absent: older checkpoints
+        for name, role in (("actor", self.actor), ("critic", self.critic)):
+            if role is not None and name in saved_per_step:
+                resume.rescale_schedule(name, role.engine.scheduler, saved_per_step[name],
+                                        build.optimizer_steps_per_training_step(self.cfg, name))
         self.step_index = int(state["step"])
         self.last_good_step = self.step_index
         self.schedule.load_state_dict({"loader": state["loader"],

@@ -82,7 +82,7 @@ def test_rotation_keeps_newest_and_removes_stale_temporaries(tmp_path):
     _fake_checkpoint(root, 6, complete=False)
     for step in (2, 7):
         os.makedirs(os.path.join(root, ck.TMP_PREFIX + ck.checkpoint_name(step)))
-    ck._rotate(root, keep_last=2, current_step=5)
+    ck._rotate([root], keep_last=2, current_step=5)
     assert [s for s, _ in ck.list_checkpoints(root)] == [4, 5]
     remaining = sorted(os.listdir(root))
     # The incomplete step 6 is not a checkpoint to rotate; a temporary of a later step may be
@@ -95,7 +95,7 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     for step in (10, 11, 12):
         _fake_checkpoint(root, step)  # left over from a run that was abandoned at step 12
     _fake_checkpoint(root, 3)  # just written after resuming from an older checkpoint
-    ck._rotate(root, keep_last=1, current_step=3)
+    ck._rotate([root], keep_last=1, current_step=3)
     assert [s for s, _ in ck.list_checkpoints(root)] == [3, 12]
 
 
@@ -103,7 +103,7 @@ def test_keep_last_zero_keeps_everything(tmp_path):
     root = str(tmp_path)
     for step in range(1, 5):
         _fake_checkpoint(root, step)
-    ck._rotate(root, keep_last=0, current_step=4)
+    ck._rotate([root], keep_last=0, current_step=4)
     assert len(ck.list_checkpoints(root)) == 4
 
 
@@ -165,11 +165,11 @@ def fake_loads(monkeypatch):
     return loads
 
 
-def _run(run_dir, with_critic=True):
+def _run(run_dir, with_critic=True, keep_last=2):
     from verl_mcore.checkpoints import RunCheckpoints
     from verl_mcore.config.schema import CheckpointConfig
 
-    return RunCheckpoints(CheckpointConfig(keep_last=2), str(run_dir), with_critic)
+    return RunCheckpoints(CheckpointConfig(keep_last=keep_last), str(run_dir), with_critic)
 
 
 def _resume(run, load_path=None):
@@ -181,13 +181,15 @@ def _resume(run, load_path=None):
     return run.resume(CheckpointConfig(load_path=load_path and str(load_path)), role, role)
 
 
-def _commit(run, step):
-    """What Checkpointer.save leaves behind: both roles' step, `latest`, rotation."""
-    for root in [c.root for c in (run.critic, run.actor) if c is not None]:
-        os.makedirs(root, exist_ok=True)
-        _fake_checkpoint(root, step)
-        _point_latest(root, ck.checkpoint_name(step))
-        ck._rotate(root, keep_last=2, current_step=step)
+def _commit(run, step, roles=None):
+    """Each role's commit of `step` as Checkpointer.save makes it (rename, `latest`, rotation),
+    the critic's first; roles: only these (a save killed before the others committed)."""
+    for ckpt in roles or [c for c in (run.critic, run.actor) if c is not None]:
+        staging = os.path.join(ckpt.root, ".staging")
+        tmp = os.path.join(ckpt.root, ck.TMP_PREFIX + ck.checkpoint_name(step))
+        os.renames(_fake_checkpoint(staging, step), tmp)
+        final = os.path.join(ckpt.root, ck.checkpoint_name(step))
+        ckpt._commit_files(ck._PendingSave(step, tmp, final), {})
 
 
 def _steps(root):
@@ -323,7 +325,36 @@ def test_a_role_without_any_checkpoint_is_refused_not_a_fresh_start(tmp_path, fa
     for step in (2, 3):
         _commit(grpo, step)
     ppo = _run(tmp_path / "run", with_critic=True)
-    with pytest.raises(ConfigError, match=r"has steps \[2, 3\] but .*critic has none of them.*"
+    with pytest.raises(ConfigError, match=r"has steps \[2, 3\] but .*critic has none: .*"
                                           r"adv_estimator changed to gae"):
         _resume(ppo)
     assert fake_loads == [] and _steps(grpo.actor.root) == [2, 3]
+
+
+def test_keep_last_1_a_kill_between_the_roles_commits_leaves_a_step_to_resume(tmp_path, fake_loads):
+    """PPO with keep_last=1, killed during the actor's save of step 4 after the critic committed
+    it: the critic's commit rotated its step 2 away, leaving actor [2], critic [4], and the run
+    could never resume. Rotation now counts only steps every role has."""
+    run = _run(tmp_path / "run", keep_last=1)
+    _commit(run, 2)
+    _commit(run, 4, roles=[run.critic])
+    assert _steps(run.actor.root) == [2] and _steps(run.critic.root) == [2, 4]
+    assert _resume(run)["step"] == 2
+    assert fake_loads == [os.path.join(c.root, "step_00000002") for c in (run.actor, run.critic)]
+    _commit(run, 4)  # the resumed run saves step 4 again: now step 2 goes, in both roles
+    assert _steps(run.actor.root) == [4] and _steps(run.critic.root) == [4]
+    _commit(run, 6)
+    assert _steps(run.actor.root) == [6] and _steps(run.critic.root) == [6]
+
+
+def test_roles_without_a_common_step_are_refused_naming_each_roles_steps(tmp_path, fake_loads):
+    """What an earlier verl_mcore left after that kill: no step both roles have."""
+    from verl_mcore.config import ConfigError
+
+    run = _run(tmp_path / "run", keep_last=1)
+    _commit(run, 2, roles=[run.actor])
+    _commit(run, 4, roles=[run.critic])
+    with pytest.raises(ConfigError, match=r"actor has steps \[2\] but .*critic has steps \[4\]: "
+                                          r"no step has a checkpoint of every role"):
+        _resume(run)
+    assert fake_loads == []

@@ -62,6 +62,29 @@ def test_what_cannot_change_is_refused_by_name(tmp_path):
     assert "the checkpoint's model.path was /models/a" in str(e.value)
 
 
+def test_lora_shape_changes_are_refused_before_any_weight_is_read(tmp_path):
+    """Another actor.lora.r failed in megatron's load (CheckpointingException) after half the
+    roles had loaded; now each LoRA key is refused by name."""
+    lora = ["actor.lora.enable=true", "critic.lora.enable=true", "algorithm.adv_estimator=gae"]
+    ckpt = _saved(tmp_path, Config.load(None, lora))
+    cfg = Config.load(None, lora + ["actor.lora.r=4", "actor.lora.alpha=8",
+                                    "critic.lora.target_modules=[q_proj]",
+                                    "actor.lora.dropout=0.1", "actor.lora.lr=0.001"])
+    with pytest.raises(resume.ResumeConfigError) as e:
+        resume.compare(ckpt, cfg, arch())
+    message = str(e.value)
+    assert "actor.lora.r: 8 in the checkpoint -> 4 from the config" in message
+    assert "trained with actor.lora.r=8" in message
+    assert "actor.lora.alpha: 16.0 in the checkpoint -> 8.0" in message
+    assert "critic.lora.target_modules: ['all-linear'] in the checkpoint -> ['q_proj']" in message
+    assert "dropout" not in message and "lora.lr" not in message  # these may change
+    # Without LoRA in the checkpoint the adapter settings describe nothing that was saved.
+    (tmp_path / "plain").mkdir()
+    plain = _saved(tmp_path / "plain", Config.load(None, []))
+    changes = resume.compare(plain, Config.load(None, ["actor.lora.r=4"]), arch())
+    assert [c.key for c in changes] == ["actor.lora.r"]
+
+
 def test_a_checkpoint_without_a_record_resumes_as_before(tmp_path):
     (tmp_path / "step_00000001").mkdir()
     assert resume.compare(str(tmp_path / "step_00000001"), Config(), arch()) == []
@@ -74,6 +97,53 @@ def test_prompt_loader_keeps_its_place_when_the_batch_size_changes():
     assert PromptLoader.rebatch(state, 4) == dict(state, batch_in_epoch=6, batch_size=4)
     # 24 prompts done; batches of 16: batch 1 starts at prompt 16, so 8 are handed out again.
     assert PromptLoader.rebatch(state, 16)["batch_in_epoch"] == 1
+
+
+def test_a_batch_size_change_is_refused_with_batches_sampled_ahead():
+    """one_step_off: the queued batch's prompts are drawn again on resume for their dataset rows;
+    at a new batch size they were other rows (wrong ground truth) or an IndexError."""
+    change = resume.Change("data.train_batch_size", 8, 4)
+    loader = {"epoch": 0, "batch_in_epoch": 3, "batch_size": 8, "seed": 1}
+    with pytest.raises(resume.ResumeConfigError,
+                       match=r"data.train_batch_size: 8 in the checkpoint -> 4 from the config: "
+                             r"the checkpoint holds 1 batch\(es\) of 8 prompts sampled ahead.*"
+                             r"Set data.train_batch_size=8 again"):
+        resume.apply_to_state([change], {"loader": loader, "rollout_queue": [{"saved": 1}]})
+    state = resume.apply_to_state([change], {"loader": loader, "rollout_queue": []})  # sync
+    assert state["loader"]["batch_size"] == 4
+
+
+@pytest.mark.parametrize("change", [["actor.ppo_mini_batch_size=4"], ["actor.ppo_epochs=3"],
+                                    ["data.train_batch_size=16"]])
+def test_the_lr_continues_at_the_training_step_after_a_batch_change(change):
+    """The schedule's length is total_steps x optimizer steps per training step; a resume kept
+    the checkpoint's counter (in the old unit) against the new length, and the LR jumped."""
+    import torch
+
+    from verl_mcore.build import optimizer_steps_per_training_step
+    from verl_mcore.config.schema import OptimConfig
+    from verl_mcore.engine.engine import _build_scheduler
+
+    optim = OptimConfig(lr=1e-3, min_lr=1e-5, lr_schedule="cosine", lr_warmup_steps=2)
+    common = ["trainer.total_steps=10", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2"]
+    old, new = Config.load(None, common), Config.load(None, common + change)
+
+    def scheduler(cfg, training_steps):
+        per_step = optimizer_steps_per_training_step(cfg, "actor")
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
+        s = _build_scheduler(optim, opt, cfg.trainer.total_steps * per_step)
+        s.step(training_steps * per_step)
+        return s, per_step
+
+    saved, saved_per_step = scheduler(old, 6)
+    resumed, per_step = scheduler(new, 0)
+    assert per_step != saved_per_step
+    resumed.num_steps = 0  # as load_checkpoint does
+    resumed.load_state_dict(saved.state_dict())
+    resume.rescale_schedule("actor", resumed, saved_per_step, per_step)
+    straight, _ = scheduler(new, 6)
+    assert resumed.num_steps == straight.num_steps
+    assert resumed.optimizer.param_groups[0]["lr"] == straight.optimizer.param_groups[0]["lr"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,20 +10,25 @@ and the config's value is used, including where the checkpoint restores state:
   - the LR schedule, actor and critic (lr, min_lr, lr_schedule, lr_warmup_steps, weight_decay;
     its length follows trainer.total_steps and the batch sizes): the scheduler is built with
     megatron's override_opt_param_scheduler, so a load restores only its step counter
-    (engine/engine.py _build_scheduler);
+    (engine/engine.py _build_scheduler), rescaled to this config's optimizer steps per
+    training step when the batch sizes or ppo_epochs changed (rescale_schedule);
   - the optimizer's settings (lr bounds, betas, eps), which megatron's optimizer load replaces
     with the saved param groups': put back after the load
     (MegatronEngine.config_hyperparameters_kept);
   - clip_grad and every loss / batch / sampling setting: read from the config at each step;
   - the KL controller: a changed algorithm.kl_ctrl.type or kl_coef starts it afresh at the
     config's coefficient (unchanged, an adaptive controller keeps the coefficient it reached);
-  - data.train_batch_size: the prompt loader keeps its place in the epoch (PromptLoader.rebatch).
+  - data.train_batch_size: the prompt loader keeps its place in the epoch (PromptLoader.rebatch);
+    refused when the checkpoint holds batches sampled ahead (one_step_off), whose prompts are
+    drawn again at the saved batch size (apply_to_state, after the weights are loaded).
 Refused before any weight is read (ResumeConfigError, naming the key and what to do):
   - another model architecture (model_arch.json against model.path's config.json);
   - another padded vocabulary size (model.make_vocab_size_divisible_by with the training TP):
     the embedding and output layer have that many rows;
   - algorithm.adv_estimator=gae from a checkpoint of a run without a critic;
   - data.seed, data.shuffle: the prompts still to come this epoch would change;
+  - a LoRA role's lora.r, lora.alpha, lora.target_modules (actor and critic): the adapters'
+    shapes or their scale;
   - parallel.use_distributed_optimizer, when the checkpoint holds optimizer state: the two
     optimizers' states have different formats (megatron-core 0.16.1 fails with KeyError
     'pre_wd_mult' loading one into the other).
@@ -50,6 +55,9 @@ CONFIG_FILE = "config.yaml"
 ARCH_FILE = "model_arch.json"
 ORDER_KEYS = ("data.seed", "data.shuffle")  # PromptLoader's order of the prompts
 KL_KEYS = ("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef")
+# What a role's adapters are: their tensors' shapes and set (r, target_modules) and the function
+# they compute (alpha / r scales B·A). lora.enable itself is matched at load (engine/checkpoint.py).
+LORA_KEYS = ("r", "alpha", "target_modules")
 
 
 class ResumeConfigError(ConfigError):
@@ -134,6 +142,14 @@ def _refused(changes: list[Change], saved: dict, saved_arch: dict, arch: dict, c
     if optimizer is not None and _lookup(saved, "checkpoint.save_optimizer") is not False:
         out.append(f"{optimizer}: the checkpoint's optimizer state has the other optimizer's "
                    f"format; set parallel.use_distributed_optimizer={optimizer.saved} again")
+    for role in ("actor", "critic"):
+        if _lookup(saved, f"{role}.lora.enable") is True and getattr(cfg, role).lora.enable:
+            for key in (f"{role}.lora.{k}" for k in LORA_KEYS):
+                if key in by_key:
+                    out.append(f"{by_key[key]}: the checkpoint's {role} LoRA adapters were "
+                               f"trained with {key}={by_key[key].saved!r} and cannot load into "
+                               f"(or would compute something else in) adapters of another one; "
+                               f"set it again, or start a new run in a new trainer.run_dir")
     for key in ORDER_KEYS:
         if key in by_key:
             out.append(f"{by_key[key]}: the prompts still to come would change mid-epoch; set "
@@ -153,8 +169,35 @@ def apply_to_state(changes: list[Change], state: dict) -> dict:
     if "data.train_batch_size" in keys:
         from verl_mcore.data.loader import PromptLoader
 
+        queued = state.get("rollout_queue") or []
+        if queued:
+            # The resume draws the queued batches' prompts again for their dataset rows (ground
+            # truth, data source): at another batch size they would be other rows.
+            change = keys["data.train_batch_size"]
+            raise ResumeConfigError(
+                f"cannot resume with this config: {change}: the checkpoint holds {len(queued)} "
+                f"batch(es) of {change.saved} prompts sampled ahead (rollout.mode=one_step_off), "
+                f"whose dataset rows are found again by drawing them at that batch size. Set "
+                f"data.train_batch_size={change.saved} again for this resume (it can change "
+                f"at a resume from a checkpoint that holds no batch sampled ahead)")
         state["loader"] = PromptLoader.rebatch(state["loader"], keys["data.train_batch_size"].current)
     return state
+
+
+def rescale_schedule(role: str, scheduler, saved_per_step: int, per_step: int) -> None:
+    """Put `scheduler` (just loaded: its step counter in the checkpoint's optimizer steps) at
+    the same training step in this config's optimizer steps. Its length is total_steps times
+    per_step (build.optimizer_steps_per_training_step), so a changed ppo_mini_batch_size,
+    ppo_epochs or train_batch_size kept the old counter against a new length: the LR jumped.
+    Skipped updates and critic warmup scale with it (they are whole training steps)."""
+    if per_step == saved_per_step:
+        return
+    steps = scheduler.num_steps * per_step // saved_per_step
+    log.info("resume: %s LR schedule at optimizer step %d of the checkpoint (%d per training "
+             "step) -> %d (%d per training step)", role, scheduler.num_steps, saved_per_step,
+             steps, per_step)
+    scheduler.num_steps = 0
+    scheduler.step(steps)  # sets the param groups' lr and weight decay for that step
 
 
 _MISSING = object()

@@ -384,19 +384,30 @@ def _newest_common_step(roots: Sequence[str]) -> Optional[int]:
         return latest_step
     common = sorted(set(steps[0]).intersection(*steps[1:]))
     if not common:
-        # Not a kill between the roles' saves (the critic is saved first, so it is never the
-        # one behind): the run had no such role (a GRPO run resumed with adv_estimator=gae) or
-        # its checkpoints were removed. Starting fresh would train the actor from scratch over
+        # Not a kill between the roles' saves (rotation keeps the newest common step): the run
+        # had no such role (a GRPO run resumed with adv_estimator=gae), its checkpoints were
+        # removed, or an older verl_mcore rotated the common step away (keep_last=1, killed
+        # between the roles' commits). Starting fresh would train the actor from scratch over
         # the run's checkpoints and metrics.
         from verl_mcore.config import ConfigError
 
-        missing = [root for root, s in zip(roots[1:], steps[1:]) if not set(steps[0]) & set(s)]
+        missing = [(root, sorted(s)) for root, s in zip(roots[1:], steps[1:])
+                   if not set(steps[0]) & set(s)]
+        if all(not s for _, s in missing):
+            raise ConfigError(
+                f"checkpoint: {roots[0]} has steps {sorted(steps[0])} but "
+                f"{', '.join(root for root, _ in missing)} has none: this run was not trained "
+                "with that role (algorithm.adv_estimator changed to gae?) or its checkpoints "
+                "were removed. Refused, to keep the run's checkpoints and metrics: resume with "
+                "the config the run had, or start a new trainer.run_dir")
         raise ConfigError(
-            f"checkpoint: {roots[0]} has steps {sorted(steps[0])} but {', '.join(missing)} has "
-            "none of them: this run was not trained with that role (algorithm.adv_estimator "
-            "changed to gae?) or its checkpoints were removed. Refused, to keep the run's "
-            "checkpoints and metrics: resume with the config the run had, or start a new "
-            "trainer.run_dir")
+            f"checkpoint: {roots[0]} has steps {sorted(steps[0])} but "
+            + ", ".join(f"{root} has steps {s}" for root, s in missing)
+            + ": no step has a checkpoint of every role, so none can be resumed (a save killed "
+            "between the roles' commits after the older common step was rotated away, which "
+            "earlier versions of verl_mcore did with checkpoint.keep_last=1, or checkpoints "
+            "removed by hand). Refused, to keep the run's checkpoints: put back a matching pair "
+            "of step directories, or start a new trainer.run_dir")
     logger.warning("checkpoints: %s has no step %d (killed between the saves of the roles?); "
                    "resuming every role from step %d", ", ".join(roots[1:]), latest_step,
                    common[-1])
@@ -487,6 +498,9 @@ class Checkpointer:
         self.async_save = async_save
         self.save_optimizer = save_optimizer
         self.base_weights = base_weights
+        # The roots whose checkpoints of one step together make one resume point; rotation
+        # keeps the newest steps complete under all of them (RunCheckpoints: actor and critic).
+        self.step_roots: list[str] = [root]
         self._async_queue = None
         self._write_results = None  # this checkpointer's queue for megatron's write results
 
@@ -654,7 +668,7 @@ class Checkpointer:
         write_text_atomic(os.path.join(self.root, LATEST), os.path.basename(pending.final) + "\n")
         if displaced is not None:
             shutil.rmtree(displaced, ignore_errors=True)
-        _rotate(self.root, self.keep_last, pending.step)
+        _rotate(self.step_roots, self.keep_last, pending.step)
 
     # ---------------------------------------------------------------- load
 
@@ -1089,15 +1103,28 @@ def _meta(step: int, layout: dict, optimizer_sharding: Optional[str]) -> dict:
     }
 
 
-def _rotate(root: str, keep_last: int, current_step: int) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last` (0: keep all), and temporary
-    directories of earlier steps (saves that were killed)."""
+def _rotate(roots: Sequence[str], keep_last: int, current_step: int) -> None:
+    """Delete, under every root, the complete checkpoints older than the newest `keep_last`
+    steps complete under all roots (0: keep all), and temporary directories of earlier steps
+    (saves that were killed). roots: the roots whose checkpoints of one step make one resume
+    point (Checkpointer.step_roots: PPO's actor and critic).
+
+    Only steps complete under every root count, so a role that committed step N before the
+    others did keeps the previous common step: a kill before the last role commits N must leave
+    a step to resume from (keep_last=1 deleted the critic's step N-2 at the critic's commit of N,
+    and a kill during the actor's save of N left no step both roles had). A step newer than the
+    newest common one (a role ahead of the others) and the step just written are never deleted."""
     if keep_last > 0:
-        complete = list_checkpoints(root)
-        for step, path in complete[:-keep_last]:
-            if step != current_step:
-                shutil.rmtree(path, ignore_errors=True)
-    remove_unfinished_saves(root, before_step=current_step)
+        steps = [dict(list_checkpoints(root)) for root in roots]
+        common = sorted(set(steps[0]).intersection(*steps[1:]))
+        kept = set(common[-keep_last:]) | {current_step}
+        newest_common = common[-1] if common else None
+        for per_root in steps:
+            for step, path in per_root.items():
+                if newest_common is not None and step < newest_common and step not in kept:
+                    shutil.rmtree(path, ignore_errors=True)
+    for root in roots:
+        remove_unfinished_saves(root, before_step=current_step)
 
 
 def remove_unfinished_saves(root: str, before_step: Optional[int] = None) -> list[str]:
