@@ -143,12 +143,49 @@ def _read_arrow_stream(path: str) -> pa.Table:
     return table
 
 
+def nested_types(t: pa.DataType) -> Iterable[pa.DataType]:
+    """`t` and every type nested in it: list items, struct fields, map keys and items,
+    dictionary values."""
+    yield t
+    if pa.types.is_struct(t):
+        for f in t:
+            yield from nested_types(f.type)
+    elif pa.types.is_map(t):
+        yield from nested_types(t.key_type)
+        yield from nested_types(t.item_type)
+    elif hasattr(t, "value_type"):
+        yield from nested_types(t.value_type)
+
+
+def _has_inferred_dates(schema: pa.Schema) -> bool:
+    """pyarrow.json turns strings that look like dates ("2021-03-04") into timestamps, and has no
+    option to stop it; JSON has no date type, so any such column was a string in the file."""
+    return any(pa.types.is_timestamp(t) or pa.types.is_date(t)
+               for f in schema for t in nested_types(f.type))
+
+
 def _read_jsonl(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
     try:
-        return FileRows(path, pa_json.read_json(path))
+        table = pa_json.read_json(path)
     except pa.ArrowInvalid as e:
-        arrow_error = e
+        return _read_jsonl_rows(path, on_bad_row, prompt_key, e)
+    if _has_inferred_dates(table.schema):
+        # Read again through Python, where a JSON string stays a str (a ground truth
+        # "2021-03-04" must reach the scorer as written).
+        return _read_jsonl_rows(path, on_bad_row, prompt_key, None)
+    return FileRows(path, table)
+
+
+def _read_jsonl_rows(path: str, on_bad_row: str, prompt_key: Optional[str],
+                     arrow_error: Optional[Exception]) -> FileRows:
+    """The file parsed line by line (slow, for the files pyarrow.json reads wrongly or not at
+    all); `arrow_error` is what pyarrow.json said, if it failed."""
     rows, row_numbers, bad = _scan_jsonl(path, prompt_key)
+    if not bad and arrow_error is None:
+        try:
+            return FileRows(path, pa.Table.from_pylist(rows))
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise DataError(path, f"the rows do not form one table: {e}") from e
     if not bad:
         raise DataError(path, f"pyarrow cannot read this JSON Lines file: {arrow_error}")
     if on_bad_row != "skip":
