@@ -5,7 +5,7 @@ import pytest
 from tests.data.files import gsm8k_rows, write_rows
 from tests.data.tiny_tokenizer import make_tiny_tokenizer
 from verl_mcore.config.schema import DataConfig
-from verl_mcore.data import RLHFDataset
+from verl_mcore.data import DataError, RLHFDataset
 
 
 @pytest.fixture(scope="module")
@@ -24,3 +24,33 @@ def test_jsonl_date_like_strings_stay_strings(tmp_path, tok):
     got = ds.get_batch([0, 2]).rows
     assert [r["reward_model"]["ground_truth"] for r in got] == ["2021-03-04"] * 2
     assert got[0]["extra_info"]["seen"] == ["2020-01-02 03:04:05"]
+
+
+def late_tools_rows(n: int, late: int) -> list[dict]:
+    """verl tool datasets: extra_info.tools is [] for most rows, a list of objects in the last
+    `late`. The long prompts make the file span several of pyarrow.json's 1 MiB blocks."""
+    rows = gsm8k_rows(n)
+    for i, row in enumerate(rows):
+        row["prompt"][0]["content"] += " ?" * 400
+        row["extra_info"]["tools"] = [{"name": "calc"}] if i >= n - late else []
+    return rows
+
+
+@pytest.mark.parametrize("on_bad_row", ["error", "skip"])
+def test_jsonl_field_empty_in_early_blocks_and_objects_later(tmp_path, tok, on_bad_row):
+    path = write_rows(str(tmp_path / "tools.jsonl"), late_tools_rows(1600, 3), "jsonl")
+    ds = RLHFDataset(path, tok, DataConfig(on_bad_row=on_bad_row, max_prompt_length=1024))
+    assert len(ds) == 1600 and ds.stats.bad_rows_skipped == 0
+    assert ds.get_batch([1599]).rows[0]["extra_info"]["tools"] == [{"name": "calc"}]
+    assert ds.get_batch([0]).rows[0]["extra_info"]["tools"] == []
+
+
+def test_jsonl_rows_that_do_not_form_a_table_name_the_row(tmp_path, tok):
+    rows = gsm8k_rows(6)
+    for row in rows:
+        row["reward_model"]["ground_truth"] = "2021-03-04"  # read through Python
+    rows[4]["extra_info"]["index"] = 2 ** 70  # no Arrow integer holds it
+    path = write_rows(str(tmp_path / "huge.jsonl"), rows, "jsonl")
+    with pytest.raises(DataError) as e:
+        RLHFDataset(path, tok, DataConfig())
+    assert str(e.value).startswith(f"{path}, row 4: the rows do not form one table"), e.value

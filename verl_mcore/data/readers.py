@@ -167,36 +167,48 @@ def _has_inferred_dates(schema: pa.Schema) -> bool:
 def _read_jsonl(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
     try:
         table = pa_json.read_json(path)
-    except pa.ArrowInvalid as e:
-        return _read_jsonl_rows(path, on_bad_row, prompt_key, e)
+    except pa.ArrowException:
+        # ArrowInvalid for a bad line, ArrowNotImplementedError when a column is [] or null in
+        # the first blocks and holds objects later: the line-by-line path tells them apart.
+        return _read_jsonl_rows(path, on_bad_row, prompt_key)
     if _has_inferred_dates(table.schema):
         # Read again through Python, where a JSON string stays a str (a ground truth
         # "2021-03-04" must reach the scorer as written).
-        return _read_jsonl_rows(path, on_bad_row, prompt_key, None)
+        return _read_jsonl_rows(path, on_bad_row, prompt_key)
     return FileRows(path, table)
 
 
-def _read_jsonl_rows(path: str, on_bad_row: str, prompt_key: Optional[str],
-                     arrow_error: Optional[Exception]) -> FileRows:
-    """The file parsed line by line (slow, for the files pyarrow.json reads wrongly or not at
-    all); `arrow_error` is what pyarrow.json said, if it failed."""
+def _read_jsonl_rows(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
+    """The file parsed line by line: slow, for the files pyarrow.json reads wrongly or not at
+    all. Pyarrow infers each block's types from that block; here the whole file decides."""
     rows, row_numbers, bad = _scan_jsonl(path, prompt_key)
-    if not bad and arrow_error is None:
-        try:
-            return FileRows(path, pa.Table.from_pylist(rows))
-        except (pa.ArrowException, TypeError, ValueError) as e:
-            raise DataError(path, f"the rows do not form one table: {e}") from e
-    if not bad:
-        raise DataError(path, f"pyarrow cannot read this JSON Lines file: {arrow_error}")
-    if on_bad_row != "skip":
+    if bad and on_bad_row != "skip":
         first = bad[0]
         raise DataError(path, first.problem, first.row, first.column)
     try:
         table = pa.Table.from_pylist(rows)
-    except (pa.ArrowException, TypeError, ValueError) as e:
-        raise DataError(path, f"the rows left after skipping {len(bad)} bad ones still do not "
-                              f"form one table: {e}") from e
-    return FileRows(path, table, np.asarray(row_numbers, dtype=np.int64), bad)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        skipped = f" left after skipping {len(bad)} bad ones" if bad else ""
+        raise DataError(path, f"the rows{skipped} do not form one table: {e}",
+                        row_numbers[_first_unconvertible(rows)]) from e
+    return FileRows(path, table, np.asarray(row_numbers, dtype=np.int64) if bad else None, bad)
+
+
+def _first_unconvertible(rows: list[dict]) -> int:
+    """The first row i such that rows[:i + 1] no longer form a table, by bisection (for the
+    message only; `rows` as a whole do not convert)."""
+    def converts(n: int) -> bool:
+        try:
+            pa.Table.from_pylist(rows[:n])
+            return True
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return False
+
+    good, failing = 0, len(rows)  # rows[:good] convert, rows[:failing] do not
+    while failing - good > 1:
+        mid = (good + failing) // 2
+        good, failing = (mid, failing) if converts(mid) else (good, mid)
+    return failing - 1
 
 
 def kind_mismatches(rows: Sequence[object]) -> list[Optional[tuple[str, str, str, str]]]:
