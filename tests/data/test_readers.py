@@ -1,5 +1,7 @@
 """What the readers make of files that pyarrow reads in surprising ways: every value reaches the
 rows as the file holds it, or the file is refused with its name (and row) in the message."""
+import pyarrow as pa
+import pyarrow.ipc as ipc
 import pytest
 
 from tests.data.files import gsm8k_rows, write_rows
@@ -54,3 +56,36 @@ def test_jsonl_rows_that_do_not_form_a_table_name_the_row(tmp_path, tok):
     with pytest.raises(DataError) as e:
         RLHFDataset(path, tok, DataConfig())
     assert str(e.value).startswith(f"{path}, row 4: the rows do not form one table"), e.value
+
+
+def with_views(table: pa.Table) -> pa.Table:
+    """`table` as polars >= 1.0 writes it to Arrow IPC: strings as string_view, nested too."""
+    def view(t):
+        if pa.types.is_string(t):
+            return pa.string_view()
+        if pa.types.is_struct(t):
+            return pa.struct([f.with_type(view(f.type)) for f in t])
+        if pa.types.is_list(t):
+            return pa.list_(view(t.value_type))
+        return t
+    return table.cast(pa.schema([f.with_type(view(f.type)) for f in table.schema]))
+
+
+def test_string_view_columns_read_as_strings(tmp_path, tok):
+    rows = gsm8k_rows(5)
+    table = with_views(pa.Table.from_pylist(rows))
+    assert pa.types.is_string_view(table.schema.field("reward_model").type.field(1).type)
+    path = str(tmp_path / "polars.arrow")
+    with ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    for ds in (RLHFDataset(path, tok, DataConfig()),
+               RLHFDataset("rows", tok, DataConfig(), rows=table)):
+        assert ds.get_batch([3, 1]).rows == [rows[3], rows[1]]
+        assert ds.distinct(["data_source"]) == {("openai/gsm8k",)}
+
+
+def test_list_view_column_is_refused(tmp_path, tok):
+    table = pa.Table.from_pylist(gsm8k_rows(3)).append_column(
+        "tags", pa.array([[1], [2, 3], []], pa.list_view(pa.int64())))
+    with pytest.raises(DataError, match="column 'tags': the column holds list_view"):
+        RLHFDataset("rows", tok, DataConfig(), rows=table)

@@ -40,7 +40,8 @@ from verl_mcore.data.checks import check_columns, check_same_schema, prompt_prob
 from verl_mcore.data.errors import BadRow, DataError
 from verl_mcore.data.loader import PromptBatch
 from verl_mcore.data.readers import (DEFAULT_EXTENSIONS, FileRows, kind_mismatches,
-                                     mismatch_problem, read_file_rows, resolve_files)
+                                     mismatch_problem, plain_types, read_file_rows,
+                                     resolve_files)
 from verl_mcore.user_code import check_import, load_user_object
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ class RLHFDataset:
         part = got if isinstance(got, FileRows) else FileRows(
             path, _as_table(got, path, f"{type(self).__name__}.read_file returned",
                             self.prompt_key))
+        part.table = plain_types(path, part.table)
         for bad in part.bad_rows:
             self._note_bad_row(bad)
         if part.table.num_rows == 0 and part.bad_rows:
@@ -271,7 +273,7 @@ class RLHFDataset:
     def _frame_part(self, frame: Any, what: str) -> FileRows:
         """A dataframe from an override as the part to check and tokenise; `what` is for errors."""
         label = self._frame_label()
-        table = _as_table(frame, label, what, self.prompt_key)
+        table = plain_types(label, _as_table(frame, label, what, self.prompt_key))
         if table.num_rows == 0:
             raise DataError(label, self._nothing_left() if self.stats.too_long_filtered
                             or self.stats.bad_rows_skipped else

@@ -33,6 +33,18 @@ DEFAULT_EXTENSIONS = (".parquet", ".arrow", ".arrows", ".feather", ".ipc", ".jso
 _STREAM_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
+def _type_test(name: str):
+    """pa.types.<name>, or "never" on a pyarrow too old to have it (the view types: pyarrow 16)."""
+    return getattr(pa.types, name, lambda t: False)
+
+
+_is_string_view, _is_binary_view = _type_test("is_string_view"), _type_test("is_binary_view")
+
+
+def _is_list_view(t: pa.DataType) -> bool:
+    return _type_test("is_list_view")(t) or _type_test("is_large_list_view")(t)
+
+
 @dataclass
 class FileRows:
     """The readable rows of one file.
@@ -155,6 +167,40 @@ def nested_types(t: pa.DataType) -> Iterable[pa.DataType]:
         yield from nested_types(t.item_type)
     elif hasattr(t, "value_type"):
         yield from nested_types(t.value_type)
+
+
+def plain_types(path: str, table: pa.Table) -> pa.Table:
+    """`table` with string_view / binary_view values (what polars >= 1.0 writes to Arrow IPC) as
+    large_string / large_binary, nested ones included: pyarrow's `take` and `group_by` have no
+    kernels for the view types. A list_view column is refused (pyarrow's cast of it to a plain
+    list gives wrong offsets)."""
+    for f in table.schema:
+        if any(_is_list_view(t) for t in nested_types(f.type)):
+            raise DataError(path, f"the column holds {f.type}; list views are not supported: "
+                                  f"write lists as list or large_list", column=f.name)
+    schema = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema],
+                       metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
+
+
+def _plain_type(t: pa.DataType) -> pa.DataType:
+    if _is_string_view(t):
+        return pa.large_string()
+    if _is_binary_view(t):
+        return pa.large_binary()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_plain_type(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(_plain_type(t.key_type), _plain_type(t.item_type))
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_plain_type(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_plain_type(t.value_type)))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(_plain_type(t.value_type)), t.list_size)
+    if pa.types.is_dictionary(t):
+        return pa.dictionary(t.index_type, _plain_type(t.value_type), t.ordered)
+    return t
 
 
 def _has_inferred_dates(schema: pa.Schema) -> bool:
