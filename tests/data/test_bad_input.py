@@ -255,3 +255,28 @@ def test_map_columns_are_refused(tmp_path, tok, column, map_type):
     path = str(tmp_path / "maps.parquet")
     pq.write_table(table, path)
     expect_error(path, tok, 0, column, "a map (e.g. Spark's MapType) is not supported here")
+
+
+SYSTEM_THEN_USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+TEMPLATES = [  # (chat template, words of its message)
+    ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+     "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+     "{{ m['content'] }}{% endfor %}", "Conversation roles must alternate"),
+    ("{% for m in messages %}{{ m['content'] }", "TemplateSyntaxError"),
+    ("{% for m in messages %}{{ m['content'] + m.name }}{% endfor %}", "UndefinedError"),
+]
+
+
+@pytest.mark.parametrize("template,problem", TEMPLATES, ids=["raises", "syntax", "missing key"])
+def test_chat_template_errors_are_bad_rows(tmp_path, template, problem):
+    rows = gsm8k_rows(4)
+    rows[2]["prompt"] = SYSTEM_THEN_USER
+    path = write_rows(str(tmp_path / "t.parquet"), rows, "parquet")
+    tok = make_tiny_tokenizer()
+    tok.chat_template = template
+    e = expect_error(path, tok, None, "prompt", problem)
+    assert "the tokenizer's chat template fails on this prompt" in str(e)
+    if problem.startswith("Conversation"):  # only the system-first row fails this one
+        assert e.row == 2
+        ds = RLHFDataset(path, tok, DataConfig(on_bad_row="skip"))
+        assert len(ds) == 3 and ds.stats.bad_rows_skipped == 1

@@ -46,6 +46,12 @@ from verl_mcore.user_code import check_import, load_user_object
 
 logger = logging.getLogger(__name__)
 
+try:
+    from jinja2 import TemplateError as _TemplateError
+    _TEMPLATE_ERRORS: tuple[type, ...] = (_TemplateError,)
+except ImportError:  # transformers needs jinja2 only to render chat templates
+    _TEMPLATE_ERRORS = ()
+
 _CHUNK_ROWS = 2048  # rows rendered and tokenised together (the fast tokenizer batches in Rust)
 _REPORTED_BAD_ROWS = 5
 
@@ -345,14 +351,18 @@ class RLHFDataset:
             for offset, prompt in enumerate(prompts.slice(start, _CHUNK_ROWS).to_pylist()):
                 row = start + offset
                 problem = prompt_problem(prompt)
-                if problem is not None:
-                    bad = BadRow(part.path, part.file_row(row), self.prompt_key, problem)
-                    if self.config.on_bad_row != "skip":
-                        raise DataError(bad.path, problem, bad.row, bad.column)
-                    self._note_bad_row(bad)
-                    continue
-                texts.append(self._render(prompt))
-                rows.append(row)
+                if problem is None:
+                    try:
+                        texts.append(self._render(prompt))
+                        rows.append(row)
+                        continue
+                    except _TEMPLATE_ERRORS as e:  # e.g. a template that wants roles to alternate
+                        problem = (f"the tokenizer's chat template fails on this prompt "
+                                   f"({type(e).__name__}): {e}")
+                bad = BadRow(part.path, part.file_row(row), self.prompt_key, problem)
+                if self.config.on_bad_row != "skip":
+                    raise DataError(bad.path, problem, bad.row, bad.column)
+                self._note_bad_row(bad)
             if texts:
                 yield rows, self._encode(texts)
 
