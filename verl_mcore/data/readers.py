@@ -64,29 +64,42 @@ class FileRows:
 
 def resolve_files(spec: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
                   extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> list[str]:
-    """One file, a directory (its files with one of `extensions`, not recursive), a glob
-    (`data/**/*.parquet`), or a list of any of these -> the sorted, de-duplicated file list."""
+    """One file, a directory (its files with one of `extensions`, not recursive, hidden ones left
+    out as a glob leaves them), a glob (`data/**/*.parquet`), or a list of any of these -> the
+    sorted file list. `~` is expanded; an existing file is used as named even when its name holds
+    glob characters (`train[1].parquet`); a file reached under several names (`./a`, a symlink,
+    a symlink loop under `**`) is read once, under the first name."""
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not items:
         raise DataError("data files", "no files given (data.train_files / data.val_files is empty)")
     files: list[str] = []
+    seen: set[str] = set()  # real paths
     for item in items:
-        item = os.fspath(item)
-        if any(ch in item for ch in "*?["):
-            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
-            if not found:
-                raise DataError(item, "the pattern matches no file")
+        item = os.path.expanduser(os.fspath(item))
+        if os.path.isfile(item):
+            found = [item]
         elif os.path.isdir(item):
             found = sorted(os.path.join(item, n) for n in os.listdir(item)
-                           if n.lower().endswith(tuple(extensions))
+                           if n.lower().endswith(tuple(extensions)) and not n.startswith(".")
                            and os.path.isfile(os.path.join(item, n)))
             if not found:
                 raise DataError(item, f"the directory holds no file ending in {', '.join(extensions)}")
-        elif os.path.isfile(item):
-            found = [item]
+        elif any(ch in item for ch in "*?["):
+            # A file reached under several names (a symlink loop under `**`) keeps its shortest.
+            shortest: dict[str, str] = {}
+            for p in sorted(glob.glob(item, recursive=True), key=len):
+                if os.path.isfile(p):
+                    shortest.setdefault(os.path.realpath(p), p)
+            found = sorted(shortest.values())
+            if not found:
+                raise DataError(item, "the pattern matches no file")
         else:
             raise DataError(item, "no such file or directory")
-        files.extend(f for f in found if f not in files)
+        for f in found:
+            real = os.path.realpath(f)
+            if real not in seen:
+                seen.add(real)
+                files.append(f)
     return files
 
 
