@@ -2,9 +2,10 @@
 rows as the file holds it, or the file is refused with its name (and row) in the message."""
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
 import pytest
 
-from tests.data.files import gsm8k_rows, write_rows
+from tests.data.files import FORMATS, gsm8k_rows, write_rows
 from tests.data.tiny_tokenizer import make_tiny_tokenizer
 from verl_mcore.config.schema import DataConfig
 from verl_mcore.data import DataError, RLHFDataset
@@ -89,3 +90,20 @@ def test_list_view_column_is_refused(tmp_path, tok):
         "tags", pa.array([[1], [2, 3], []], pa.list_view(pa.int64())))
     with pytest.raises(DataError, match="column 'tags': the column holds list_view"):
         RLHFDataset("rows", tok, DataConfig(), rows=table)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_invalid_utf8_is_refused_at_read(tmp_path, tok, fmt):
+    rows = gsm8k_rows(4)
+    path = str(tmp_path / f"bad{FORMATS[fmt]}")
+    if fmt == "jsonl":
+        write_rows(path, rows, "jsonl")
+        data = open(path, "rb").read().replace(b'"split": "train"}', b'"split": "tr\xe9"}', 1)
+        open(path, "wb").write(data)
+    else:
+        table = pa.Table.from_pylist(rows)
+        bad = pa.array([b"openai/gsm8k"] * 3 + [b"openai/gsm8\xff"], pa.binary()).view(pa.string())
+        pq.write_table(table.set_column(0, "data_source", bad), path)
+    column = "extra_info" if fmt == "jsonl" else "data_source"
+    with pytest.raises(DataError, match=f"column {column!r}: the column holds invalid data"):
+        RLHFDataset(path, tok, DataConfig())

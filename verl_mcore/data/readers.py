@@ -133,7 +133,7 @@ def read_file_rows(path: str, on_bad_row: str = "error",
     `prompt_key` (data.prompt_key) is for the message about a prompt column of mixed kinds."""
     fmt = detect_format(path)
     if fmt == "jsonl":
-        return _read_jsonl(path, on_bad_row, prompt_key)
+        return _validated(_read_jsonl(path, on_bad_row, prompt_key))
     readers = {"parquet": _read_parquet, "arrow_file": _read_arrow_file,
                "arrow_stream": _read_arrow_stream}
     try:
@@ -143,7 +143,20 @@ def read_file_rows(path: str, on_bad_row: str = "error",
     except (pa.ArrowException, OSError) as e:
         raise DataError(path, f"cannot read it as {fmt.replace('_', ' ')} (truncated or corrupt?): "
                               f"{e}") from e
-    return FileRows(path, table)
+    return _validated(FileRows(path, table))
+
+
+def _validated(part: FileRows) -> FileRows:
+    """`part`, after a full check of its data: the readers do not check that strings are UTF-8,
+    and a bad one would fail later, in some batch, without the file named."""
+    for name, column in zip(part.table.column_names, part.table.columns):
+        for chunk in column.chunks:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid as e:
+                raise DataError(part.path, f"the column holds invalid data (e.g. a string that is "
+                                           f"not UTF-8): {e}", column=name) from e
+    return part
 
 
 def _read_parquet(path: str) -> pa.Table:
