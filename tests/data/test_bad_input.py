@@ -73,12 +73,12 @@ ROW_CASES = [
     ("data_source not a string", lambda: [dict(r, data_source=1) for r in gsm8k_rows(2)],
      "parquet", 0, "data_source", "expected string, the column holds int64"),
     ("reward_model a string", lambda: [dict(r, reward_model="42") for r in gsm8k_rows(2)],
-     "arrow_file", 0, "reward_model", "expected map or struct"),
+     "arrow_file", 0, "reward_model", "expected struct"),
     ("reward_model without ground_truth", lambda: [dict(r, reward_model={"style": "rule"})
                                                    for r in gsm8k_rows(2)],
      "parquet", 0, "reward_model", "no 'ground_truth' field"),
     ("extra_info a list", lambda: [dict(r, extra_info=[1, 2]) for r in gsm8k_rows(2)],
-     "parquet", 0, "extra_info", "expected map or struct"),
+     "parquet", 0, "extra_info", "expected struct"),
 ]
 
 
@@ -240,3 +240,43 @@ def test_a_filter_that_leaves_no_prompt_names_the_setting_and_the_length_needed(
     (tmp_path / "c.jsonl").write_text('{"prompt": "cut\n[1]\n{"prompt": "cut too\n')
     expect_error(str(tmp_path / "c.jsonl"), tok, None, None, "data.on_bad_row=skip skipped every "
                  "row of the file as bad (3 rows), e.g. ", on_bad_row="skip")
+
+
+@pytest.mark.parametrize("column,map_type", [
+    ("reward_model", pa.map_(pa.string(), pa.string())),
+    ("extra_info", pa.struct([("tools", pa.map_(pa.string(), pa.int64()))]))])
+def test_map_columns_are_refused(tmp_path, tok, column, map_type):
+    # A map reaches the reward function as a list of (key, value) pairs, not a dict.
+    rows = gsm8k_rows(2)
+    values = ([[("style", "rule"), ("ground_truth", "1")]] * 2 if column == "reward_model"
+              else [{"tools": [("calc", 1)]}] * 2)
+    table = pa.Table.from_pylist(rows).set_column(
+        list(rows[0]).index(column), column, pa.array(values, map_type))
+    path = str(tmp_path / "maps.parquet")
+    pq.write_table(table, path)
+    expect_error(path, tok, 0, column, "a map (e.g. Spark's MapType) is not supported here")
+
+
+SYSTEM_THEN_USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+TEMPLATES = [  # (chat template, words of its message)
+    ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+     "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+     "{{ m['content'] }}{% endfor %}", "Conversation roles must alternate"),
+    ("{% for m in messages %}{{ m['content'] }", "TemplateSyntaxError"),
+    ("{% for m in messages %}{{ m['content'] + m.name }}{% endfor %}", "UndefinedError"),
+]
+
+
+@pytest.mark.parametrize("template,problem", TEMPLATES, ids=["raises", "syntax", "missing key"])
+def test_chat_template_errors_are_bad_rows(tmp_path, template, problem):
+    rows = gsm8k_rows(4)
+    rows[2]["prompt"] = SYSTEM_THEN_USER
+    path = write_rows(str(tmp_path / "t.parquet"), rows, "parquet")
+    tok = make_tiny_tokenizer()
+    tok.chat_template = template
+    e = expect_error(path, tok, None, "prompt", problem)
+    assert "the tokenizer's chat template fails on this prompt" in str(e)
+    if problem.startswith("Conversation"):  # only the system-first row fails this one
+        assert e.row == 2
+        ds = RLHFDataset(path, tok, DataConfig(on_bad_row="skip"))
+        assert len(ds) == 3 and ds.stats.bad_rows_skipped == 1

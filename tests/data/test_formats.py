@@ -1,4 +1,5 @@
 """Every file format and every way of naming files gives the same samples."""
+import os
 
 import pytest
 
@@ -6,6 +7,7 @@ from tests.data.files import FORMATS, gsm8k_rows, write_rows
 from tests.data.tiny_tokenizer import make_tiny_tokenizer
 from verl_mcore.config.schema import DataConfig
 from verl_mcore.data import DataError, RLHFDataset
+from verl_mcore.data.readers import resolve_files
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +72,16 @@ def test_file_specs_that_match_nothing(tmp_path, tok, spec, problem):
     with pytest.raises(DataError, match=problem) as e:
         RLHFDataset(str(tmp_path / spec), tok, DataConfig())
     assert str(tmp_path / spec) in str(e.value)
+
+
+def test_file_specs_with_odd_paths(tmp_path, monkeypatch):
+    d = tmp_path / "d"
+    a = write_rows(str(d / "sub" / "a.parquet"), gsm8k_rows(2), "parquet")
+    os.symlink("..", d / "sub" / "loop")  # `**` walks it again and again
+    (d / "sub" / "._a.parquet").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS copy
+    literal = write_rows(str(d / "train[1].parquet"), gsm8k_rows(2), "parquet")
+    monkeypatch.setenv("HOME", str(d))
+    assert resolve_files(str(d / "**" / "*.parquet")) == [a, literal]
+    assert resolve_files([a, str(d / "sub" / "." / "a.parquet"), "~/sub/../sub/a.parquet"]) == [a]
+    assert resolve_files(literal) == [literal]  # a file, not a pattern matching "train1.parquet"
+    assert resolve_files("~/sub") == [a]  # no hidden file, as with a glob

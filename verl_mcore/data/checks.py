@@ -5,7 +5,7 @@ Row layout (the one RLHF users already have; only the prompt column is required)
   data_source   string: picks the built-in reward scorer
   ability       string
   reward_model  {"style": ..., "ground_truth": ...}
-  extra_info    a mapping (struct or map), passed to the reward function
+  extra_info    a struct, passed to the reward function
   anything else (e.g. `category`) travels with the sample to the reward functions.
 
 Column-level problems (a missing prompt column, a column of the wrong type, files whose schemas
@@ -20,13 +20,14 @@ import numpy as np
 import pyarrow as pa
 
 from verl_mcore.data.errors import DataError
+from verl_mcore.data.readers import nested_types
 
 # Known optional columns -> the type categories they may have ("null": a column of only nulls).
 _KNOWN_COLUMNS = {
     "data_source": {"string", "null"},
     "ability": {"string", "null"},
-    "reward_model": {"struct", "map", "null"},
-    "extra_info": {"struct", "map", "null"},
+    "reward_model": {"struct", "null"},
+    "extra_info": {"struct", "null"},
 }
 
 
@@ -72,6 +73,13 @@ def check_columns(path: str, table: pa.Table, prompt_key: str, file_row=lambda i
         if name not in table.column_names:
             continue
         column = table.column(name)
+        if any(pa.types.is_map(t) for t in nested_types(column.type)):
+            # A map reaches Python as a list of (key, value) pairs, not the dict the reward
+            # functions read.
+            raise DataError(path, f"the column holds {column.type}: a map (e.g. Spark's MapType) "
+                                  f"is not supported here; write it as a struct (one field per "
+                                  f"key), as pyarrow and pandas write dicts",
+                            row=file_row(_first_valid_row(column)), column=name)
         category = type_category(column.type)
         if category not in allowed:
             raise DataError(path, f"expected {' or '.join(sorted(allowed - {'null'}))}, the column "

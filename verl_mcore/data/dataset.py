@@ -40,10 +40,17 @@ from verl_mcore.data.checks import check_columns, check_same_schema, prompt_prob
 from verl_mcore.data.errors import BadRow, DataError
 from verl_mcore.data.loader import PromptBatch
 from verl_mcore.data.readers import (DEFAULT_EXTENSIONS, FileRows, kind_mismatches,
-                                     mismatch_problem, read_file_rows, resolve_files)
+                                     mismatch_problem, plain_types, read_file_rows,
+                                     resolve_files)
 from verl_mcore.user_code import check_import, load_user_object
 
 logger = logging.getLogger(__name__)
+
+try:
+    from jinja2 import TemplateError as _TemplateError
+    _TEMPLATE_ERRORS: tuple[type, ...] = (_TemplateError,)
+except ImportError:  # transformers needs jinja2 only to render chat templates
+    _TEMPLATE_ERRORS = ()
 
 _CHUNK_ROWS = 2048  # rows rendered and tokenised together (the fast tokenizer batches in Rust)
 _REPORTED_BAD_ROWS = 5
@@ -240,6 +247,7 @@ class RLHFDataset:
         part = got if isinstance(got, FileRows) else FileRows(
             path, _as_table(got, path, f"{type(self).__name__}.read_file returned",
                             self.prompt_key))
+        part.table = plain_types(path, part.table)
         for bad in part.bad_rows:
             self._note_bad_row(bad)
         if part.table.num_rows == 0 and part.bad_rows:
@@ -271,7 +279,7 @@ class RLHFDataset:
     def _frame_part(self, frame: Any, what: str) -> FileRows:
         """A dataframe from an override as the part to check and tokenise; `what` is for errors."""
         label = self._frame_label()
-        table = _as_table(frame, label, what, self.prompt_key)
+        table = plain_types(label, _as_table(frame, label, what, self.prompt_key))
         if table.num_rows == 0:
             raise DataError(label, self._nothing_left() if self.stats.too_long_filtered
                             or self.stats.bad_rows_skipped else
@@ -343,14 +351,18 @@ class RLHFDataset:
             for offset, prompt in enumerate(prompts.slice(start, _CHUNK_ROWS).to_pylist()):
                 row = start + offset
                 problem = prompt_problem(prompt)
-                if problem is not None:
-                    bad = BadRow(part.path, part.file_row(row), self.prompt_key, problem)
-                    if self.config.on_bad_row != "skip":
-                        raise DataError(bad.path, problem, bad.row, bad.column)
-                    self._note_bad_row(bad)
-                    continue
-                texts.append(self._render(prompt))
-                rows.append(row)
+                if problem is None:
+                    try:
+                        texts.append(self._render(prompt))
+                        rows.append(row)
+                        continue
+                    except _TEMPLATE_ERRORS as e:  # e.g. a template that wants roles to alternate
+                        problem = (f"the tokenizer's chat template fails on this prompt "
+                                   f"({type(e).__name__}): {e}")
+                bad = BadRow(part.path, part.file_row(row), self.prompt_key, problem)
+                if self.config.on_bad_row != "skip":
+                    raise DataError(bad.path, problem, bad.row, bad.column)
+                self._note_bad_row(bad)
             if texts:
                 yield rows, self._encode(texts)
 

@@ -33,6 +33,18 @@ DEFAULT_EXTENSIONS = (".parquet", ".arrow", ".arrows", ".feather", ".ipc", ".jso
 _STREAM_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
+def _type_test(name: str):
+    """pa.types.<name>, or "never" on a pyarrow too old to have it (the view types: pyarrow 16)."""
+    return getattr(pa.types, name, lambda t: False)
+
+
+_is_string_view, _is_binary_view = _type_test("is_string_view"), _type_test("is_binary_view")
+
+
+def _is_list_view(t: pa.DataType) -> bool:
+    return _type_test("is_list_view")(t) or _type_test("is_large_list_view")(t)
+
+
 @dataclass
 class FileRows:
     """The readable rows of one file.
@@ -52,29 +64,42 @@ class FileRows:
 
 def resolve_files(spec: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
                   extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> list[str]:
-    """One file, a directory (its files with one of `extensions`, not recursive), a glob
-    (`data/**/*.parquet`), or a list of any of these -> the sorted, de-duplicated file list."""
+    """One file, a directory (its files with one of `extensions`, not recursive, hidden ones left
+    out as a glob leaves them), a glob (`data/**/*.parquet`), or a list of any of these -> the
+    sorted file list. `~` is expanded; an existing file is used as named even when its name holds
+    glob characters (`train[1].parquet`); a file reached under several names (`./a`, a symlink,
+    a symlink loop under `**`) is read once, under the first name."""
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not items:
         raise DataError("data files", "no files given (data.train_files / data.val_files is empty)")
     files: list[str] = []
+    seen: set[str] = set()  # real paths
     for item in items:
-        item = os.fspath(item)
-        if any(ch in item for ch in "*?["):
-            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
-            if not found:
-                raise DataError(item, "the pattern matches no file")
+        item = os.path.expanduser(os.fspath(item))
+        if os.path.isfile(item):
+            found = [item]
         elif os.path.isdir(item):
             found = sorted(os.path.join(item, n) for n in os.listdir(item)
-                           if n.lower().endswith(tuple(extensions))
+                           if n.lower().endswith(tuple(extensions)) and not n.startswith(".")
                            and os.path.isfile(os.path.join(item, n)))
             if not found:
                 raise DataError(item, f"the directory holds no file ending in {', '.join(extensions)}")
-        elif os.path.isfile(item):
-            found = [item]
+        elif any(ch in item for ch in "*?["):
+            # A file reached under several names (a symlink loop under `**`) keeps its shortest.
+            shortest: dict[str, str] = {}
+            for p in sorted(glob.glob(item, recursive=True), key=len):
+                if os.path.isfile(p):
+                    shortest.setdefault(os.path.realpath(p), p)
+            found = sorted(shortest.values())
+            if not found:
+                raise DataError(item, "the pattern matches no file")
         else:
             raise DataError(item, "no such file or directory")
-        files.extend(f for f in found if f not in files)
+        for f in found:
+            real = os.path.realpath(f)
+            if real not in seen:
+                seen.add(real)
+                files.append(f)
     return files
 
 
@@ -108,7 +133,7 @@ def read_file_rows(path: str, on_bad_row: str = "error",
     `prompt_key` (data.prompt_key) is for the message about a prompt column of mixed kinds."""
     fmt = detect_format(path)
     if fmt == "jsonl":
-        return _read_jsonl(path, on_bad_row, prompt_key)
+        return _validated(_read_jsonl(path, on_bad_row, prompt_key))
     readers = {"parquet": _read_parquet, "arrow_file": _read_arrow_file,
                "arrow_stream": _read_arrow_stream}
     try:
@@ -118,7 +143,20 @@ def read_file_rows(path: str, on_bad_row: str = "error",
     except (pa.ArrowException, OSError) as e:
         raise DataError(path, f"cannot read it as {fmt.replace('_', ' ')} (truncated or corrupt?): "
                               f"{e}") from e
-    return FileRows(path, table)
+    return _validated(FileRows(path, table))
+
+
+def _validated(part: FileRows) -> FileRows:
+    """`part`, after a full check of its data: the readers do not check that strings are UTF-8,
+    and a bad one would fail later, in some batch, without the file named."""
+    for name, column in zip(part.table.column_names, part.table.columns):
+        for chunk in column.chunks:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid as e:
+                raise DataError(part.path, f"the column holds invalid data (e.g. a string that is "
+                                           f"not UTF-8): {e}", column=name) from e
+    return part
 
 
 def _read_parquet(path: str) -> pa.Table:
@@ -143,23 +181,106 @@ def _read_arrow_stream(path: str) -> pa.Table:
     return table
 
 
+def nested_types(t: pa.DataType) -> Iterable[pa.DataType]:
+    """`t` and every type nested in it: list items, struct fields, map keys and items,
+    dictionary values."""
+    yield t
+    if pa.types.is_struct(t):
+        for f in t:
+            yield from nested_types(f.type)
+    elif pa.types.is_map(t):
+        yield from nested_types(t.key_type)
+        yield from nested_types(t.item_type)
+    elif hasattr(t, "value_type"):
+        yield from nested_types(t.value_type)
+
+
+def plain_types(path: str, table: pa.Table) -> pa.Table:
+    """`table` with string_view / binary_view values (what polars >= 1.0 writes to Arrow IPC) as
+    large_string / large_binary, nested ones included: pyarrow's `take` and `group_by` have no
+    kernels for the view types. A list_view column is refused (pyarrow's cast of it to a plain
+    list gives wrong offsets)."""
+    for f in table.schema:
+        if any(_is_list_view(t) for t in nested_types(f.type)):
+            raise DataError(path, f"the column holds {f.type}; list views are not supported: "
+                                  f"write lists as list or large_list", column=f.name)
+    schema = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema],
+                       metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
+
+
+def _plain_type(t: pa.DataType) -> pa.DataType:
+    if _is_string_view(t):
+        return pa.large_string()
+    if _is_binary_view(t):
+        return pa.large_binary()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_plain_type(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(_plain_type(t.key_type), _plain_type(t.item_type))
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_plain_type(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_plain_type(t.value_type)))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(_plain_type(t.value_type)), t.list_size)
+    if pa.types.is_dictionary(t):
+        return pa.dictionary(t.index_type, _plain_type(t.value_type), t.ordered)
+    return t
+
+
+def _has_inferred_dates(schema: pa.Schema) -> bool:
+    """pyarrow.json turns strings that look like dates ("2021-03-04") into timestamps, and has no
+    option to stop it; JSON has no date type, so any such column was a string in the file."""
+    return any(pa.types.is_timestamp(t) or pa.types.is_date(t)
+               for f in schema for t in nested_types(f.type))
+
+
 def _read_jsonl(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
     try:
-        return FileRows(path, pa_json.read_json(path))
-    except pa.ArrowInvalid as e:
-        arrow_error = e
+        table = pa_json.read_json(path)
+    except pa.ArrowException:
+        # ArrowInvalid for a bad line, ArrowNotImplementedError when a column is [] or null in
+        # the first blocks and holds objects later: the line-by-line path tells them apart.
+        return _read_jsonl_rows(path, on_bad_row, prompt_key)
+    if _has_inferred_dates(table.schema):
+        # Read again through Python, where a JSON string stays a str (a ground truth
+        # "2021-03-04" must reach the scorer as written).
+        return _read_jsonl_rows(path, on_bad_row, prompt_key)
+    return FileRows(path, table)
+
+
+def _read_jsonl_rows(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
+    """The file parsed line by line: slow, for the files pyarrow.json reads wrongly or not at
+    all. Pyarrow infers each block's types from that block; here the whole file decides."""
     rows, row_numbers, bad = _scan_jsonl(path, prompt_key)
-    if not bad:
-        raise DataError(path, f"pyarrow cannot read this JSON Lines file: {arrow_error}")
-    if on_bad_row != "skip":
+    if bad and on_bad_row != "skip":
         first = bad[0]
         raise DataError(path, first.problem, first.row, first.column)
     try:
         table = pa.Table.from_pylist(rows)
-    except (pa.ArrowException, TypeError, ValueError) as e:
-        raise DataError(path, f"the rows left after skipping {len(bad)} bad ones still do not "
-                              f"form one table: {e}") from e
-    return FileRows(path, table, np.asarray(row_numbers, dtype=np.int64), bad)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        skipped = f" left after skipping {len(bad)} bad ones" if bad else ""
+        raise DataError(path, f"the rows{skipped} do not form one table: {e}",
+                        row_numbers[_first_unconvertible(rows)]) from e
+    return FileRows(path, table, np.asarray(row_numbers, dtype=np.int64) if bad else None, bad)
+
+
+def _first_unconvertible(rows: list[dict]) -> int:
+    """The first row i such that rows[:i + 1] no longer form a table, by bisection (for the
+    message only; `rows` as a whole do not convert)."""
+    def converts(n: int) -> bool:
+        try:
+            pa.Table.from_pylist(rows[:n])
+            return True
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return False
+
+    good, failing = 0, len(rows)  # rows[:good] convert, rows[:failing] do not
+    while failing - good > 1:
+        mid = (good + failing) // 2
+        good, failing = (mid, failing) if converts(mid) else (good, mid)
+    return failing - 1
 
 
 def kind_mismatches(rows: Sequence[object]) -> list[Optional[tuple[str, str, str, str]]]:
