@@ -7,10 +7,15 @@ Formats, recognised by their first bytes (the extension decides only for JSON Li
                                              memory-mapped, zero-copy
   JSON Lines        .jsonl / .json, one object per line  pyarrow.json, block-wise
 
-No path goes through pandas or Python objects for the whole file. The one exception is the
-diagnosis of a JSON Lines file that pyarrow rejects: pyarrow's message gives a row number relative
-to an internal block, so the file is re-read line by line to find the real row, and under
-`on_bad_row=skip` the good rows are kept.
+No path goes through pandas or Python objects for the whole file, except for JSON Lines files
+that pyarrow.json reads wrongly or not at all, which are re-read line by line in Python:
+  - a file pyarrow rejects: its message gives a row number relative to an internal block, so the
+    line-by-line read finds the real row, and under `on_bad_row=skip` keeps the good rows; it
+    also reads a column that is [] or null in the first blocks and objects later;
+  - a file where pyarrow inferred a timestamp or date from a string ("2021-03-04"): JSON has no
+    date type, and a ground truth must reach the scorer as the string it is.
+Every column read is then validated in full (a string that is not UTF-8 is refused here, with
+the file and column named, not in some later batch), and view types are cast to plain ones.
 """
 from __future__ import annotations
 
