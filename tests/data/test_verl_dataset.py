@@ -327,3 +327,41 @@ def test_verl_code_reading_with_datasets(tmp_path, tok):
     assert isinstance(ds.dataframe, datasets.Dataset)
     assert len(ds) == len(QUICK) and ds.stats.too_long_filtered == len(LONG_MATH)
     assert [r["reward_model"]["ground_truth"] for r in ds.rows(range(len(ds)))] == [a for _, a in QUICK]
+
+
+class VerlSignature(RLHFDataset):
+    """A subclass as verl users write one: verl's __init__ signature, passed on to super(), and
+    the config read with DictConfig's .get."""
+
+    def __init__(self, data_files, tokenizer, config, processor=None, max_samples=-1):
+        self.filter_overlong = config.get("filter_overlong_prompts", True)  # not a key here
+        self.length = config.get("max_prompt_length")
+        super().__init__(data_files, tokenizer, config, processor, max_samples)
+
+
+def test_verl_init_signature_and_config_get(tmp_path, tok):
+    files = write_rows(str(tmp_path / "a.parquet"), gsm8k_rows(5), "parquet")
+    ds = VerlSignature(files, tok, DataConfig(max_prompt_length=77))
+    assert len(ds) == 5 and ds.filter_overlong is True and ds.length == 77
+    with pytest.raises(DataError, match="processor=object: multimodal processors are not supported"):
+        VerlSignature(files, tok, DataConfig(), object())
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_max_samples_keeps_verls_rows(tmp_path, tok, shuffle):
+    """verl: the first max_samples rows, or with shuffle numpy's default_rng(seed).choice of
+    them; over two files, each row's file and row number kept."""
+    import numpy as np
+
+    rows = gsm8k_rows(12)
+    files = [write_rows(str(tmp_path / "a.parquet"), rows[:7], "parquet"),
+             write_rows(str(tmp_path / "b.parquet"), rows[7:], "parquet")]
+    cfg = DataConfig(shuffle=shuffle, seed=5)
+    ds = RLHFDataset(files, tok, cfg, None, 4)
+    full = RLHFDataset(files, tok, cfg)
+    chosen = (sorted(np.random.default_rng(5).choice(12, 4, replace=False)) if shuffle
+              else [0, 1, 2, 3])
+    assert len(ds) == 4
+    assert [ds.prompt_ids(i) for i in range(4)] == [full.prompt_ids(int(j)) for j in chosen]
+    assert [ds.source_of(i) for i in range(4)] == [full.source_of(int(j)) for j in chosen]
+    assert len(RLHFDataset(files, tok, cfg, None, 50)) == 12  # more than there are: all

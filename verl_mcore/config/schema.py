@@ -154,6 +154,11 @@ class DataConfig:
     # trainer.collective_timeout_s (1350 s at its default).
     read_timeout_s: Optional[float] = None
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """`config.get("key", default)`, as verl's custom datasets read their DictConfig: the
+        field's value, or `default` for a key this config does not have."""
+        return getattr(self, key, default)
+
 
 @dataclass
 class RewardSourceConfig:

@@ -83,11 +83,24 @@ class RLHFDataset:
     #: File endings picked from a directory; a subclass reading other formats changes this.
     extensions: tuple[str, ...] = DEFAULT_EXTENSIONS
 
-    def __init__(self, files: Union[str, Sequence[str]], tokenizer: Any, config: DataConfig, *,
-                 rows: Any = None):
+    def __init__(self, files: Union[str, Sequence[str]], tokenizer: Any, config: DataConfig,
+                 processor: Any = None, max_samples: int = -1, *, rows: Any = None):
         """rows: the prompt rows themselves (a pyarrow Table or a list of row dicts, as a
         `dataframe`) instead of reading `files`, which is then one string naming them in
-        messages (the Python API's RolloutWorker.generate: verl_mcore/api)."""
+        messages (the Python API's RolloutWorker.generate: verl_mcore/api).
+
+        `processor` and `max_samples` are verl's RLHFDataset arguments, so a verl subclass's
+        `super().__init__(data_files, tokenizer, config, processor, max_samples)` runs:
+        processor must be None (text prompts only; verl's is a multimodal processor);
+        max_samples > 0 keeps that many of the rows read, as verl does: the first ones, or
+        with data.shuffle a random choice by data.seed (numpy's default_rng(seed).choice, the
+        same rows as verl, kept here in file order)."""
+        if processor is not None:
+            raise DataError(str(files), f"{type(self).__name__} was given processor="
+                                        f"{type(processor).__name__}: multimodal processors are "
+                                        "not supported (text prompts only); pass None")
+        self.processor = processor
+        self.max_samples = max_samples
         self.config = config
         self.tokenizer = tokenizer
         self.prompt_key = config.prompt_key
@@ -108,6 +121,7 @@ class RLHFDataset:
         else:
             self.dataframe = rows
         self._take_dataframe()
+        self._keep_max_samples()
         self._tokenise_all()
         if self.bad_rows:
             shown = "\n  ".join(str(b) for b in self.bad_rows)
@@ -275,6 +289,27 @@ class RLHFDataset:
                                 f"list of dicts)")
             return
         self._parts = [self._frame_part(self._dataframe, f"{type(self).__name__}.dataframe is")]
+
+    def _keep_max_samples(self) -> None:
+        """verl's max_samples: of the rows read, keep that many (see __init__)."""
+        total = sum(part.table.num_rows for part in self._parts)
+        if not 0 < self.max_samples < total:
+            return
+        if self.config.shuffle:
+            chosen = np.random.default_rng(self.config.seed).choice(total, self.max_samples,
+                                                                    replace=False)
+        else:
+            chosen = np.arange(self.max_samples)
+        chosen, start, kept = np.sort(chosen), 0, []
+        for part in self._parts:
+            n = part.table.num_rows
+            local = chosen[(chosen >= start) & (chosen < start + n)] - start
+            start += n
+            if len(local):
+                numbers = np.asarray([part.file_row(i) for i in local], dtype=np.int64)
+                kept.append(FileRows(part.path, part.table.take(pa.array(local)), numbers,
+                                     part.bad_rows))
+        self._parts = kept
 
     def _frame_part(self, frame: Any, what: str) -> FileRows:
         """A dataframe from an override as the part to check and tokenise; `what` is for errors."""
