@@ -1,5 +1,7 @@
 """What the readers make of files that pyarrow reads in surprising ways: every value reaches the
 rows as the file holds it, or the file is refused with its name (and row) in the message."""
+import os
+
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
@@ -9,6 +11,7 @@ from tests.data.files import FORMATS, gsm8k_rows, write_rows
 from tests.data.tiny_tokenizer import make_tiny_tokenizer
 from verl_mcore.config.schema import DataConfig
 from verl_mcore.data import DataError, RLHFDataset
+from verl_mcore.data.readers import read_file_rows, resolve_files
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +110,17 @@ def test_invalid_utf8_is_refused_at_read(tmp_path, tok, fmt):
     column = "extra_info" if fmt == "jsonl" else "data_source"
     with pytest.raises(DataError, match=f"column {column!r}: the column holds invalid data"):
         RLHFDataset(path, tok, DataConfig())
+
+
+def test_a_directory_written_by_datasets_save_to_disk(tmp_path):
+    """Its data-*.arrow files are the rows (state.json and dataset_info.json are metadata); a
+    DatasetDict's directory is refused, naming its splits."""
+    datasets = pytest.importorskip("datasets", reason="datasets (in the test extra) is not installed")
+    rows = [{"prompt": f"p{i}", "data_source": "openai/gsm8k"} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    files = resolve_files(str(tmp_path / "ds"))
+    assert [os.path.basename(f) for f in files] == ["data-00000-of-00001.arrow"]
+    assert read_file_rows(files[0]).table.to_pylist() == rows
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"a DatasetDict .* name one split's directory \(train\)"):
+        resolve_files(str(tmp_path / "dd"))

@@ -70,7 +70,7 @@ class FileRows:
 def resolve_files(spec: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
                   extensions: Sequence[str] = DEFAULT_EXTENSIONS) -> list[str]:
     """One file, a directory (its files with one of `extensions`, not recursive, hidden ones left
-    out as a glob leaves them), a glob (`data/**/*.parquet`), or a list of any of these -> the
+    out as a glob leaves them; or a Dataset written by datasets' save_to_disk: its data files), a glob (`data/**/*.parquet`), or a list of any of these -> the
     sorted file list. `~` is expanded; an existing file is used as named even when its name holds
     glob characters (`train[1].parquet`); a file reached under several names (`./a`, a symlink,
     a symlink loop under `**`) is read once, under the first name."""
@@ -83,6 +83,13 @@ def resolve_files(spec: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]
         item = os.path.expanduser(os.fspath(item))
         if os.path.isfile(item):
             found = [item]
+        elif os.path.isdir(item) and os.path.isfile(os.path.join(item, _SAVED_DATASET_STATE)):
+            found = _saved_dataset_files(item)
+        elif os.path.isdir(item) and os.path.isfile(os.path.join(item, _SAVED_DATASET_DICT)):
+            splits = sorted(n for n in os.listdir(item) if os.path.isdir(os.path.join(item, n)))
+            raise DataError(item, f"a DatasetDict written by datasets' save_to_disk: name one "
+                                  f"split's directory ({', '.join(splits) or 'it has none'}), "
+                                  f"e.g. {os.path.join(item, splits[0] if splits else 'train')}")
         elif os.path.isdir(item):
             found = sorted(os.path.join(item, n) for n in os.listdir(item)
                            if n.lower().endswith(tuple(extensions)) and not n.startswith(".")
@@ -106,6 +113,28 @@ def resolve_files(spec: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]
                 seen.add(real)
                 files.append(f)
     return files
+
+
+_SAVED_DATASET_STATE = "state.json"  # a Dataset written by datasets' save_to_disk
+_SAVED_DATASET_DICT = "dataset_dict.json"  # a DatasetDict: one such directory per split
+
+
+def _saved_dataset_files(directory: str) -> list[str]:
+    """The Arrow stream files of a directory written by `datasets.Dataset.save_to_disk`, in the
+    order its state.json lists them (its other JSON files are metadata, not rows)."""
+    state_path = os.path.join(directory, _SAVED_DATASET_STATE)
+    try:
+        with open(state_path) as f:
+            names = [entry["filename"] for entry in json.load(f)["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(state_path, f"looks like datasets' save_to_disk state but does not list "
+                                    f"its data files ({type(e).__name__}: {e})") from None
+    paths = [os.path.join(directory, os.path.basename(str(n))) for n in names]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing or not paths:
+        raise DataError(state_path, f"lists data files that are missing: {missing}" if missing
+                                    else "lists no data files")
+    return paths
 
 
 def detect_format(path: str) -> str:
