@@ -160,7 +160,7 @@ class RunCheckpoints:
                 check(path)
             ckpt, role = roles[i]
             return load_checkpoint(path, *_engine_parts(role), verified=True,
-                                   role_ranks=ckpt.role.ranks)
+                                   role_ranks=ckpt.role.ranks, base_weights=ckpt.base_weights)
 
         loaded = load_newest([ckpt.root for ckpt, _ in roles], load, after=after)
         return loaded[0] if loaded else None
@@ -190,7 +190,7 @@ class RunCheckpoints:
         if check is not None:
             check(actor_path)
         loaded = [load_checkpoint(path, *_engine_parts(role), verified=True,
-                                  role_ranks=ckpt.role.ranks)
+                                  role_ranks=ckpt.role.ranks, base_weights=ckpt.base_weights)
                   for path, role, ckpt in paths]
         return loaded[0]
 

@@ -801,6 +801,7 @@ class Trainer:
 
         def check(checkpoint: str) -> None:  # before any weight is read: refuses by key name
             changes[:] = resume.compare(checkpoint, self.cfg, self.info.arch)
+            resume.check_lora_base(checkpoint, self.info.checkpoint or self.info.hf_dir)
 
         # The config wins over the checkpoint, in the optimizer and in the trainer state
         # (config/resume.py).

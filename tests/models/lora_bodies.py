@@ -87,3 +87,20 @@ def lora_from_peft_body(rank, world_size, hf_dir, tp, pp, targets, tokens, peft_
               for a in adapters for t in a.targets for w in ("A", "B")}
     return {"logits": logits if keep else None, "shards": shards,
             "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+
+
+def lora_resume_body(rank, world_size, hf_dir, targets, step_dir, seed):
+    """Load a LoRA checkpoint's adapters onto the base in `hf_dir` (the model.path of a resume),
+    as the trainer does; returns None, or the refusal's message."""
+    from verl_mcore.engine.checkpoint import Checkpointer
+    from verl_mcore.models.load import build_and_load
+    from verl_mcore.models.lora import attach_lora
+
+    setup_megatron(1, 1)
+    model, arch = build_and_load("actor", hf_path=hf_dir, dtype="fp32", tp=1, pp=1)
+    attach_lora(model, lora_cfg(targets), arch, seed=seed)
+    try:
+        Checkpointer(str(step_dir) + ".root", base_weights=hf_dir).load([model], path=step_dir)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -43,7 +43,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -110,6 +110,30 @@ def compare(checkpoint: str, cfg, arch) -> list[Change]:
             f"cannot resume from {checkpoint} with this config:\n  - " + "\n  - ".join(refused)
             + f"\n(The checkpoint's config is {os.path.join(checkpoint, CONFIG_FILE)}.)")
     return changes
+
+
+def check_lora_base(checkpoint: str, base_weights: Optional[str]) -> None:
+    """ResumeConfigError when `checkpoint` holds LoRA adapters trained on other base weights
+    than `base_weights` (the run's model.checkpoint or model.path directory) hold now: pointed
+    at another model of the same architecture, the saved adapters would train on it silently
+    (its config passes every other check). Compares meta.json's base_fingerprint with
+    engine/manifest.weights_fingerprint, reading ~0.5 MB a weight file."""
+    from verl_mcore.engine.manifest import weights_fingerprint
+
+    try:
+        with open(os.path.join(checkpoint, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return  # verify_checkpoint reports an unreadable meta.json
+    saved = meta.get("base_fingerprint") if meta.get("trainable_only") else None
+    if saved and base_weights and os.path.isdir(base_weights) \
+            and weights_fingerprint(base_weights) != saved:
+        raise ResumeConfigError(
+            f"cannot resume from {checkpoint} with this config: its LoRA adapters were trained on "
+            f"the base {meta.get('base_weights')}, and {base_weights} (model.path, or "
+            f"model.checkpoint) holds other weights (engine/manifest.weights_fingerprint "
+            f"differs): the adapters would train on another model. Point model.path at the base "
+            f"the run started from, or start the adapters fresh in a new trainer.run_dir")
 
 
 def _refused(changes: list[Change], saved: dict, saved_arch: dict, arch: dict, cfg) -> list[str]:

@@ -498,6 +498,7 @@ class Checkpointer:
         self.async_save = async_save
         self.save_optimizer = save_optimizer
         self.base_weights = base_weights
+        self._fingerprint: Any = _UNSET  # of base_weights, once a LoRA save needs it
         # The roots whose checkpoints of one step together make one resume point; rotation
         # keeps the newest steps complete under all of them (RunCheckpoints: actor and critic).
         self.step_roots: list[str] = [root]
@@ -593,6 +594,7 @@ class Checkpointer:
         if meta is not None and _trainable_only(model_chunks):
             meta["trainable_only"] = True
             meta["base_weights"] = self.base_weights
+            meta["base_fingerprint"] = self._base_fingerprint()
         if request is None:
             self._commit(pending, meta)
         else:
@@ -684,10 +686,19 @@ class Checkpointer:
         None (and change nothing) when there is none. See load_checkpoint."""
         if path is not None:
             return load_checkpoint(path, model_chunks, optimizer, scheduler,
-                                   role_ranks=self.role.ranks)
+                                   role_ranks=self.role.ranks, base_weights=self.base_weights)
         loaded = load_newest([self.root], lambda _, p: load_checkpoint(
-            p, model_chunks, optimizer, scheduler, verified=True, role_ranks=self.role.ranks))
+            p, model_chunks, optimizer, scheduler, verified=True, role_ranks=self.role.ranks,
+            base_weights=self.base_weights))
         return loaded[0] if loaded else None
+
+    def _base_fingerprint(self) -> Optional[str]:
+        """weights_fingerprint of base_weights (a directory), computed once: recorded with a LoRA
+        role's adapters, so a resume can tell model.path still holds that base."""
+        if self._fingerprint is _UNSET:
+            self._fingerprint = (manifest.weights_fingerprint(self.base_weights)
+                                 if self.base_weights and os.path.isdir(self.base_weights) else None)
+        return self._fingerprint
 
 
 @dataclasses.dataclass
@@ -699,6 +710,9 @@ class LoadedCheckpoint:
     optimizer_restored: bool
 
 
+_UNSET = object()
+
+
 def load_checkpoint(
     path: str,
     model_chunks: Sequence[torch.nn.Module],
@@ -706,6 +720,7 @@ def load_checkpoint(
     scheduler: Any = None,
     verified: bool = False,
     role_ranks: Optional[Sequence[int]] = None,
+    base_weights: Optional[str] = None,
 ) -> LoadedCheckpoint:
     """Load a complete checkpoint into models built at the current layout (which may differ from
     the saved one: dist_checkpointing reads each rank's slices). Collective.
@@ -717,6 +732,9 @@ def load_checkpoint(
     the optimizer's main parameters are refreshed from the loaded model parameters.
     role_ranks: see Checkpointer; ranks outside the role pass no chunks and get the same
     LoadedCheckpoint (the role leader's view of the layout and the optimizer).
+    base_weights: the base this run's LoRA model was built from (Checkpointer.base_weights);
+    an adapter-only checkpoint recorded on another base's weights (weights_fingerprint) is
+    refused with ValueError before anything is loaded.
     """
     if not verified:
         verify_checkpoint(path)
@@ -738,6 +756,16 @@ def load_checkpoint(
                    "every weight of a fully trained model, but this model trains LoRA adapters "
                    "on a frozen base; resume it without lora, or start the adapters fresh")
                 + " (convert_hf exports either)")
+        saved_base = meta.get("base_fingerprint")
+        if (member and saved_trainable_only and saved_base and base_weights
+                and os.path.isdir(base_weights)
+                and manifest.weights_fingerprint(base_weights) != saved_base):
+            raise ValueError(
+                f"checkpoint {path}: its LoRA adapters were trained on the base "
+                f"{meta.get('base_weights')}, and {base_weights} (model.path, or model.checkpoint) "
+                f"holds other weights now (weights_fingerprint differs): the adapters would train "
+                f"on another model. Point model.path at the base the run started from, or start "
+                f"the adapters fresh in a new trainer.run_dir")
     if with_optimizer:
         _allocate_optimizer_state(optimizer)
     # The other roles' ranks read nothing, but take part (the load is collective).

@@ -185,3 +185,29 @@ def on_every_rank(check: Callable[[], T]) -> T:
     if first is not None:
         raise BadCheckpointError(first)
     return result
+
+
+_FINGERPRINT_SUFFIXES = (".safetensors", ".distcp")
+_FINGERPRINT_SAMPLES, _FINGERPRINT_SAMPLE_BYTES = 8, 1 << 16
+
+
+def weights_fingerprint(directory: str) -> str:
+    """A cheap identity of the weights in `directory` (an HF model or a dist checkpoint): the
+    SHA-256 of each weight file's relative path, size and eight 64 KiB samples spread over it.
+    The same weights copied elsewhere keep it; another model (other weights of the same
+    architecture) changes it with certainty in practice. Not a checksum of every byte: a LoRA
+    resume uses it to tell that model.path still holds the base its adapters were trained on,
+    reading ~0.5 MB a file, not the model."""
+    digest = hashlib.sha256()
+    files = sorted(os.path.relpath(os.path.join(d, n), directory)
+                   for d, _, names in os.walk(directory) for n in names
+                   if n.endswith(_FINGERPRINT_SUFFIXES))
+    for rel in files:
+        path = os.path.join(directory, rel)
+        size = os.path.getsize(path)
+        digest.update(f"{rel.replace(os.sep, '/')}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for i in range(_FINGERPRINT_SAMPLES):
+                f.seek(max(0, size - _FINGERPRINT_SAMPLE_BYTES) * i // (_FINGERPRINT_SAMPLES - 1))
+                digest.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()
