@@ -116,7 +116,7 @@ def _cases() -> list[Case]:
         GAE, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
         "algorithm.kl_ctrl.horizon=100"), expect=("critic/kl", "critic/kl_coef")))
     cases += [Case(f"kl-loss-{k}", ("actor.use_kl_loss=true", f"actor.kl_loss_type={k}"),
-                   expect=("actor/kl_loss",)) for k in KL_KINDS]
+                   expect=("actor/kl_loss",)) for k in KL_KINDS + tuple(k + "+" for k in KL_KINDS)]
     cases += [Case(f"policy-loss-{p}", (f"actor.policy_loss={p}",))
               for p in ("ppo", "gspo", "reinforce", "gpg")]
     cases += [Case(f"loss-agg-{m}", (f"actor.loss_agg_mode={m}",))
@@ -235,6 +235,15 @@ EXEMPT: dict[tuple[str, Any], str] = {
        for role in ("actor", "critic")},
     ("critic.lora.init_lora_weights", "gaussian"): "the adapters' initial draw, host-side "
     "(models/lora.initial_values); the actor's lora-grpo case runs it on the GPU",
+    # verl's names for our estimators: KL_PENALTIES maps each to the very function of ours
+    # (tests/algo/test_kl.py), which the kl-reward-* and kl-loss-* cases run.
+    **{(key, name): f"verl's name for {ours}: the same estimator as the {ours} cases run"
+       for key in ("algorithm.kl_penalty", "actor.kl_loss_type")
+       for name, ours in (("kl", "k1"), ("mse", "k2"), ("kl+", "k1+"), ("mse+", "k2+"))},
+    # In the reward no gradient flows, and "+" changes only the gradient: the value is the
+    # named estimator's, which its kl-reward-fixed-* case runs.
+    **{("algorithm.kl_penalty", k + "+"): f"in the reward (no gradient) the same values as {k}"
+       for k in KL_KINDS},
 }
 
 
