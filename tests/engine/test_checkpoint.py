@@ -146,7 +146,7 @@ def fake_loads(monkeypatch):
 
     loads = []
 
-    def load(path, *parts, verified=False, role_ranks=None):
+    def load(path, *parts, verified=False, role_ranks=None, base_weights=None):
         assert verified  # RunCheckpoints checks every role of a step before loading any
         loads.append(path)
         extra = torch.load(os.path.join(path, ck.TRAINER_STATE), weights_only=True)["extra"]
