@@ -160,7 +160,7 @@ def run(args, workdir: str) -> tuple[list[dict], dict]:
     return read_metrics(run_dir), estimate
 
 
-# The trainer's phases whose peak the planner's phases estimate (verl_mcore/plan.py).
+# The trainer's phases whose peak the planner's phases estimate (verl_mcore/planning/memory.py).
 PLANNER_PHASE = {"gen": "generate", "old_logp": "score", "ref": "score", "values": "values",
                  "actor": "actor_update", "critic": "critic_update"}
 
@@ -172,7 +172,7 @@ def planner_estimate(cfg, model_dir: str, world: int, gpus_per_node: int) -> dic
     the measured max_memory_allocated."""
     import torch
 
-    from verl_mcore.plan import Knobs, plan_with_offload_choice, resolve_dims
+    from verl_mcore.planning.memory import Knobs, plan_with_offload_choice, resolve_dims
 
     if not torch.cuda.is_available():
         return {}

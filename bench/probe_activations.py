@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from bench.bench_actor import SHAPES, _arch, _init_single_rank
-    from verl_mcore import plan
+    from verl_mcore.planning import memory as planner
     from verl_mcore.config.schema import ActorConfig, LoRAConfig, OptimConfig
     from verl_mcore.distributed import cpu_compat
     from verl_mcore.engine.actor import Actor
@@ -117,11 +117,11 @@ def main(argv=None) -> dict:
     tokens = n * args.seq
     per_layer = [sum(seen.get(f"layer{i}", {}).values()) / tokens for i in range(len(layers))]
     head = sum(seen.get("head", {}).values()) / tokens
-    dims = plan.ModelDims(**_dims(SHAPES[args.shape]))
-    planned = plan.activation_bytes_per_token_layer(dims, 1, False)
+    dims = planner.ModelDims(**_dims(SHAPES[args.shape]))
+    planned = planner.activation_bytes_per_token_layer(dims, 1, False)
     if lora:
-        planned += plan.lora_activation_bytes_per_token_layer(dims, lora, 1, False)
-    vocab = plan.padded_vocab(dims, 1, 128)
+        planned += planner.lora_activation_bytes_per_token_layer(dims, lora, 1, False)
+    vocab = planner.padded_vocab(dims, 1, 128)
     result = {
         "shape": args.shape, "tokens": tokens, "lora_r": args.lora,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

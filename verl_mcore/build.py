@@ -25,8 +25,12 @@ from typing import Any, Optional
 from verl_mcore.config import Config, ConfigError
 from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
 from verl_mcore.models.hub import cache_advice, local_dir
+from verl_mcore.planning import memory as planner
 
 log = logging.getLogger("verl_mcore.build")
+# The most tokens a CPU micro-batch holds by default (resolve_micro_batches); bench/RESULTS.md
+# 2026-12-07 has the measurement.
+CPU_TOKEN_BUDGET = 4096
 
 
 @dataclass
@@ -562,10 +566,9 @@ def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
     None: colocated)."""
     from verl_mcore.checkpoints import RunCheckpoints
     from verl_mcore.config.resume import checkpoint_files
-    from verl_mcore.plan import checkpoint_bytes, resolve_dims
 
     try:
-        expected = checkpoint_bytes(cfg, resolve_dims(info.hf_dir or cfg.model.path))
+        expected = planner.checkpoint_bytes(cfg, planner.resolve_dims(info.hf_dir or cfg.model.path))
     except ConfigError as e:
         log.warning("no estimate of the checkpoint size (%s): no disk-space check before saves", e)
         expected = None
@@ -574,9 +577,42 @@ def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
                           role_ranks=role_ranks, base_weights=info.checkpoint or info.hf_dir)
 
 
+def resolve_micro_batches(cfg: Config, info: ModelInfo, world: int,
+                          gpus_per_node: int) -> tuple[Config, list[str]]:
+    """`cfg` with a token budget for each trained role that sets neither micro-batch key, and
+    one log line per role saying which path it runs and why (planner.micro_batch_report).
+
+    On a GPU the planner chooses the budget from the model's shape and the smallest GPU of the
+    job (planner.choose_token_budgets, under the offload policy resolve_offload then applies).
+    On CPU there is no device memory to fit: at most CPU_TOKEN_BUDGET tokens (bench/RESULTS.md
+    2026-12-07 measured it against padded micro-batches). Without a model shape for the
+    planner: at most BUDGET_EFFICIENT_TOKENS."""
+    import torch
+
+    roles = planner.budget_roles(cfg)
+    if not roles:
+        return cfg, planner.micro_batch_report(cfg, {})
+    ladder = planner.budget_ladder(cfg, world, roles)
+    if torch.cuda.is_available() and cfg.trainer.device != "cpu":
+        try:
+            dims = planner.resolve_dims(info.hf_dir or cfg.model.path)
+        except ConfigError as e:
+            limit, why = planner.BUDGET_EFFICIENT_TOKENS, f"no model shape for the planner ({e})"
+        else:
+            knobs = planner.Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=_smallest_gpu_gib())
+            cfg, chosen = planner.choose_token_budgets(cfg, dims, world, knobs)
+            return cfg, planner.micro_batch_report(cfg, chosen)
+    else:
+        limit, why = CPU_TOKEN_BUDGET, "on CPU"
+    tokens = next((t for t in ladder if t <= limit), ladder[-1])
+    cfg = planner.with_token_budget(cfg, roles, tokens)
+    why += f": the largest budget of at most {limit} tokens of {planner.ladder_text(ladder)}"
+    return cfg, planner.micro_batch_report(cfg, dict.fromkeys(roles, why))
+
+
 def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int) -> tuple[bool, str]:
     """trainer.offload_between_phases for this run: (offload?, why). "auto" asks the planner with
-    the memory of the job's smallest GPU (plan.choose_offload); on CPU there is no device memory
+    the memory of the job's smallest GPU (planner.choose_offload); on CPU there is no device memory
     to free.
 
     When even offloading leaves a phase over the GPU's memory, "auto" refuses to start (a run
@@ -587,7 +623,6 @@ def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int
     import torch
 
     from verl_mcore.models.gpt import have_transformer_engine
-    from verl_mcore.plan import GiB, USABLE_FRACTION, Knobs, misfits, plan_with_offload_choice, resolve_dims
 
     setting = cfg.trainer.offload_between_phases
     explicit = setting != "auto"
@@ -595,24 +630,24 @@ def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int
     if not torch.cuda.is_available():
         return as_set if explicit else (False, "auto: on CPU the training state already lives in host memory")
     try:
-        dims = resolve_dims(info.hf_dir or cfg.model.path)
+        dims = planner.resolve_dims(info.hf_dir or cfg.model.path)
     except ConfigError as e:  # no HF config.json to read the shape from: the safe choice
         return as_set if explicit else (True, f"auto: no model shape for the planner ({e})")
     gpu_gib = _smallest_gpu_gib()
-    knobs = Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib)
+    knobs = planner.Knobs(gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_gib)
     try:
-        offload, why, memory = plan_with_offload_choice(cfg, dims, world, knobs)
+        offload, why, memory = planner.plan_with_offload_choice(cfg, dims, world, knobs)
     except Exception as e:  # noqa: BLE001 - the user chose; a planner bug must not stop the run
         if not explicit:
             raise
         log.warning("memory planner failed (%s: %s); offload as set", type(e).__name__, e)
         return as_set
-    bad = [n for n in misfits(memory, knobs) if n != "host"]
+    bad = [n for n in planner.misfits(memory, knobs) if n != "host"]
     if not bad:
         return offload, why
-    need = ", ".join(f"{n} {memory[n]['total'] / GiB:.1f} GiB" for n in bad)
+    need = ", ".join(f"{n} {memory[n]['total'] / planner.GiB:.1f} GiB" for n in bad)
     msg = (f"the memory planner finds that with offload between phases {'on' if offload else 'off'} "
-           f"{need} would not fit the {gpu_gib * USABLE_FRACTION:.1f} usable GiB of this GPU; "
+           f"{need} would not fit the {gpu_gib * planner.USABLE_FRACTION:.1f} usable GiB of this GPU; "
            f"`python -m verl_mcore.plan --config ... --gpu-memory-gb {gpu_gib:.0f}` with this run's "
            "overrides names the changes that make it fit (recompute, smaller micro-batches, more "
            "parallelism)")

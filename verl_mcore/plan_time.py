@@ -8,7 +8,7 @@ prints, after the memory report, the modelled seconds per step of the fastest la
 placement / rollout.mode lines of the fastest one (--json: "rollout_split"). --gpu-kind picks
 the rates below (default: h200 when --gpu-memory-gb is above 100, else h100).
 
-Pure arithmetic on the config and the model shape (plan.ModelDims); no torch, no GPU. It is a
+Pure arithmetic on the config and the model shape (planning/memory.py ModelDims); no torch, no GPU. It is a
 model: bounds from measured hardware rates, scaled by measured efficiencies of this code on one
 GPU. What it leaves out is listed at the end of this docstring and in the planner's output.
 
@@ -32,7 +32,7 @@ bounds it, per replica of TP_g GPUs; the R / TP_g replicas run in parallel:
   decode        per GPU: waves·D·W_g + S·K_g·(D·P + D·(D+1)/2) bytes at copy_bytes_per_s, where
                 W_g = 2·(L·layer_params(TP_g) + h + V·h/TP_g) is the bf16 weight shard a decode
                 step reads (the output layer whole, the embedding only by rows) and
-                K_g = 2·L·max(kv/TP_g, 1)·hd·2 the KV bytes per token on one GPU (plan.py's KV
+                K_g = 2·L·max(kv/TP_g, 1)·hd·2 the KV bytes per token on one GPU (planning/memory.py's KV
                 cache term; heads replicate when TP_g > kv); decode step d reads P + d tokens
                 of every live sequence.
   seconds       (prefill + decode) / rollout_efficiency. At TP_g = 1, one replica and one wave
@@ -56,7 +56,7 @@ RESULTS.md 2026-12-04 18:40). The passes of a step:
   FLOPs), × the 1F1B pipeline bubble 1 + (p − 1)/(vpp·m) with m micro-batches per schedule on a
   rank (Narayanan et al. 2021, arXiv 2104.04473), / (T · matmul_flops_per_s ·
   train_efficiency). Plus, where the memory plan offloads gradients and optimizer states
-  between phases (plan.choose_offload's rule), 2 · offloaded bytes per GPU / host_copy_bytes_per_s.
+  between phases (memory.choose_offload's rule), 2 · offloaded bytes per GPU / host_copy_bytes_per_s.
 
 Weight transfer to a rollout set of its own (`transfer_seconds`, rollout/cross_set.py's routes):
 each rollout rank receives its bf16 TP_g shard, 2·stage_params(TP_g) bytes; each actor rank of
@@ -78,7 +78,7 @@ t·p·c (divisibility) and satisfying the batch rules of config/validate.py (the
 over DP_T, the B prompts over the R / TP_g generation groups). R need not be whole nodes: the
 rollout set is the last R ranks, so with t and TP_g dividing the GPUs per node every TP and TP_g
 group still lies inside one node. A candidate whose training set or rollout set does not fit
-the GPU (plan.plan_memory without the generate phase; generation weights + KV + engine overhead
+the GPU (memory.plan_memory without the generate phase; generation weights + KV + engine overhead
 on the rollout set) is left out of the recommendation.
 
 Hardware constants (`HARDWARE`), measured in this repository:
@@ -131,9 +131,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from verl_mcore.config import Config
-from verl_mcore.plan import (RUNTIME_OVERHEAD_GIB, USABLE_FRACTION, GiB, Knobs, ModelDims,
-                             _micro_tokens, _num_microbatches, _uses_reference, generation_bytes,
-                             layer_params, misfits, plan_memory, stage_params)
+from verl_mcore.config.schema import padded_micro_batches
+from verl_mcore.planning.memory import (RUNTIME_OVERHEAD_GIB, USABLE_FRACTION, GiB, Knobs, ModelDims,
+                                        _micro_tokens, _num_microbatches, _uses_reference,
+                                        choose_token_budgets,
+                                        generation_bytes, layer_params, misfits, plan_memory,
+                                        stage_params)
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,7 @@ def split_errors(cfg: Config, rollout_gpus: int, training_gpus: int) -> list[str
     dp, mini = training_gpus // model, a.ppo_mini_batch_size * r.n
     if mini % dp:
         errs.append(f"a mini-batch of {mini} samples does not split over DP={dp}")
-    elif a.max_tokens_per_microbatch is None and (mini // dp) % a.micro_batch_size_per_gpu:
+    elif padded_micro_batches(a) and (mini // dp) % a.micro_batch_size_per_gpu:
         errs.append(f"{mini // dp} samples per rank are not micro-batches of "
                     f"{a.micro_batch_size_per_gpu}")
     return errs
@@ -335,7 +338,7 @@ def _training_memory(cfg: Config, dims: ModelDims, gpus: int, knobs: Knobs,
                      with_generate: bool) -> tuple[bool, int]:
     """(fits?, bytes offloaded per GPU) of the training phases on `gpus` GPUs (and of generation
     on them, colocated), offloading as trainer.offload_between_phases says ("auto": only when a
-    phase does not fit otherwise, plan.choose_offload's rule)."""
+    phase does not fit otherwise, memory.choose_offload's rule)."""
     setting = cfg.trainer.offload_between_phases
     tries = [False, True] if setting == "auto" else [bool(setting)]
     for offload in tries:
@@ -360,9 +363,11 @@ def splits(cfg: Config, dims: ModelDims, world: int, knobs: Knobs, hw: Hardware,
     d = cfg.data
     length_fraction = ((d.max_prompt_length + d.max_response_length * response_fraction)
                        / (d.max_prompt_length + d.max_response_length))
-    fits, offloaded = _training_memory(cfg, dims, world, knobs, with_generate=True)
+    # Each layout with the token budgets the trainer would choose on its training GPUs.
+    colocated = choose_token_budgets(cfg, dims, world, knobs)[0]
+    fits, offloaded = _training_memory(colocated, dims, world, knobs, with_generate=True)
     out = [Split(0, world, "sync", generation_seconds(cfg, dims, world, hw, response_fraction),
-                 training_seconds(cfg, dims, world, hw, length_fraction),
+                 training_seconds(colocated, dims, world, hw, length_fraction),
                  2 * offloaded / hw.host_copy_bytes_per_s, 0.0, "" if fits else "colocated")]
     tp_g = cfg.rollout.tensor_parallel_size
     for r in range(tp_g, world, tp_g):
@@ -370,13 +375,15 @@ def splits(cfg: Config, dims: ModelDims, world: int, knobs: Knobs, hw: Hardware,
         if split_errors(cfg, r, t):
             continue
         gen = generation_seconds(cfg, dims, r, hw, response_fraction)
-        fits, offloaded = _training_memory(cfg, dims, t, knobs, with_generate=False)
+        trained = choose_token_budgets(cfg, dims, t, knobs)[0]
+        fits, offloaded = _training_memory(trained, dims, t, knobs, with_generate=False)
         sets = {"training set": fits, "rollout set": _rollout_memory_fits(cfg, dims, r, knobs)}
         misfit = " and ".join(name for name, ok in sets.items() if not ok)
         xfer = transfer_seconds(cfg, dims, r, t, hw, one_node=world <= knobs.gpus_per_node)
         offload = 2 * offloaded / hw.host_copy_bytes_per_s
         for mode in ("sync", "one_step_off"):
-            train = training_seconds(cfg, dims, t, hw, length_fraction, stale=mode == "one_step_off")
+            train = training_seconds(trained, dims, t, hw, length_fraction,
+                                     stale=mode == "one_step_off")
             out.append(Split(r, t, mode, gen, train, offload, xfer, misfit))
     return out
 

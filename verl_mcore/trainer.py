@@ -34,7 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from verl_mcore import build, plan
+from verl_mcore import build
+from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config, ConfigError
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
@@ -206,6 +207,11 @@ class Trainer:
         with self.watchdog.phase("check inputs"):
             inputs = build.build_inputs(cfg, self.world, self.launch.local_world_size)
             self.rewards = inputs.rewards
+            # Token budgets where no micro-batch size is set (the planner's, on every rank
+            # alike), before the offload choice that plans with them.
+            cfg, micro_batches = build.resolve_micro_batches(cfg, inputs.info, self.world,
+                                                             self.launch.local_world_size)
+            self.cfg = cfg
             offload, why = build.resolve_offload(cfg, inputs.info, self.world,
                                                  self.launch.local_world_size)
             # Before the models too; a failure on any rank (only rank 0 loads the user's metric
@@ -223,14 +229,14 @@ class Trainer:
             log_data_stage(self.train_data, self.val_data, cfg.data, self.loader.batches_per_epoch)
         if self.rank == 0 and not placement.colocated:
             log.info("placement: %s", placement.describe())
-        if self.rank == 0 and plan.lora_roles(cfg):  # what trains (the count from the shape)
+        if self.rank == 0 and planner.lora_roles(cfg):  # what trains (the count from the shape)
             try:
-                dims = plan.resolve_dims(self.info.hf_dir or cfg.model.path)
+                dims = planner.resolve_dims(self.info.hf_dir or cfg.model.path)
             except ConfigError as e:  # a log line must not stop the run
-                log.info("LoRA on %s (no parameter count: %s)", plan.lora_roles(cfg), e)
+                log.info("LoRA on %s (no parameter count: %s)", planner.lora_roles(cfg), e)
             else:
-                for role in plan.lora_roles(cfg):
-                    log.info("%s", plan.lora_summary(cfg, dims, role))
+                for role in planner.lora_roles(cfg):
+                    log.info("%s", planner.lora_summary(cfg, dims, role))
         # Each rank builds its own roles' models only (None / {} for the others').
         with self.watchdog.phase("build models"):
             groups, runs, seed = self.place.groups, self.place.runs, cfg.trainer.seed
@@ -261,6 +267,8 @@ class Trainer:
             if role is not None:
                 role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
         if self.rank == 0:
+            for line in micro_batches:
+                log.info("micro-batches: %s", line)
             log.info("offload between phases: %s (%s)", "on" if offload else "off", why)
         self.offloaders = build.build_offloaders(cfg, self.actor, self.critic, offload)
         self.kl_ctrl = build.build_kl_controller(cfg)

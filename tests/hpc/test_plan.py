@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from verl_mcore import plan
+
+from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +24,7 @@ def _cfg(*overrides, path=PPO70B):
     ("qwen2.5-3b", 3.09), ("qwen2.5-7b", 7.62), ("qwen2.5-32b", 32.76),
 ])
 def test_known_shapes_match_published_parameter_counts(name, billions):
-    assert plan.total_params(plan.KNOWN_SHAPES[name]) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert planner.total_params(planner.KNOWN_SHAPES[name]) / 1e9 == pytest.approx(billions, abs=0.01)
 
 
 def test_shape_from_local_config_json_wins(tmp_path):
@@ -30,53 +32,53 @@ def test_shape_from_local_config_json_wins(tmp_path):
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
           "model_type": "qwen2", "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    dims = plan.resolve_dims(str(tmp_path))
+    dims = planner.resolve_dims(str(tmp_path))
     assert (dims.head_dim, dims.qkv_bias, dims.tie_word_embeddings) == (16, True, True)
-    assert plan.resolve_dims("Qwen/Qwen2.5-7B-Instruct") == plan.KNOWN_SHAPES["qwen2.5-7b"]
+    assert planner.resolve_dims("Qwen/Qwen2.5-7B-Instruct") == planner.KNOWN_SHAPES["qwen2.5-7b"]
     with pytest.raises(plan.ConfigError, match="not a known shape"):
-        plan.resolve_dims(str(tmp_path / "missing"))
+        planner.resolve_dims(str(tmp_path / "missing"))
 
 
 def test_sharding_arithmetic():
-    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
-    knobs = plan.Knobs(gpus_per_node=8)
+    dims = planner.KNOWN_SHAPES["meta-llama-3-70b"]
+    knobs = planner.Knobs(gpus_per_node=8)
     cfg = _cfg("actor.recompute_activations=false")
-    full = plan.total_params(dims)
+    full = planner.total_params(dims)
     # TP=8 × PP=4: stage params sum to the padded model (embedding and output once each).
-    shards = sum(plan.stage_params(dims, 8, 4, s, 128) for s in range(4)) * 8
+    shards = sum(planner.stage_params(dims, 8, 4, s, 128) for s in range(4)) * 8
     assert shards == pytest.approx(full, rel=1e-3)
-    a = plan.training_bytes(cfg, dims, 64, "actor", 0, knobs)
-    n = plan.stage_params(dims, 8, 4, 0, 128)
+    a = planner.training_bytes(cfg, dims, 64, "actor", 0, knobs)
+    n = planner.stage_params(dims, 8, 4, 0, 128)
     assert a["parameters"] == 2 * n and a["gradients"] == 4 * n
     assert a["optimizer"] == pytest.approx(12 * n / 2, abs=1)  # distributed over DP=2
-    no_dist = plan.training_bytes(_cfg("parallel.use_distributed_optimizer=false"), dims, 64,
+    no_dist = planner.training_bytes(_cfg("parallel.use_distributed_optimizer=false"), dims, 64,
                                   "actor", 0, knobs)
     assert no_dist["optimizer"] == 12 * n
-    recompute = plan.training_bytes(_cfg("actor.recompute_activations=true"), dims, 64, "actor", 0, knobs)
+    recompute = planner.training_bytes(_cfg("actor.recompute_activations=true"), dims, 64, "actor", 0, knobs)
     assert recompute["activations"] < a["activations"] / 5
     # 1F1B: the first stage keeps PP micro-batches in flight, the last one.
-    last = plan.training_bytes(cfg, dims, 64, "actor", 3, knobs)
+    last = planner.training_bytes(cfg, dims, 64, "actor", 3, knobs)
     assert a["activations"] == 4 * last["activations"] and "logits" in last and "logits" not in a
     # Materialized attention scores only add memory.
-    mat = plan.training_bytes(cfg, dims, 64, "actor", 0, plan.Knobs(attention="materialized"))
+    mat = planner.training_bytes(cfg, dims, 64, "actor", 0, planner.Knobs(attention="materialized"))
     assert mat["activations"] > a["activations"]
 
 
 def test_kv_cache_formula():
-    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    dims = planner.KNOWN_SHAPES["meta-llama-3-70b"]
     cfg = _cfg()  # 256 prompts × n=1 over DP_g=8 -> 32 sequences of 2048 tokens, TP_g=8 -> 1 KV head
-    g = plan.generation_bytes(cfg, dims, 64, plan.Knobs())
+    g = planner.generation_bytes(cfg, dims, 64, planner.Knobs())
     assert g["KV cache"] == 2 * 80 * 1 * 128 * 2 * 2048 * 32
-    assert g["generation weights"] == 2 * plan.stage_params(dims, 8, 1, 0, 128)
+    assert g["generation weights"] == 2 * planner.stage_params(dims, 8, 1, 0, 128)
 
 
 def test_generation_weights_keep_the_training_vocabulary_padding():
     """TP_t = 8 -> TP_g = 4 with make_vocab_size_divisible_by = 5: the generation copy holds the
     training model's 128280 vocabulary rows (lcm(5, 8) = 40), not the 128260 of padding for TP_g."""
-    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    dims = planner.KNOWN_SHAPES["meta-llama-3-70b"]
     cfg = _cfg("rollout.tensor_parallel_size=4", "model.make_vocab_size_divisible_by=5")
-    g = plan.generation_bytes(cfg, dims, 64, plan.Knobs())
-    padded_for_tp_g = plan.stage_params(dims, 4, 1, 0, 5)
+    g = planner.generation_bytes(cfg, dims, 64, planner.Knobs())
+    padded_for_tp_g = planner.stage_params(dims, 4, 1, 0, 5)
     extra_rows = 2 * (128280 - 128260) // 4  # embedding and output layer, over TP_g = 4
     assert g["generation weights"] == 2 * (padded_for_tp_g + extra_rows * dims.hidden_size)
 
@@ -133,10 +135,10 @@ def test_shipped_recipes_fit_80gb(config, nodes, capsys):
 
 
 def test_no_offload_keeps_idle_state_on_gpu():
-    dims = plan.KNOWN_SHAPES["meta-llama-3-70b"]
+    dims = planner.KNOWN_SHAPES["meta-llama-3-70b"]
     cfg = _cfg()
-    off = plan.plan_memory(cfg, dims, 64, plan.Knobs())
-    on_gpu = plan.plan_memory(cfg, dims, 64, plan.Knobs(offload=False))
+    off = planner.plan_memory(cfg, dims, 64, planner.Knobs())
+    on_gpu = planner.plan_memory(cfg, dims, 64, planner.Knobs(offload=False))
     assert on_gpu["host"]["per_node"] == 0 and off["host"]["per_node"] > 0
     gen = on_gpu["generate"]["components"]
     assert "actor optimizer" in gen and "critic gradients" in gen
@@ -149,20 +151,20 @@ def test_no_offload_keeps_idle_state_on_gpu():
 
 
 def test_offload_auto_offloads_only_when_a_phase_would_not_fit(capsys):
-    dims70, dims7 = plan.KNOWN_SHAPES["meta-llama-3-70b"], plan.KNOWN_SHAPES["qwen2.5-7b"]
-    knobs = plan.Knobs(gpus_per_node=8, gpu_memory_gib=80)
+    dims70, dims7 = planner.KNOWN_SHAPES["meta-llama-3-70b"], planner.KNOWN_SHAPES["qwen2.5-7b"]
+    knobs = planner.Knobs(gpus_per_node=8, gpu_memory_gib=80)
     # 70B PPO on 80 GiB: generation next to both models' idle state does not fit -> offload.
-    on, why = plan.choose_offload(_cfg(), dims70, 64, knobs)
+    on, why = planner.choose_offload(_cfg(), dims70, 64, knobs)
     assert on and "generate would need" in why
     # The same on 141 GiB GPUs, and a 7B recipe on 80 GiB: everything fits on the GPU -> keep it.
-    assert not plan.choose_offload(_cfg(), dims70, 64, plan.Knobs(gpu_memory_gib=141))[0]
+    assert not planner.choose_offload(_cfg(), dims70, 64, planner.Knobs(gpu_memory_gib=141))[0]
     seven = Config.load(str(ROOT / "configs" / "ppo_7b.yaml"))
-    off, why = plan.choose_offload(seven, dims7, 8, knobs)
+    off, why = planner.choose_offload(seven, dims7, 8, knobs)
     assert not off and "every phase fits" in why
     # An explicit setting is taken as set.
-    assert plan.choose_offload(_cfg("trainer.offload_between_phases=false"), dims70, 64, knobs) == \
+    assert planner.choose_offload(_cfg("trainer.offload_between_phases=false"), dims70, 64, knobs) == \
         (False, "trainer.offload_between_phases=false")
-    assert plan.choose_offload(Config.load(str(ROOT / "configs" / "ppo_7b.yaml"),
+    assert planner.choose_offload(Config.load(str(ROOT / "configs" / "ppo_7b.yaml"),
                                            ["trainer.offload_between_phases=true"]), dims7, 8, knobs)[0]
     # The CLI reports the choice; --no-offload is offload_between_phases=false, and on 70B the
     # refusal names the setting that fixes it.
@@ -201,13 +203,13 @@ def test_estimate_against_peaks_measured_on_an_h200(tmp_path, estimator):
     overrides = [f"model.path={tmp_path}", f"algorithm.adv_estimator={estimator}",
                  "critic.recompute_values=always"] + H200_BENCH
     cfg = Config.load(None, overrides)
-    dims = plan.resolve_dims(str(tmp_path))
-    memory = plan.plan_memory(cfg, dims, 1, plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False))
+    dims = planner.resolve_dims(str(tmp_path))
+    memory = planner.plan_memory(cfg, dims, 1, planner.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False))
     for phase, gib in MEASURED_GIB[estimator].items():
         ph = memory[phase]
-        estimate = (ph["total"] - ph["components"]["runtime"]) / plan.GiB
+        estimate = (ph["total"] - ph["components"]["runtime"]) / planner.GiB
         assert estimate == pytest.approx(gib, rel=0.10), (phase, estimate, gib)
-    off, why = plan.choose_offload(cfg, dims, 1, plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8))
+    off, why = planner.choose_offload(cfg, dims, 1, planner.Knobs(gpus_per_node=1, gpu_memory_gib=139.8))
     assert not off, why
 
 
@@ -247,15 +249,15 @@ def test_values_phase_only_where_the_values_pass_runs(tmp_path):
     """A one-step critic update computes the values itself (critic.recompute_values=auto): the
     plan has no values phase then, and has one with =always or with several optimizer steps."""
     (tmp_path / "config.json").write_text(json.dumps(H200_SHAPE))
-    dims = plan.resolve_dims(str(tmp_path))
-    knobs = plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False)
+    dims = planner.resolve_dims(str(tmp_path))
+    knobs = planner.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False)
     base = [f"model.path={tmp_path}", "algorithm.adv_estimator=gae"] + H200_BENCH
     for extra, has_values in (([], False), (["critic.recompute_values=always"], True),
                               (["critic.ppo_mini_batch_size=32"], True), (["critic.ppo_epochs=2"], True),
                               (["actor.ppo_epochs=2"], True)):
         cfg = Config.load(None, base + extra)
         assert cfg.critic_values_pass is has_values, extra
-        assert ("values" in plan.plan_memory(cfg, dims, 1, knobs)) is has_values, extra
+        assert ("values" in planner.plan_memory(cfg, dims, 1, knobs)) is has_values, extra
 
 
 def test_reward_models_count_in_every_phase(tmp_path):
@@ -266,15 +268,15 @@ def test_reward_models_count_in_every_phase(tmp_path):
     rm = tmp_path / "rm"
     rm.mkdir()
     (rm / "config.json").write_text(json.dumps({**H200_SHAPE, "architectures": ["Qwen2ForSequenceClassification"]}))
-    dims = plan.resolve_dims(str(tmp_path))
-    knobs = plan.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False)
+    dims = planner.resolve_dims(str(tmp_path))
+    knobs = planner.Knobs(gpus_per_node=1, gpu_memory_gib=139.8, offload=False)
     base = [f"model.path={tmp_path}"] + H200_BENCH
     with_rm = base + ["reward.sources=[{name: rule, type: rule}, {name: rm, type: reward_model, "
                       f"path: {rm}, dtype: bf16}}]"]
-    plain = plan.plan_memory(Config.load(None, base), dims, 1, knobs)
-    scored = plan.plan_memory(Config.load(None, with_rm), dims, 1, knobs)
+    plain = planner.plan_memory(Config.load(None, base), dims, 1, knobs)
+    scored = planner.plan_memory(Config.load(None, with_rm), dims, 1, knobs)
     # 1.5B shape, tied embeddings at PP=1: the whole model without a second vocab matrix, bf16.
-    rm_bytes = 2 * plan.stage_params(dims, 1, 1, 0, 128)
+    rm_bytes = 2 * planner.stage_params(dims, 1, 1, 0, 128)
     assert "reward" in scored and "reward" not in plain
     for phase in ("generate", "score", "actor_update"):
         assert scored[phase]["components"]["reward model parameters"] == rm_bytes
@@ -302,19 +304,19 @@ def test_lora_counts_and_memory_on_the_qwen7b_grpo_recipe():
     """actor.lora on the 7B GRPO recipe (TP=2 × DP=4, KL loss, TP_g = TP_t): the base keeps only
     its bf16 weights, the adapters get gradients and (ZeRO-1) optimizer state, the reference
     has no weights of its own, and generation gets a copy of its own (the merged weights)."""
-    dims = plan.KNOWN_SHAPES["qwen2.5-7b"]
-    knobs = plan.Knobs(gpus_per_node=8, offload=False)
+    dims = planner.KNOWN_SHAPES["qwen2.5-7b"]
+    knobs = planner.Knobs(gpus_per_node=8, offload=False)
     full_cfg = _cfg(path=GRPO7B)
     lora_cfg = _cfg("actor.lora.enable=true", path=GRPO7B)  # r=8, alpha=16, all-linear
     whole, local = _qwen7b_adapters(8, 2)
     assert whole == 20_185_088  # what peft prints for Qwen2.5-7B, all-linear r=8
-    assert plan.lora_trainable_params(dims, lora_cfg.actor.lora, "actor") == whole
-    assert plan.trainable_params(lora_cfg, dims, "actor", 0) == local == 12_902_400
-    n = plan.stage_params(dims, 2, 1, 0, 128)  # the base on one rank
-    assert plan.trainable_params(full_cfg, dims, "actor", 0) == n
+    assert planner.lora_trainable_params(dims, lora_cfg.actor.lora, "actor") == whole
+    assert planner.trainable_params(lora_cfg, dims, "actor", 0) == local == 12_902_400
+    n = planner.stage_params(dims, 2, 1, 0, 128)  # the base on one rank
+    assert planner.trainable_params(full_cfg, dims, "actor", 0) == n
 
-    full = plan.plan_memory(full_cfg, dims, 8, knobs)
-    lora = plan.plan_memory(lora_cfg, dims, 8, knobs)
+    full = planner.plan_memory(full_cfg, dims, 8, knobs)
+    lora = planner.plan_memory(lora_cfg, dims, 8, knobs)
     up_full, up = full["actor_update"]["components"], lora["actor_update"]["components"]
     assert up["actor parameters"] == 2 * (n + local)
     assert (up["actor gradients"], up["actor optimizer"]) == (4 * local, math.ceil(12 * local / 4))
@@ -329,7 +331,7 @@ def test_lora_counts_and_memory_on_the_qwen7b_grpo_recipe():
     # lora.dropout keeps each adapted linear's dropped input and its 1-byte mask (o and down
     # see their TP shard of the input); sequence parallelism keeps the gathered input of the
     # linear_qkv and linear_fc1 adapters, and o's and down's x·Aᵀ for this rank's tokens only.
-    act, adapters = plan.lora_activation_bytes_per_token_layer, lora_cfg.actor.lora
+    act, adapters = planner.lora_activation_bytes_per_token_layer, lora_cfg.actor.lora
     assert act(dims, adapters, 2, False) == 7 * 8 * 2
     assert act(dims, replace(adapters, dropout=0.1), 2, False) == \
         7 * 8 * 2 + (2 + 1) * (3584 + 3584 // 2 + 3584 + 18944 // 2)
@@ -341,32 +343,32 @@ def test_lora_counts_and_memory_on_the_qwen7b_grpo_recipe():
     assert full["generate"]["components"]["generation weights"] == 0
     assert lora["generate"]["components"]["generation weights"] == 2 * n
     # Checkpoints: the adapters in bf16 and their fp32 master copy and Adam moments.
-    assert plan.checkpoint_bytes(lora_cfg, dims) == {"actor": whole * (2 + 12)}
-    assert plan.checkpoint_bytes(full_cfg, dims) == {"actor": 2 * n * (2 + 12)}
+    assert planner.checkpoint_bytes(lora_cfg, dims) == {"actor": whole * (2 + 12)}
+    assert planner.checkpoint_bytes(full_cfg, dims) == {"actor": 2 * n * (2 + 12)}
     no_opt = _cfg("actor.lora.enable=true", "checkpoint.save_optimizer=false", path=GRPO7B)
-    assert plan.checkpoint_bytes(no_opt, dims) == {"actor": whole * 2}
+    assert planner.checkpoint_bytes(no_opt, dims) == {"actor": whole * 2}
 
 
 def test_lora_critic_trains_its_value_head_too():
     """critic.lora on the 7B PPO recipe (TP=4): the value head [1, h] trains beside the adapters
     (gradients, optimizer state, checkpoint); a q/v-only actor counts only those modules."""
-    dims = plan.KNOWN_SHAPES["qwen2.5-7b"]
+    dims = planner.KNOWN_SHAPES["qwen2.5-7b"]
     cfg = _cfg("critic.lora.enable=true", "actor.lora.enable=true", "actor.lora.r=16",
                "actor.lora.target_modules=[q_proj,v_proj]", path=PPO7B)
     whole, local = _qwen7b_adapters(8, 4)
-    assert plan.lora_trainable_params(dims, cfg.critic.lora, "critic") == whole + 3584
-    assert plan.trainable_params(cfg, dims, "critic", 0) == local + 3584
+    assert planner.lora_trainable_params(dims, cfg.critic.lora, "critic") == whole + 3584
+    assert planner.trainable_params(cfg, dims, "critic", 0) == local + 3584
     qv = 28 * 16 * ((3584 + 28 * 128) + (3584 + 4 * 128))
-    assert plan.lora_trainable_params(dims, cfg.actor.lora, "actor") == qv
-    t = plan.training_bytes(cfg, dims, 8, "critic", 0, plan.Knobs())
+    assert planner.lora_trainable_params(dims, cfg.actor.lora, "actor") == qv
+    t = planner.training_bytes(cfg, dims, 8, "critic", 0, planner.Knobs())
     assert t["gradients"] == 4 * (local + 3584)
-    assert plan.checkpoint_bytes(cfg, dims) == {"actor": qv * 14, "critic": (whole + 3584) * 14}
-    assert plan.lora_summary(cfg, dims, "actor") == (
-        f"actor LoRA: {qv:,} trainable parameters, {100 * qv / plan.total_params(dims):.3f}% of "
+    assert planner.checkpoint_bytes(cfg, dims) == {"actor": qv * 14, "critic": (whole + 3584) * 14}
+    assert planner.lora_summary(cfg, dims, "actor") == (
+        f"actor LoRA: {qv:,} trainable parameters, {100 * qv / planner.total_params(dims):.3f}% of "
         "the model's 7,615,616,512; r=16, alpha=16, targets q_proj,v_proj")
-    assert "(with the value head)" in plan.lora_summary(cfg, dims, "critic")
+    assert "(with the value head)" in planner.lora_summary(cfg, dims, "critic")
     # A critic's lora is not read where no critic runs (GRPO).
-    assert plan.lora_roles(_cfg("critic.lora.enable=true", path=GRPO7B)) == []
+    assert planner.lora_roles(_cfg("critic.lora.enable=true", path=GRPO7B)) == []
 
 
 def test_plan_cli_reports_what_lora_trains_and_saves(capsys):
@@ -384,5 +386,5 @@ def test_plan_cli_reports_what_lora_trains_and_saves(capsys):
     without = json.loads(capsys.readouterr().out)["memory"]
     peak = max((p for p in without if p != "host"), key=lambda p: without[p]["total"])
     assert (report["peak_phase_without"], report["peak_bytes_without"]) == (peak, without[peak]["total"])
-    assert report["saved_bytes"] == without[peak]["total"] - report["peak_bytes"] > 20 * plan.GiB
+    assert report["saved_bytes"] == without[peak]["total"] - report["peak_bytes"] > 20 * planner.GiB
     assert report["trainable_params"] == {"actor": 20_185_088}

@@ -5,26 +5,27 @@ from pathlib import Path
 import pytest
 
 from verl_mcore import plan, plan_time
+from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [("ppo_llama3_70b.yaml", 8), ("grpo_qwen2.5_7b_gsm8k.yaml", 1), ("ppo_7b.yaml", 1)]
 
 # A model small enough to count by hand: 2 layers, hidden 64, FFN 128, 4 heads (2 KV) of 16.
-TINY = plan.ModelDims(hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+TINY = planner.ModelDims(hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100, head_dim=16)
 UNIT = plan_time.Hardware("unit", copy_bytes_per_s=1e9, matmul_flops_per_s=1e12,
                           train_efficiency=0.5, rollout_efficiency=0.5, host_copy_bytes_per_s=1e9,
                           link_bytes_per_s=1e9, network_bytes_per_s=1e9)
 TINY_CFG = ["data.train_batch_size=4", "rollout.n=2", "data.max_prompt_length=8",
             "data.max_response_length=5", "rollout.max_num_seqs=4", "actor.ppo_mini_batch_size=4",
-            "algorithm.adv_estimator=grpo"]
+            "algorithm.adv_estimator=grpo", "actor.micro_batch_size_per_gpu=2"]
 
 
 def _shipped(name, nodes):
     cfg = Config.load(str(ROOT / "configs" / name))
-    dims = plan.resolve_dims(cfg.model.path)
-    knobs = plan.Knobs(gpus_per_node=8)
+    dims = planner.resolve_dims(cfg.model.path)
+    knobs = planner.Knobs(gpus_per_node=8)
     return cfg, dims, 8 * nodes, plan_time.splits(cfg, dims, 8 * nodes, knobs,
                                                   plan_time.HARDWARE["h100"])
 
@@ -59,7 +60,7 @@ def test_hand_computed_tiny_case():
     xfer = 180_864 / 1e9
     assert plan_time.transfer_seconds(cfg, TINY, 2, 2, UNIT, one_node=True) == pytest.approx(xfer)
     by_key = {(s.rollout_gpus, s.mode): s for s in
-              plan_time.splits(cfg, TINY, 4, plan.Knobs(gpus_per_node=4), UNIT)}
+              plan_time.splits(cfg, TINY, 4, planner.Knobs(gpus_per_node=4), UNIT)}
     assert by_key[(2, "sync")].step_s == pytest.approx(gen + train + xfer)
     assert by_key[(2, "one_step_off")].step_s == pytest.approx(max(gen, stale) + xfer)
     assert by_key[(0, "sync")].transfer_s == 0.0
@@ -68,7 +69,7 @@ def test_hand_computed_tiny_case():
 def test_generation_matches_the_bench_roofline_at_one_gpu():
     from bench.roofline import generation_bound
 
-    dims = plan.KNOWN_SHAPES["qwen2.5-1.5b"]
+    dims = planner.KNOWN_SHAPES["qwen2.5-1.5b"]
     cfg = Config.load(None, ["data.train_batch_size=16", "rollout.n=8", "rollout.max_num_seqs=128",
                              "data.max_prompt_length=256", "data.max_response_length=256"])
     hw = plan_time.HARDWARE["h200"]
@@ -79,12 +80,12 @@ def test_generation_matches_the_bench_roofline_at_one_gpu():
 
 def test_model_against_the_measured_one_h200_step():
     """RESULTS.md 2026-12-03 13:55: the 1.5B bench step (bench/bench_grpo_step.py's config)."""
-    dims = plan.KNOWN_SHAPES["qwen2.5-1.5b"]
+    dims = planner.KNOWN_SHAPES["qwen2.5-1.5b"]
     bench = ["data.train_batch_size=64", "rollout.n=8", "data.max_prompt_length=512",
              "data.max_response_length=512", "rollout.max_num_seqs=512",
              "actor.ppo_mini_batch_size=64", "actor.max_tokens_per_microbatch=16384",
              "critic.max_tokens_per_microbatch=16384", "actor.use_kl_loss=true",
-             "algorithm.adv_estimator=grpo"]
+             "algorithm.adv_estimator=grpo", "actor.micro_batch_size_per_gpu=2"]
     hw = plan_time.HARDWARE["h200"]
     grpo = Config.load(None, bench)
     assert plan_time.generation_seconds(grpo, dims, 1, hw) == pytest.approx(6.39, rel=0.1)
@@ -133,7 +134,7 @@ def test_generation_falls_and_training_rises_as_the_rollout_set_grows():
     assert train[0] > train[1]
     # 360 prompts × 2 split over many set sizes: R = 2, 3, 4, 6, 8, 9, 10 of 12 GPUs
     grpo = Config.load(None, TINY_CFG + ["data.train_batch_size=360", "actor.ppo_mini_batch_size=360"])
-    by_r = sorted((s for s in plan_time.splits(grpo, TINY, 12, plan.Knobs(gpus_per_node=12), UNIT)
+    by_r = sorted((s for s in plan_time.splits(grpo, TINY, 12, planner.Knobs(gpus_per_node=12), UNIT)
                    if s.mode == "sync" and not s.colocated), key=lambda s: s.rollout_gpus)
     assert [s.rollout_gpus for s in by_r] == [2, 3, 4, 6, 8, 9, 10]
     assert all(a.generate_s > b.generate_s and a.train_s < b.train_s for a, b in zip(by_r, by_r[1:]))

@@ -2,7 +2,7 @@
 import pytest
 
 from tests.multiproc import run_on_ranks
-from verl_mcore import plan
+from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config
 
 # Shapes of tests/models/hf_factory.py (vocab 250 exercises padding; 2 KV groups over TP=2).
@@ -68,7 +68,7 @@ def test_stage_params_match_megatron(family, tp, pp, targets):
     """role_params per rank; with LoRA (r=4) the planner's model, trainable and whole counts
     against attach_lora's adapters."""
     hf = FAMILIES[family]
-    dims = plan.ModelDims.from_hf_config(hf)
+    dims = planner.ModelDims.from_hf_config(hf)
     layout = [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}"]
     cfg = Config.load(None, layout)
     def names(role):
@@ -78,19 +78,19 @@ def test_stage_params_match_megatron(family, tp, pp, targets):
     lora = Config.load(None, layout + ["algorithm.adv_estimator=gae"] + [
         f"{role}.lora.{k}" for role in ("actor", "critic")
         for k in ("enable=true", "r=4", f"target_modules={names(role)}")])
-    assert plan.lora_roles(lora) == ["actor", "critic"]
+    assert planner.lora_roles(lora) == ["actor", "critic"]
     results = run_on_ranks(_count_params, 4, args=(hf, tp, pp, targets), timeout=300)
     for r in results:
         for role in ("actor", "critic"):
-            assert r[role] == plan.role_params(cfg, dims, role, r["stage"]), (family, role, r)
-            assert r[f"{role} with lora"] == (plan.role_params(lora, dims, role, r["stage"])
-                                              + plan.adapter_params(lora, dims, role, r["stage"])), r
-            assert r[f"{role} trainable"] == plan.trainable_params(lora, dims, role, r["stage"]), r
+            assert r[role] == planner.role_params(cfg, dims, role, r["stage"]), (family, role, r)
+            assert r[f"{role} with lora"] == (planner.role_params(lora, dims, role, r["stage"])
+                                              + planner.adapter_params(lora, dims, role, r["stage"])), r
+            assert r[f"{role} trainable"] == planner.trainable_params(lora, dims, role, r["stage"]), r
     for role in ("actor", "critic"):
         whole = sum(r[f"{role} whole"] for r in results if r["dp"] == 0)
         # lm_head's B holds the padded vocabulary's rows; the planner counts peft's (the HF ones)
         padding = 0
         if role == "actor" and "lm_head" in targets:
-            padding = 4 * (plan.padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by)
+            padding = 4 * (planner.padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by)
                            - dims.vocab_size)
-        assert whole == plan.lora_trainable_params(dims, getattr(lora, role).lora, role) + padding, role
+        assert whole == planner.lora_trainable_params(dims, getattr(lora, role).lora, role) + padding, role

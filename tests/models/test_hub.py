@@ -109,7 +109,7 @@ def test_revision_picks_another_commit(offline):
 
 
 def test_build_inputs_and_the_planner_accept_the_id(offline):
-    from verl_mcore.plan import resolve_dims, reward_model_dims
+    from verl_mcore.planning.memory import resolve_dims, reward_model_dims
 
     cfg = _config("model.path=org/tiny", "reward.num_workers=0",
                   "reward.sources=[{name: rm, type: reward_model, path: org/tiny-rm}]")

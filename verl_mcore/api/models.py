@@ -25,6 +25,17 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp
            "bf16": "bf16", "fp16": "fp16"}
 
 
+def micro_batched(cfg, info):
+    """`cfg` with the token budget the Trainer would run for each role that sets no micro-batch
+    size (build.resolve_micro_batches): the planner's on a GPU, from this config's lengths and
+    batch sizes, so a RolloutWorker's or an update's config gets a budget that holds its
+    sequences. Collective (the job's smallest GPU): every rank calls it alike."""
+    from verl_mcore import build
+
+    world = sess.current().world
+    return build.resolve_micro_batches(cfg, info, world, world)[0]
+
+
 def dtype_name(dtype: Any, who: str) -> Optional[str]:
     """"fp32" / "bf16" / "fp16" from those names, "float32"-style names or a torch.dtype."""
     if dtype is None:
@@ -146,6 +157,7 @@ class Policy:
         session = sess.session_for(cfg, who)
         ensure_tiny_model(cfg.model, session.local_rank)  # model.make_tiny_if_missing
         info = _read_model(cfg, who, session, tokenizer)
+        cfg = micro_batched(cfg, info)
         with build.role_seed(cfg.trainer.seed, "actor"):  # as the Trainer builds it
             actor = build.build_actor(cfg, session.groups, info)
         actor.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
@@ -162,7 +174,7 @@ class Policy:
         build.build_actor makes it."""
         from verl_mcore.engine.actor import Actor
 
-        a = cfg.actor
+        a = micro_batched(cfg, self.info).actor
         return Actor(self.actor.engine, a, mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n,
                      temperature=cfg.rollout.temperature or 1.0,
                      norm_len=float(cfg.data.max_response_length))
@@ -261,6 +273,7 @@ class Critic:
         cfg = sess.config_of(layout, asked, tree, {"algorithm": {"adv_estimator": "gae"}})
         session = sess.session_for(cfg, who)
         info = _read_model(cfg, who, session, tokenizer)
+        cfg = micro_batched(cfg, info)
         with build.role_seed(cfg.trainer.seed, "critic"):  # as the Trainer builds it
             critic = build.build_critic(cfg, session.groups, info)
         critic.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
@@ -271,6 +284,7 @@ class Critic:
         and epochs), as build.build_critic makes it."""
         from verl_mcore.engine.critic import Critic as CriticRole
 
+        cfg = micro_batched(cfg, self.info)
         c, a = cfg.critic, cfg.actor
         return CriticRole(self.critic.engine, c,
                           mini_batch_size=(c.ppo_mini_batch_size or a.ppo_mini_batch_size) * cfg.rollout.n,
@@ -322,5 +336,7 @@ class RewardModel:
                 raise ConfigError(f"{who}: {e}") from e
 
         info = all_ranks_agree(read, f"reading the model of {who}")
+        # The source's own micro-batch settings, else the actor's as the Trainer resolves them.
+        cfg = micro_batched(cfg, policy.info)
         scorer = build.build_reward_models(cfg, session.groups, policy.info, {name: info})[name]
         return cls(source, info, scorer)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import ExperienceBuffer, Experiences
+from verl_mcore.api.models import micro_batched
 from verl_mcore.api.phases import Phases
 from verl_mcore.config import ConfigError
 
@@ -76,8 +77,8 @@ class PPOTrainer:
                               "policy.tokenizer, or a critic of the policy's vocabulary")
         self.kl_ctrl = build.build_kl_controller(self.cfg)
         with build.role_seed(self.cfg.trainer.seed, "reference"):  # as the Trainer builds it
-            self.reference = build.build_reference(self.cfg, policy._session.groups, policy.info,
-                                                  policy.actor)
+            self.reference = build.build_reference(micro_batched(self.cfg, policy.info),
+                                                  policy._session.groups, policy.info, policy.actor)
         self._phases = Phases(reference=self.reference, kl_ctrl=self.kl_ctrl)
         self.updates = 0
 

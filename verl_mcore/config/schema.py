@@ -5,10 +5,14 @@ Batch sizes, in one place (verl's conventions, which RLHF users already know):
   rollout.n                    responses sampled per prompt -> samples per step = prompts × n
   actor.ppo_mini_batch_size    prompts per optimizer step, global: each step's samples are cut into
                                train_batch_size / ppo_mini_batch_size mini-batches per PPO epoch
-  actor.micro_batch_size_per_gpu  samples per forward/backward on one rank (padded path), or
-  actor.max_tokens_per_microbatch tokens per forward/backward on one rank (packed path; when set
-                               it replaces micro_batch_size_per_gpu and micro-batches are formed by
-                               this token budget, balanced across ranks)
+  actor.max_tokens_per_microbatch tokens per forward/backward on one rank (packed path:
+                               micro-batches are formed by this token budget, balanced across
+                               ranks), or
+  actor.micro_batch_size_per_gpu  samples per forward/backward on one rank (padded path, as verl
+                               users write it). With neither set (the default) the trainer packs
+                               with a budget the memory planner derives from the model and the
+                               GPU's memory (plan.choose_token_budgets; the log and
+                               `verl-mcore-plan` say which budget and why).
 Every "per_gpu" size is per data-parallel rank; everything else is global.
 """
 from __future__ import annotations
@@ -282,7 +286,8 @@ class ActorConfig:
     # Compute dtype (weights, activations); master weights and optimizer state are fp32 always.
     dtype: Dtype = "bf16"
     ppo_mini_batch_size: int = 8  # prompts per optimizer step, global
-    micro_batch_size_per_gpu: int = 2  # samples per forward/backward per rank (padded path)
+    # Micro-batches (module docstring): null and null = a token budget the planner derives.
+    micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward per rank (padded)
     max_tokens_per_microbatch: Optional[int] = None  # token budget per rank (packed path)
     ppo_epochs: int = 1
     policy_loss: Literal["ppo", "gspo", "reinforce", "gpg"] = "ppo"
@@ -307,6 +312,17 @@ class ActorConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
+def padded_micro_batches(role: "ActorConfig | CriticConfig") -> bool:
+    """The role runs the padded path: micro_batch_size_per_gpu set and no token budget (a
+    budget, when set, wins)."""
+    return role.max_tokens_per_microbatch is None and role.micro_batch_size_per_gpu is not None
+
+
+def planner_micro_batches(role: "ActorConfig | CriticConfig") -> bool:
+    """Neither micro-batch setting given: the planner derives the role's token budget."""
+    return role.max_tokens_per_microbatch is None and role.micro_batch_size_per_gpu is None
+
+
 @dataclass
 class ReferenceConfig:
     dtype: Dtype = "bf16"
@@ -323,7 +339,7 @@ class CriticConfig:
     # (README: what it costs).
     dtype: Dtype = "bf16"
     ppo_mini_batch_size: Optional[int] = None  # default: actor's
-    micro_batch_size_per_gpu: int = 2
+    micro_batch_size_per_gpu: Optional[int] = None  # as actor's: null and null = planner's budget
     max_tokens_per_microbatch: Optional[int] = None
     ppo_epochs: Optional[int] = None  # default: actor's
     cliprange_value: float = 0.5

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from verl_mcore.config.loading import ConfigError
-from verl_mcore.config.schema import Config
+from verl_mcore.config.schema import Config, padded_micro_batches
 
 # Every numeric config field: its valid interval (inf is never included: every value must be a
 # finite number) and what its edge values mean. `name[]` stands for each item of a list.
@@ -78,8 +78,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "algorithm.kl_ctrl.target_kl": ("(0, inf)", ""),
     "algorithm.kl_ctrl.horizon": ("[1, inf)", ""),
     "actor.ppo_mini_batch_size": ("[1, inf)", ""),
-    "actor.micro_batch_size_per_gpu": ("[1, inf)", ""),
-    "actor.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu"),
+    "actor.micro_batch_size_per_gpu": ("[1, inf)", "null: token-budget micro-batches"),
+    "actor.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu if set, else "
+                                                      "the planner's budget"),
     "actor.ppo_epochs": ("[1, inf)", ""),
     "actor.clip_ratio_low": ("[0, 1)", ""),
     "actor.clip_ratio_high": ("[0, inf)", ""),
@@ -88,8 +89,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "actor.kl_loss_coef": ("[0, inf)", ""),
     **{f"actor.optim.{k}": v for k, v in _OPTIM.items()},
     "critic.ppo_mini_batch_size": ("[1, inf)", "null: the actor's"),
-    "critic.micro_batch_size_per_gpu": ("[1, inf)", ""),
-    "critic.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu"),
+    "critic.micro_batch_size_per_gpu": ("[1, inf)", "null: token-budget micro-batches"),
+    "critic.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu if set, else "
+                                                      "the planner's budget"),
     "critic.ppo_epochs": ("[1, inf)", "null: the actor's"),
     "critic.cliprange_value": ("[0, inf)", ""),
     "critic.warmup_steps": ("[0, inf)", ""),
@@ -334,12 +336,21 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape],
     return errs
 
 
+def rollout_batch_bytes(cfg: Config) -> int:
+    """The step's global rollout batch, held by every rank after generation (engine/batch.py):
+    input_ids int64 [B, prompt + response] and 7 float32 [B, response] fields (mask, old and
+    reference log-probs, values, token rewards, advantages, returns). The memory planner counts
+    it in every phase after generation (planning/memory.py)."""
+    d = cfg.data
+    samples = d.train_batch_size * cfg.rollout.n
+    return samples * (8 * (d.max_prompt_length + d.max_response_length) + 7 * 4 * d.max_response_length)
+
+
 def _rollout_batch_fits(cfg: Config) -> list[str]:
     """The step's rollout batch (train_batch_size x rollout.n samples at the longest lengths) is
     held whole in host memory by every rank: one copy larger than this machine's memory would
     otherwise be a MemoryError in step 1, after the models were built."""
-    from verl_mcore.plan import GiB, rollout_batch_bytes
-
+    GiB = 1024 ** 3
     need = rollout_batch_bytes(cfg)
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -393,7 +404,7 @@ def _batch_errors(cfg: Config, world: int, critic_set=None,
     if mini_samples % dp:
         errs.append(f"a mini-batch of actor.ppo_mini_batch_size×rollout.n = {mini_samples} samples "
                     f"does not split over data-parallel size {dp}")
-    elif a.max_tokens_per_microbatch is None and (mini_samples // dp) % a.micro_batch_size_per_gpu:
+    elif padded_micro_batches(a) and (mini_samples // dp) % a.micro_batch_size_per_gpu:
         errs.append(f"per-rank mini-batch of {mini_samples // dp} samples is not divisible by "
                     f"actor.micro_batch_size_per_gpu={a.micro_batch_size_per_gpu} (or set "
                     "actor.max_tokens_per_microbatch for token-budget micro-batches)")
@@ -408,7 +419,7 @@ def _batch_errors(cfg: Config, world: int, critic_set=None,
         if d.train_batch_size % c_mini:
             errs.append(f"data.train_batch_size={d.train_batch_size} is not divisible by "
                         f"critic.ppo_mini_batch_size={c_mini}")
-        elif (c_mini * r.n) % dp == 0 and c.max_tokens_per_microbatch is None \
+        elif (c_mini * r.n) % dp == 0 and padded_micro_batches(c) \
                 and (c_mini * r.n // dp) % c.micro_batch_size_per_gpu:
             errs.append(f"per-rank critic mini-batch of {c_mini * r.n // dp} samples is not "
                         f"divisible by critic.micro_batch_size_per_gpu={c.micro_batch_size_per_gpu}")

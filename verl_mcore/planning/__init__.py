@@ -1,0 +1,1 @@
+"""Planning: what a config needs of the machine (memory.py), before and while it runs."""
