@@ -75,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, help="tokens per prompt")
     p.add_argument("--response-len", type=int, help="data.max_response_length")
     p.add_argument("--max-tokens", type=int,
-                   help="actor.max_tokens_per_microbatch (update, old and ref log-probs)")
+                   help="actor.max_tokens_per_microbatch (update, old and ref log-probs); 0: "
+                        "leave it unset, the trainer's default (the planner's budget)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="rollout.gpu_memory_utilization: KV cache cap, share of free memory")
     p.add_argument("--steps", type=int, default=3)
@@ -103,15 +104,15 @@ def config_overrides(args, model_dir: str, data_file: str, run_dir: str) -> list
         "algorithm.adv_estimator=grpo",
         f"actor.dtype={args.dtype}", f"reference.dtype={args.dtype}",
         f"actor.ppo_mini_batch_size={args.prompts}", "actor.ppo_epochs=1",
-        f"actor.max_tokens_per_microbatch={args.max_tokens}",
-        f"critic.max_tokens_per_microbatch={args.max_tokens}",  # PPO (adv_estimator=gae) only
         "actor.use_kl_loss=true", "actor.kl_loss_coef=0.001", "actor.kl_loss_type=k3",
         "actor.optim.lr=1e-6", "actor.optim.weight_decay=0.0",
         "parallel.use_distributed_optimizer=true",
         f"trainer.device={args.device}", f"trainer.total_steps={args.steps}",
         f"trainer.run_dir={run_dir}", "trainer.val_every=0", "trainer.logger=[console,jsonl]",
         "checkpoint.resume=never",
-    ] + list(args.overrides)
+    ] + ([f"actor.max_tokens_per_microbatch={args.max_tokens}",  # 0: the planner's budget
+          f"critic.max_tokens_per_microbatch={args.max_tokens}"]  # PPO (adv_estimator=gae) only
+         if args.max_tokens else []) + list(args.overrides)
 
 
 def prepare(args, workdir: str, rank: int) -> tuple[str, str]:
@@ -148,7 +149,8 @@ def run(args, workdir: str) -> tuple[list[dict], dict]:
     cfg = Config.load(None, config_overrides(args, model_dir, data_file, run_dir))
     validate(cfg, launch.world_size, ModelShape.from_hf_dir(model_dir))
     trainer = Trainer(cfg, launch=launch)
-    estimate = planner_estimate(cfg, model_dir, launch.world_size, launch.local_world_size)
+    # The trainer's config: micro-batch budgets as it resolved them (--max-tokens 0).
+    estimate = planner_estimate(trainer.cfg, model_dir, launch.world_size, launch.local_world_size)
     _check_prompt_lengths(trainer, args.prompt_len)
     # fit() saves a checkpoint after the last step (27 GB with the optimizer state at 1.5B);
     # after the metrics are logged, so skipping it changes no number here.
