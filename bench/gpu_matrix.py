@@ -75,7 +75,9 @@ COMMON = (
     "data.max_prompt_length=16", "data.max_response_length=8",
     "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
     "rollout.tensor_parallel_size=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
-    "actor.micro_batch_size_per_gpu=2", "critic.micro_batch_size_per_gpu=2",
+    # Micro-batches as users run them: the planner's token budget (the quickstart sets a padded
+    # size; the micro-* cases set each path explicitly).
+    "actor.micro_batch_size_per_gpu=null", "critic.micro_batch_size_per_gpu=null",
     "trainer.val_every=0", "checkpoint.save_every=0", "rollout.logprob_check.num_sequences=2",
 )
 
