@@ -25,6 +25,7 @@ from typing import Any, Optional
 from verl_mcore.config import Config, ConfigError
 from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
 from verl_mcore.models.hub import cache_advice, local_dir
+from verl_mcore.utils.device import cuda_in_use
 
 log = logging.getLogger("verl_mcore.build")
 
@@ -584,15 +585,13 @@ def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int
     (ConfigError on every rank alike; train.py exits 2). An explicit true / false is taken as
     set, with a warning. The estimates are for megatron's local layer spec (what bench/RESULTS.md
     measured): with TransformerEngine installed they only warn."""
-    import torch
-
     from verl_mcore.models.gpt import have_transformer_engine
     from verl_mcore.plan import GiB, USABLE_FRACTION, Knobs, misfits, plan_with_offload_choice, resolve_dims
 
     setting = cfg.trainer.offload_between_phases
     explicit = setting != "auto"
     as_set = (setting, f"trainer.offload_between_phases={str(setting).lower()}")
-    if not torch.cuda.is_available():
+    if not cuda_in_use():
         return as_set if explicit else (False, "auto: on CPU the training state already lives in host memory")
     try:
         dims = resolve_dims(info.hf_dir or cfg.model.path)
