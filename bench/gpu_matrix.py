@@ -95,10 +95,15 @@ class Case:
     resume: bool = False
     expect: tuple[str, ...] = ()  # metric names (fnmatch patterns) some row must have
     absent: tuple[str, ...] = ()  # metric names (fnmatch patterns) no row may have
+    # Processes of the run; more than one start under torchrun (on one GPU: gloo ranks with
+    # trainer.device=cpu).
+    ranks: int = 1
 
     @property
     def summary(self) -> str:
         parts = [] if self.config == QUICKSTART else [f"--config {self.config} (one GPU)"]
+        if self.ranks > 1:
+            parts.append(f"{self.ranks} ranks (torchrun)")
         parts += list(self.overrides)
         if self.resume:
             parts.append("then resume to steps+1")
@@ -207,6 +212,12 @@ def _cases() -> list[Case]:
                            "actor.lora.target_modules=[all-linear,lm_head]",
                            "actor.use_kl_loss=true", "actor.optim.lr=1e-3"), resume=True,
              expect=("actor/kl_loss", "rollout/logprob_diff_max")),
+        # trainer.device=cpu where torch has CUDA: the CPU path (cpu_compat, gloo) must be taken
+        # for the configured device; it segfaulted in the distributed optimizer's first
+        # parameter all-gather when CUDA's presence decided (tests/e2e/test_cpu_device.py).
+        Case("device-cpu", ("trainer.device=cpu", "parallel.use_distributed_optimizer=true")),
+        Case("device-cpu-2-ranks", ("trainer.device=cpu", "parallel.use_distributed_optimizer=true"),
+             ranks=2),
         Case("lora-ppo-bf16", (GAE, "actor.lora.enable=true", "critic.lora.enable=true",
                                "actor.lora.target_modules=[q_proj,v_proj]", "actor.dtype=bf16",
                                "critic.dtype=bf16", "reference.dtype=bf16"), resume=True,
@@ -226,8 +237,7 @@ EXEMPT: dict[tuple[str, Any], str] = {
     ("rollout.engine", "vllm"): "vLLM is not installed on the device machine (README: Not run)",
     ("rollout.mode", "one_step_off"): "needs placement.rollout, GPUs of its own: no machine of "
     "several GPUs was lent; tests/e2e/test_rollout_set.py runs it on 4 CPU gloo ranks",
-    ("trainer.device", "cpu"): "every case runs on --device (cuda on the H200)",
-    ("trainer.device", "auto"): "every case runs on --device (cuda on the H200)",
+    ("trainer.device", "auto"): "every case runs on --device (cuda on the H200) or on the CPU",
     ("data.truncation", "truncate_left"): "host-side prompt loading (tests/data)",
     ("data.truncation", "truncate_right"): "host-side prompt loading (tests/data)",
     ("data.on_bad_row", "skip"): "host-side prompt loading (tests/data)",
@@ -262,7 +272,10 @@ def commands(case: Case, *, root: str, model: str, run_dir: str, device: str,
             text = text.replace("{" + key + "}", str(value))
         return text
 
-    first = [sys.executable, "-m", "verl_mcore.train", "--config", os.path.join(root, case.config),
+    launcher = [sys.executable]
+    if case.ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.ranks}"]
+    first = [*launcher, "-m", "verl_mcore.train", "--config", os.path.join(root, case.config),
              *map(filled, COMMON + case.overrides)]
     if not case.resume:
         return [first]

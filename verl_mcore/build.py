@@ -26,6 +26,7 @@ from verl_mcore.config import Config, ConfigError
 from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
 from verl_mcore.models.hub import cache_advice, local_dir
 from verl_mcore.planning import memory as planner
+from verl_mcore.utils.device import cuda_in_use
 
 log = logging.getLogger("verl_mcore.build")
 # The most tokens a CPU micro-batch holds by default (resolve_micro_batches); bench/RESULTS.md
@@ -587,13 +588,11 @@ def resolve_micro_batches(cfg: Config, info: ModelInfo, world: int,
     On CPU there is no device memory to fit: at most CPU_TOKEN_BUDGET tokens (bench/RESULTS.md
     2026-12-07 measured it against padded micro-batches). Without a model shape for the
     planner: at most BUDGET_EFFICIENT_TOKENS."""
-    import torch
-
     roles = planner.budget_roles(cfg)
     if not roles:
         return cfg, planner.micro_batch_report(cfg, {})
     ladder = planner.budget_ladder(cfg, world, roles)
-    if torch.cuda.is_available() and cfg.trainer.device != "cpu":
+    if cuda_in_use():
         try:
             dims = planner.resolve_dims(info.hf_dir or cfg.model.path)
         except ConfigError as e:
@@ -620,14 +619,12 @@ def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int
     (ConfigError on every rank alike; train.py exits 2). An explicit true / false is taken as
     set, with a warning. The estimates are for megatron's local layer spec (what bench/RESULTS.md
     measured): with TransformerEngine installed they only warn."""
-    import torch
-
     from verl_mcore.models.gpt import have_transformer_engine
 
     setting = cfg.trainer.offload_between_phases
     explicit = setting != "auto"
     as_set = (setting, f"trainer.offload_between_phases={str(setting).lower()}")
-    if not torch.cuda.is_available():
+    if not cuda_in_use():
         return as_set if explicit else (False, "auto: on CPU the training state already lives in host memory")
     try:
         dims = planner.resolve_dims(info.hf_dir or cfg.model.path)

@@ -40,6 +40,7 @@ from verl_mcore.config import Config, ConfigError
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
 from verl_mcore.rollouts import RolloutSchedule
+from verl_mcore.utils.device import cuda_in_use
 from verl_mcore.reward.manager import RewardFailureError
 from verl_mcore.val_metrics import ValMetricError, ValMetrics, ValSamples
 
@@ -97,7 +98,7 @@ class StageTimer:
         self.peak_bytes: dict[str, int] = {}  # phase -> max over its repeats (CUDA only)
         self.alloc_retries: dict[str, int] = {}  # phase -> sum over its repeats (CUDA only)
         self.peak_seen = peak_seen  # bytes: every peak read before a reset
-        self.cuda = torch.cuda.is_available()
+        self.cuda = cuda_in_use()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -147,12 +148,9 @@ class Trainer:
         self.launch = launch or detect_launch()
         if not dist.is_initialized():
             setup_logging(self.launch.rank)
-            init_distributed(self.launch, cfg.trainer.device,
-                             process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
-        if not torch.cuda.is_available():
-            from verl_mcore.distributed import cpu_compat
-
-            cpu_compat.install()  # idempotent; also when the caller initialised torch.distributed
+        # Also when the caller initialised torch.distributed: the device follows trainer.device.
+        init_distributed(self.launch, cfg.trainer.device,
+                         process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = training_device()
         self.run_dir = build.resolve_run_dir(cfg)

@@ -59,8 +59,12 @@ def test_every_command_is_a_valid_one_gpu_config():
         assert len(argvs) == (2 if case.resume else 1)
         for argv in argvs:
             cfg = gm.config_of(argv)
-            assert cfg.trainer.device == "cuda" and cfg.model.path == "/m", case.name
-            validate(cfg, 1, TINY)  # raises ConfigError naming the fields
+            device = "cpu" if "trainer.device=cpu" in case.overrides else "cuda"
+            assert cfg.trainer.device == device and cfg.model.path == "/m", case.name
+            # Several ranks only on the CPU: the matrix has one GPU.
+            assert case.ranks == 1 or device == "cpu", case.name
+            assert ("torch.distributed.run" in argv) == (case.ranks > 1), case.name
+            validate(cfg, case.ranks, TINY)  # raises ConfigError naming the fields
         assert gm.expected_steps(argvs)[-1] == (4 if case.resume else 3)
     assert gm.expected_steps(gm.commands(next(c for c in gm.CASES if c.name == "validation"),
                                          root=str(ROOT), model="/m", run_dir="/r", device="cuda",

@@ -14,10 +14,6 @@ import torch
 from tests.multiproc import run_on_ranks
 from verl_mcore.distributed import cpu_compat
 
-cpu_only = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="install() is a no-op with CUDA (test_install_is_noop_with_cuda)"
-)
-
 
 @pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: f"{p.module}.{p.attr}")
 def test_patch_target_exists_with_expected_signature(patch):
@@ -38,11 +34,14 @@ def test_every_patch_has_a_replacement():
     assert set(replacements) == {(p.module, p.attr) for p in cpu_compat.PATCHES}
 
 
-def test_install_is_noop_with_cuda(monkeypatch):
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_install_is_noop_with_cuda_unless_the_device_is_cpu(monkeypatch, device):
+    # "auto" with a GPU, and "cuda" anywhere, leave this process untouched; install("cpu") is the
+    # probe below (it must run in a fresh rank: it patches for good).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     current_device = torch.cuda.current_device
     depth = torch._C._len_torch_function_stack()
-    assert cpu_compat.install() is False
+    assert cpu_compat.install(device) is False
     assert not cpu_compat.is_installed()
     assert torch.cuda.current_device is current_device
     assert torch._C._len_torch_function_stack() == depth
@@ -55,14 +54,26 @@ def test_install_is_noop_with_cuda(monkeypatch):
         assert not hasattr(value, "__cpu_compat_wrapped__")
 
 
-def _probe(rank, world_size):
-    """Everything observable about install() in a fresh 1-rank process; asserted in the tests."""
+def test_install_names_a_bad_device():
+    with pytest.raises(ValueError, match="device 'gpu' is not one of auto, cpu, cuda"):
+        cpu_compat.install("gpu")
+
+
+def _probe(rank, world_size, device):
+    """Everything observable about install(device) in a fresh 1-rank process; asserted in the
+    tests. device "cpu" runs where torch sees a GPU (made to, on a CPU build): trainer.device=cpu
+    under a CUDA build of torch, which must take the very same CPU path."""
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as megatron_optimizer
     from megatron.core import parallel_state, tensor_parallel
 
+    from verl_mcore.utils.device import cuda_in_use
+
+    if device == "cpu" and not torch.cuda.is_available():
+        torch.cuda.is_available = lambda: True  # as under a CUDA build; a fresh rank
     originals = {p: cpu_compat.resolve(p)[2] for p in cpu_compat.PATCHES}
-    out: dict = {"installed": [cpu_compat.install(), cpu_compat.install()]}
+    out: dict = {"installed": [cpu_compat.install(device), cpu_compat.install(device)]}
+    out["cuda_in_use"] = cuda_in_use()
     out["mode_depth"] = torch._C._len_torch_function_stack()
     out["replaced"] = {
         f"{p.module}.{p.attr}": cpu_compat.resolve(p)[2] is not originals[p] for p in cpu_compat.PATCHES
@@ -156,26 +167,26 @@ def _probe(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module")
-def probe():
+@pytest.fixture(scope="module", params=["auto", "cpu"])
+def probe(request):
+    if request.param == "auto" and torch.cuda.is_available():
+        pytest.skip("install() (auto) is a no-op with CUDA (test_install_is_noop_with_cuda_unless_...)")
     # A fresh process: the probe checks what cpu_compat.install() changes, which a pooled rank that
     # already ran another test would have installed before the probe looks.
-    return run_on_ranks(_probe, world_size=1, timeout=120, fresh=True)[0]
+    return run_on_ranks(_probe, world_size=1, args=(request.param,), timeout=120, fresh=True)[0]
 
 
-@cpu_only
 def test_install_is_idempotent(probe):
     assert probe["installed"] == [True, True]
+    assert probe["cuda_in_use"] is False, "installed, the process computes on the CPU"
     assert probe["mode_depth"] == 1, "install() twice must push the device mode once"
 
 
-@cpu_only
 def test_install_replaces_every_target(probe):
     assert all(probe["replaced"].values()), probe["replaced"]
     assert probe["rebound"], "megatron.core.optimizer.optimizer still holds the unwrapped function"
 
 
-@cpu_only
 def test_cuda_devices_become_cpu(probe):
     expected = {name: "cpu" for name in probe["devices"]}
     expected['zeros(device="meta")'] = "meta"
@@ -183,13 +194,11 @@ def test_cuda_devices_become_cpu(probe):
     assert probe["x.cuda() is x"]
 
 
-@cpu_only
 def test_pinned_memory_becomes_plain_copy(probe):
     assert probe["pin_memory copies"]
     assert probe["empty(pin_memory=True)"] == (3,)
 
 
-@cpu_only
 def test_cuda_type_names_only_inside_patched_functions(probe):
     # clip_grad_by_total_norm_fp32 asserts grad.type() == "torch.cuda.FloatTensor", then scales
     # by max_norm / (total_norm + 1e-6).
@@ -197,11 +206,9 @@ def test_cuda_type_names_only_inside_patched_functions(probe):
     assert probe["type_outside"] == "torch.FloatTensor"
 
 
-@cpu_only
 def test_rng_tracker_on_cpu_generator(probe):
     assert all(probe["rng"].values()), probe["rng"]
 
 
-@cpu_only
 def test_megatron_ddp_buffer_offload_roundtrip(probe):
     assert probe["ddp offload keeps params"]

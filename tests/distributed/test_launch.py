@@ -103,3 +103,25 @@ def test_single_process_default():
 def test_bad_integer_names_variable():
     with pytest.raises(LaunchError, match="WORLD_SIZE='eight'"):
         detect_launch({"RANK": "0", "WORLD_SIZE": "eight"})
+
+
+def _init_over_callers_group(rank, world_size, device):
+    from verl_mcore.distributed.launch import detect_launch, init_distributed
+
+    try:
+        return init_distributed(detect_launch(), device)
+    except LaunchError as e:
+        return str(e)
+
+
+def test_a_callers_process_group_of_the_wrong_backend_is_refused_before_any_model():
+    # The rank's group is gloo (run_on_ranks): trainer.device=cuda would put CUDA tensors in
+    # gloo's collectives (a segfault in megatron's coalesced all-gather); refused naming both.
+    from tests.multiproc import run_on_ranks
+
+    [message] = run_on_ranks(_init_over_callers_group, 1, args=("cuda",), timeout=120)
+    assert message.startswith("trainer.device=cuda computes on cuda, which needs the nccl backend, "
+                              "but torch.distributed was initialised with 'gloo'"), message
+    assert "torch " in message and "initialise it with 'nccl', or leave it to the trainer" in message
+    # The matching device keeps the caller's group.
+    assert run_on_ranks(_init_over_callers_group, 1, args=("cpu",), timeout=120) == ["cpu"]

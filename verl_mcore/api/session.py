@@ -179,7 +179,6 @@ def session_for(cfg: Config, who: str) -> Session:
     """The process's session, made from `cfg` if there is none yet (see the module docstring);
     raises ConfigError when `cfg` asks for another layout."""
     global _current
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -202,11 +201,8 @@ def session_for(cfg: Config, who: str) -> Session:
     timeout = process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds()
     if not dist.is_initialized():
         setup_logging(launch.rank)
-        init_distributed(launch, cfg.trainer.device, timeout)
-    if not torch.cuda.is_available():
-        from verl_mcore.distributed import cpu_compat
-
-        cpu_compat.install()  # idempotent; also when the caller initialised torch.distributed
+    # Also when the caller initialised torch.distributed: the device follows trainer.device.
+    init_distributed(launch, cfg.trainer.device, timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     check(cfg, who, world)  # the layout fits this world, before megatron asserts it does not
     groups = build_groups(cfg, int(timeout // 60) + 1)

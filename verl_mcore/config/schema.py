@@ -402,6 +402,9 @@ class TrainerConfig:
     # gradient norm stop the run (a run whose every update is skipped trains nothing).
     max_consecutive_skips: int = 3
     collective_timeout_s: float = 1800.0
+    # Where the models compute: "auto" is cuda when torch sees a GPU, else cpu. cpu runs the
+    # CPU path (gloo, megatron-core through distributed/cpu_compat.py) under a CUDA build of
+    # torch as well; the configured device, not CUDA's presence, decides (utils/device.py).
     device: Literal["auto", "cuda", "cpu"] = "auto"
     # Move the actor's and critic's optimizer state and gradient buffers to (pinned) host memory
     # before generation; each comes back only for its own update, so generation, scoring and the

@@ -9,6 +9,7 @@ schedules, DDP and the distributed optimizer) run unchanged on gloo.
 
     from verl_mcore.distributed import cpu_compat
     cpu_compat.install()        # before building models; a no-op when CUDA is available
+    cpu_compat.install("cpu")   # trainer.device=cpu: also under a CUDA build of torch
 
 What `install()` changes, process-wide (see PATCHES for the exact targets):
 
@@ -24,10 +25,20 @@ What `install()` changes, process-wide (see PATCHES for the exact targets):
 4. `tensor.type()` reports CPU tensors as `torch.cuda.*Tensor` inside the few megatron functions
    that reject anything else (distributed optimizer set-up, fp32 gradient clipping).
 
-Everything is active only without CUDA: on a GPU machine `install()` does nothing, so production
-runs never go through this module. Every patched megatron target is listed in PATCHES with the
-signature it was written against; tests/distributed/test_cpu_compat.py fails when an upgrade of
-megatron-core moves or changes one of them.
+Everything is active only on a process that computes on the CPU: `install()` ("auto") does
+nothing where torch sees a GPU, so production runs never go through this module; `install("cpu")`
+(trainer.device=cpu, which distributed/launch.py passes) installs under a CUDA build of torch as
+well. That case needs the patches as much as a CPU build does: without them megatron allocates its
+parameter and gradient buffers on `torch.cuda.current_device()`, and under gloo the distributed
+optimizer's parameter all-gather (param_and_grad_buffer.py `start_param_sync`, inside
+torch.distributed's `_coalescing_manager`) reaches gloo's coalesced all-gather, which has no CUDA
+variant: it hands the CUDA tensors' device pointers to gloo as host memory and the process
+segfaults (seen with torch 2.11+cu130). Installing also records the CPU as this process's compute
+device (utils/device.py), which our own CUDA-or-CPU branches read.
+
+Every patched megatron target is listed in PATCHES with the signature it was written against;
+tests/distributed/test_cpu_compat.py fails when an upgrade of megatron-core moves or changes one
+of them.
 """
 from __future__ import annotations
 
@@ -39,6 +50,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from verl_mcore.utils.device import set_compute_device
 
 MEGATRON_CORE_VERSION = "0.16.1"  # the version these patches were written and tested against
 
@@ -355,17 +368,22 @@ def is_installed() -> bool:
     return _installed
 
 
-def install() -> bool:
+def install(device: str = "auto") -> bool:
     """Make megatron-core run on CPU in this process. Returns True when the patches are active.
 
-    Idempotent. Does nothing (returns False) when CUDA is available. Call it in every rank before
-    megatron builds models or optimizers (a spawned rank starts without it).
+    device: "auto" installs only where torch sees no GPU; "cpu" installs whatever torch sees (the
+    process computes on the CPU though CUDA is there: trainer.device=cpu); "cuda" does nothing.
+    Idempotent. Call it in every rank before megatron builds models or optimizers (a spawned rank
+    starts without it): patches installed after a model was built on the GPU cannot move it.
     """
     global _installed, _device_mode
-    if torch.cuda.is_available():
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"cpu_compat.install: device {device!r} is not one of auto, cpu, cuda")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return False
     if _installed:
         return True
+    set_compute_device("cpu")
     import megatron.core
 
     if megatron.core.__version__ != MEGATRON_CORE_VERSION:

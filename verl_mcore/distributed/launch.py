@@ -182,22 +182,45 @@ def _free_port() -> int:
 
 
 def init_distributed(info: LaunchInfo, device: str = "auto", timeout_s: float = 1800.0) -> str:
-    """Initialise torch.distributed for `info`; NCCL with CUDA, gloo without. Returns the device type."""
+    """Make this process compute on `device` ("auto": CUDA when torch sees it) and initialise
+    torch.distributed for `info`: NCCL with CUDA, gloo on the CPU. Returns the device type.
+
+    The configured device decides, not CUDA's presence: "cpu" under a CUDA build installs
+    cpu_compat as a CPU build does (utils/device.py says what breaks otherwise). Where a caller
+    initialised torch.distributed already (a test, a user's script around Trainer), its process
+    group is kept, and refused when its backend cannot move this device's tensors: megatron's
+    groups inherit that backend, and gloo handed CUDA tensors in megatron's coalesced
+    collectives segfaults instead of raising.
+    """
     import torch
     import torch.distributed as dist
 
+    from verl_mcore.utils.device import set_compute_device
+
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    kind, backend = ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
+    if dist.is_initialized():
+        found = dist.get_backend()
+        # A backend per device type reads "cpu:gloo,cuda:nccl".
+        if found != backend and f"{kind}:{backend}" not in found.split(","):
+            raise LaunchError(
+                f"trainer.device={device} computes on {kind}, which needs "
+                f"the {backend} backend, but torch.distributed was initialised with {found!r} "
+                f"before the trainer started (rank {info.rank}, torch {torch.__version__}): "
+                f"initialise it with {backend!r}, or leave it to the trainer")
     if use_cuda:
         if not torch.cuda.is_available():
             raise LaunchError("trainer.device=cuda but torch sees no CUDA device on rank "
                               f"{info.rank} ({socket.gethostname()})")
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        if not dist.is_initialized():  # a caller that initialised it chose its device
+            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        set_compute_device("cuda")
     else:
         from verl_mcore.distributed import cpu_compat
 
-        cpu_compat.install()
+        # "cpu", not "auto": under a CUDA build too, or megatron builds on the GPU under gloo.
+        cpu_compat.install("cpu")
     if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if info.world_size == 1:
             # Nobody to meet: an in-memory store, no port to bind or to race for.
@@ -206,7 +229,7 @@ def init_distributed(info: LaunchInfo, device: str = "auto", timeout_s: float = 
         else:
             dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
                                     rank=info.rank, world_size=info.world_size, timeout=timeout)
-    return "cuda" if use_cuda else "cpu"
+    return kind
 
 
 class _RankFilter(logging.Filter):

@@ -30,6 +30,7 @@ from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.engine import MegatronEngine
 from verl_mcore.engine.flops import measured_matmul_ceiling, peak_flops, sequence_flops
 from verl_mcore.engine.logprobs import response_logprobs
+from verl_mcore.utils.device import cuda_in_use
 
 
 def _model_vocab(engine: MegatronEngine) -> int:
@@ -241,6 +242,6 @@ def summarize(prefix, steps, engine, batch, epochs, vocab_size) -> dict[str, flo
 
 
 def _now() -> float:
-    if torch.cuda.is_available():
+    if cuda_in_use():
         torch.cuda.synchronize()
     return time.perf_counter()

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from verl_mcore.engine import optim_step
 from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.packing import MicroBatch, build_micro_batch, pad_micro_batch, plan_micro_batches
+from verl_mcore.utils.device import compute_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # An optimizer step that changes the norm of the weights it updates by more than this factor (up
@@ -451,8 +452,9 @@ class MegatronEngine:
 
 
 def training_device() -> torch.device:
-    """The device this rank's models train on: the current CUDA device, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """The device this rank's models train on: the current CUDA device, or the CPU
+    (trainer.device decides, utils/device.py)."""
+    return compute_device()
 
 
 def _build_optimizer(optim, model, dtype: str, use_distributed_optimizer: bool, pg_collection):

@@ -56,7 +56,9 @@ def peak_flops(device_name: Optional[str] = None) -> Optional[float]:
     if device_name is None:
         import torch
 
-        if not torch.cuda.is_available():
+        from verl_mcore.utils.device import cuda_in_use
+
+        if not cuda_in_use():
             return None
         device_name = torch.cuda.get_device_name()
     for key, peak in _PEAKS:
@@ -78,7 +80,9 @@ def measured_matmul_ceiling(size: int = 512, repeats: int = 5) -> float:
 
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from verl_mcore.utils.device import cuda_in_use
+
+    device = "cuda" if cuda_in_use() else "cpu"
     if device not in _MEASURED:
         # Its own generator: a draw from the global one, made at a process's first step, would
         # shift every later dropout mask of a resumed run against the straight one.

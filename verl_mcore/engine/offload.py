@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from verl_mcore.engine import optim_step
+from verl_mcore.utils.device import cuda_in_use
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -59,7 +60,7 @@ class _Entry:
 
 def cuda_memory_allocated() -> int | None:
     """torch.cuda.memory_allocated() of the current device, None without CUDA."""
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    return torch.cuda.memory_allocated() if cuda_in_use() else None
 
 
 class HostOffloader:
@@ -111,7 +112,7 @@ class HostOffloader:
         self.frozen = frozen
         self._entries: list[_Entry] | None = None  # set while offloaded
         self._host: dict[int, torch.Tensor] = {}  # storage id -> reusable host byte buffer
-        self._on_cuda = torch.cuda.is_available()
+        self._on_cuda = cuda_in_use()
 
     @property
     def offloaded(self) -> bool:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from verl_mcore.utils.device import compute_device
+
 
 def sub_optimizers(optimizer) -> list:
     """The megatron optimizers a (possibly chained) optimizer steps."""
@@ -126,4 +128,4 @@ def _device_of(opt) -> torch.device:
     params = opt.get_parameters()
     if params:
         return params[0].device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return compute_device()

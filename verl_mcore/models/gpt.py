@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from verl_mcore.models.hf_config import DEFAULT_VOCAB_DIVISIBLE_BY, HFArch
 from verl_mcore.models.rope import install_packed_rope, install_rope
 from verl_mcore.models.weight_map import ROLES
+from verl_mcore.utils.device import compute_device, cuda_in_use
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -44,7 +45,7 @@ def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: 
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
-        use_te = torch.cuda.is_available() and have_transformer_engine()
+        use_te = cuda_in_use() and have_transformer_engine()
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm,
@@ -81,8 +82,7 @@ class ScalarHead(torch.nn.Module):
             torch.nn.init.normal_(weight, mean=0.0, std=config.init_method_std)
         else:
             weight.zero_()
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.weight = torch.nn.Parameter(weight.to(device))
+        self.weight = torch.nn.Parameter(weight.to(compute_device()))
 
     def forward(self, hidden_states: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
@@ -157,7 +157,7 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
         vp_stage=vp_stage,
         **kwargs,
     )
-    if torch.cuda.is_available():
+    if cuda_in_use():
         # Megatron's parallel linears allocate on the GPU, but the torch-norm fallback (no
         # apex / TE) and our head are built on the CPU: megatron's trainers call .cuda() too.
         model.cuda(torch.cuda.current_device())

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from verl_mcore.config.validate import load_config_json
+from verl_mcore.utils.device import cuda_in_use
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -273,7 +274,7 @@ def transformer_config(arch: HFArch, *, tp: int = 1, pp: int = 1,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not cuda_in_use(),
         # Fusions that need apex / TransformerEngine kernels stay off; the TE spec brings its own.
         # (A trainable engine turns gradient_accumulation_fusion on: it needs DDP's main_grad, and
         # models/grad_accum.py stands in for apex; see engine.role_config.)

@@ -2,7 +2,7 @@
 
 A resumed run must continue the random streams exactly where the interrupted one stopped, so a
 checkpoint stores, per rank: Python's `random`, numpy's global generator, torch's CPU generator,
-every CUDA device's generator (when CUDA is present), and the named states of megatron-core's
+every CUDA device's generator (when this process computes on CUDA: utils/device.py), and the named states of megatron-core's
 tensor-parallel RNG tracker (the "model-parallel-rng" stream dropout inside TP regions uses;
 `cpu_compat` keeps those on the CPU generator when there is no GPU).
 
@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_mcore.utils.device import cuda_in_use
+
 FORMAT = 1
 
 
@@ -29,7 +31,7 @@ def capture_rng_state() -> dict[str, Any]:
         # np.ndarray is not loadable with weights_only=True: keep the key words as a tensor.
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gauss),
         "torch_cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state_all() if cuda_in_use() else None,
         "megatron_tracker": _tracker_states(),
     }
     return state
@@ -47,7 +49,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached_gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gauss))
     torch.set_rng_state(state["torch_cpu"])
-    if torch.cuda.is_available():
+    if cuda_in_use():
         cuda = state["cuda"]
         if cuda is None:
             raise ValueError("rng state: saved without CUDA, cannot restore the CUDA generators")
