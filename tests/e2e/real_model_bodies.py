@@ -4,7 +4,6 @@ tests/conftest.py): chat prompts, their data file, transformers' greedy answers,
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
