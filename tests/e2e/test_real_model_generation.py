@@ -64,6 +64,8 @@ def test_greedy_stop_and_sampled_logprobs_one_rank(chat, tmp_path):
     t1 = res["t1"]
     mask = t1["mask"].bool()
     diff = (t1["engine"] - t1["actor"])[mask].abs().max().item()
+    print(f"real-model temperature 1: engine vs actor log-probs over {int(mask.sum())} tokens: "
+          f"max abs diff {diff:.2e}")
     assert diff < 1e-4, f"engine vs actor log-probs: max abs diff {diff:.2e}"
     assert int(mask.sum()) > len(rb.PROMPTS)
 
