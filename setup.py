@@ -35,7 +35,10 @@ EXTRAS = {
     "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "pandas>=2", "datasets>=3",
              "rouge-score>=0.1.2", "sacrebleu>=2.0",
              # peft: the oracle of the LoRA tests, and what loads an exported adapter.
-             "peft>=0.13"],
+             "peft>=0.13",
+             # gguf: transformers reads the real-model fixture's GGUF file with it
+             # (verl_mcore/real_model.py).
+             "gguf>=0.10"],
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.lora_bodies import assemble_adapters
 from tests.multiproc import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -22,7 +23,7 @@ def _body(rank, world_size, tp, pp):
 
     from tests.distributed.tiny_gpt import load_sharded
     from tests.engine import common as C
-    from tests.models.lora_bodies import lora_cfg
+    from tests.models.lora_bodies import adapter_shards, lora_cfg
     from verl_mcore.engine.actor import Actor, Reference
     from verl_mcore.engine.engine import MegatronEngine
     from verl_mcore.models import lora as L
@@ -52,9 +53,7 @@ def _body(rank, world_size, tp, pp):
                 if not p.requires_grad}
 
     def adapters():
-        return [(L.peft_key(a.layer, t, w), a.tp_rank, L.tp_shard_dim(t, w),
-                 (a.lora_A if w == "A" else a.lora_B)[t].detach().clone())
-                for a in L.adapters_of(engine.model) for t in a.targets for w in ("A", "B")]
+        return adapter_shards(engine.model)
 
     mb = dict(max_tokens_per_microbatch=40)
     ref_logp = Reference(engine, adapters_off=True, **mb).compute_ref_log_prob(batch)
@@ -77,17 +76,7 @@ def _body(rank, world_size, tp, pp):
 
 def _assemble(results) -> dict[str, torch.Tensor]:
     """{peft key: full adapter update} from the ranks' shards (DP rank 0's)."""
-    parts: dict[str, dict[int, tuple]] = {}
-    for res in results:
-        if res["dp_rank"] == 0:
-            for key, tp_rank, dim, delta in res["delta"]:
-                parts.setdefault(key, {})[tp_rank] = (dim, delta)
-    out = {}
-    for key, shards in parts.items():
-        dim = shards[0][0]
-        out[key] = shards[0][1] if dim is None else torch.cat(
-            [shards[r][1] for r in sorted(shards)], dim=dim)
-    return out
+    return assemble_adapters(results, "delta")
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,32 @@ def lora_cfg(targets, r=4, alpha=8.0, init=False):
                            init_lora_weights=init, lr=None, init_from=None)
 
 
+def adapter_shards(model) -> list[tuple]:
+    """(peft key, TP rank, TP shard dim or None, tensor) of every adapter tensor of a rank's
+    model chunks: what assemble_adapters joins into full tensors."""
+    from verl_mcore.models import lora as L
+
+    return [(L.peft_key(a.layer, t, w), a.tp_rank, L.tp_shard_dim(t, w),
+             (a.lora_A if w == "A" else a.lora_B)[t].detach().clone())
+            for a in L.adapters_of(model) for t in a.targets for w in ("A", "B")]
+
+
+def assemble_adapters(results, key: str) -> dict[str, torch.Tensor]:
+    """{peft key: full tensor} from the ranks' results: `result[key]` lists (peft key, TP rank,
+    TP shard dim or None, tensor) as adapter_shards gives them; DP rank 0's shards are joined."""
+    parts: dict[str, dict[int, tuple]] = {}
+    for res in results:
+        if res["dp_rank"] == 0:
+            for name, tp_rank, dim, t in res[key]:
+                parts.setdefault(name, {})[tp_rank] = (dim, t)
+    out = {}
+    for name, shards in parts.items():
+        dim = shards[0][0]
+        out[name] = shards[0][1] if dim is None else torch.cat(
+            [shards[r][1] for r in sorted(shards)], dim=dim)
+    return out
+
+
 def lora_logits_body(rank, world_size, hf_dir, tp, pp, targets, tokens, seed, sequence_parallel):
     """Logits of the model at TP x PP with random non-zero adapters (seeded), and with them off."""
     from megatron.core import parallel_state
