@@ -36,6 +36,7 @@ class ModelInfo:
     tokenizer: Any
     hf_dir: Optional[str]
     checkpoint: Optional[str]
+    tokenizer_dir: Optional[str] = None  # model.tokenizer's directory; None: hf_dir's tokenizer
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -56,12 +57,13 @@ def load_model_info(cfg: Config) -> ModelInfo:
                           "tokenizer are needed even when model.checkpoint gives the weights)")
     hf_dir = model_dir(cfg)
     arch = read_hf_arch(hf_dir)
+    tokenizer_dir = None
     if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.path:
-        tokenizer = _load_tokenizer(local_dir(cfg.model.tokenizer, None, "model.tokenizer"),
-                                    "model.tokenizer", cfg.model.trust_remote_code)
+        tokenizer_dir = local_dir(cfg.model.tokenizer, None, "model.tokenizer")
+        tokenizer = _load_tokenizer(tokenizer_dir, "model.tokenizer", cfg.model.trust_remote_code)
     else:
         tokenizer = _load_tokenizer(hf_dir, "model.path", cfg.model.trust_remote_code)
-    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint)
+    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint, tokenizer_dir)
 
 
 def model_dir(cfg: Config) -> Optional[str]:
@@ -558,11 +560,16 @@ def build_kl_controller(cfg: Config):
 def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
                         role_ranks: Optional[dict] = None):
     """The run's checkpoints, with the planner's estimate of their size (for the disk-space
-    check before each save) and the config record each actor checkpoint carries. role_ranks:
+    check before each save) and the record each actor checkpoint carries: the run's config, its
+    model's architecture, and a copy of the HF config and tokenizer files under
+    dist/hf_config/ (where hf-to-mcore keeps them), so that mcore-to-hf makes an HF model of a
+    checkpoint with nothing but --ckpt and --out. role_ranks:
     {"actor" / "critic": global ranks} of roles on sets of their own (checkpoints.RunCheckpoints;
     None: colocated)."""
     from verl_mcore.checkpoints import RunCheckpoints
     from verl_mcore.config.resume import checkpoint_files
+    from verl_mcore.engine.checkpoint import DIST_DIR
+    from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR, hf_config_copy
     from verl_mcore.plan import checkpoint_bytes, resolve_dims
 
     try:
@@ -570,8 +577,11 @@ def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
     except ConfigError as e:
         log.warning("no estimate of the checkpoint size (%s): no disk-space check before saves", e)
         expected = None
+    hf_files = {f"{DIST_DIR}/{CKPT_HF_CONFIG_SUBDIR}/{name}": content
+                for name, content in hf_config_copy(info.hf_dir, info.tokenizer_dir).items()}
     return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic,
-                          expected_bytes=expected, run_files=checkpoint_files(cfg, info.arch),
+                          expected_bytes=expected,
+                          run_files={**checkpoint_files(cfg, info.arch), **hf_files},
                           role_ranks=role_ranks, base_weights=info.checkpoint or info.hf_dir)
 
 
