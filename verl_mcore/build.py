@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
+from verl_mcore.config.seeds import data_config, data_seed, lora_seed
 from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
 from verl_mcore.models.hub import cache_advice, local_dir
 from verl_mcore.utils.device import cuda_in_use
@@ -261,7 +262,7 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
                                pg_collection=pg, use_te=False if lora else None)
 
     loader = _weight_loader(info, role if role in ("critic", "reward") else "actor", lora=lora,
-                            seed=cfg.trainer.seed)
+                            seed=lora_seed(cfg, role) if lora is not None else 0)
     return MegatronEngine(provider, config, pg, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
                           use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -505,7 +506,7 @@ def build_datasets(cfg: Config, info: ModelInfo):
     from verl_mcore.data import RLHFDataset, load_dataset_class
     from verl_mcore.user_code import call_with_time_limit
 
-    d = cfg.data
+    d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
     cls = load_dataset_class(d)  # imported under data.import_timeout_s first
     limit = read_time_limit(cfg)
     reading: list = []  # the split being read, for the message
@@ -547,7 +548,7 @@ def build_prompt_loader(cfg: Config, dataset, groups):
 
     rank, shares = prompt_shard(groups)
     return PromptLoader(dataset, cfg.data.train_batch_size, rank=rank, world_size=shares,
-                        shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+                        shuffle=cfg.data.shuffle, seed=data_seed(cfg))
 
 
 def build_kl_controller(cfg: Config):
