@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_mcore.config import Config, ConfigError
+from verl_mcore.config.seeds import data_config, data_seed, lora_seed
 from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
 from verl_mcore.models.hub import cache_advice, local_dir
 from verl_mcore.planning import memory as planner
@@ -40,6 +41,7 @@ class ModelInfo:
     tokenizer: Any
     hf_dir: Optional[str]
     checkpoint: Optional[str]
+    tokenizer_dir: Optional[str] = None  # model.tokenizer's directory; None: hf_dir's tokenizer
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -60,12 +62,13 @@ def load_model_info(cfg: Config) -> ModelInfo:
                           "tokenizer are needed even when model.checkpoint gives the weights)")
     hf_dir = model_dir(cfg)
     arch = read_hf_arch(hf_dir)
+    tokenizer_dir = None
     if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.path:
-        tokenizer = _load_tokenizer(local_dir(cfg.model.tokenizer, None, "model.tokenizer"),
-                                    "model.tokenizer", cfg.model.trust_remote_code)
+        tokenizer_dir = local_dir(cfg.model.tokenizer, None, "model.tokenizer")
+        tokenizer = _load_tokenizer(tokenizer_dir, "model.tokenizer", cfg.model.trust_remote_code)
     else:
         tokenizer = _load_tokenizer(hf_dir, "model.path", cfg.model.trust_remote_code)
-    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint)
+    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint, tokenizer_dir)
 
 
 def model_dir(cfg: Config) -> Optional[str]:
@@ -263,7 +266,7 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
                                pg_collection=pg, use_te=False if lora else None)
 
     loader = _weight_loader(info, role if role in ("critic", "reward") else "actor", lora=lora,
-                            seed=cfg.trainer.seed)
+                            seed=lora_seed(cfg, role) if lora is not None else 0)
     return MegatronEngine(provider, config, pg, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
                           use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -507,7 +510,7 @@ def build_datasets(cfg: Config, info: ModelInfo):
     from verl_mcore.data import RLHFDataset, load_dataset_class
     from verl_mcore.user_code import call_with_time_limit
 
-    d = cfg.data
+    d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
     cls = load_dataset_class(d)  # imported under data.import_timeout_s first
     limit = read_time_limit(cfg)
     reading: list = []  # the split being read, for the message
@@ -549,7 +552,7 @@ def build_prompt_loader(cfg: Config, dataset, groups):
 
     rank, shares = prompt_shard(groups)
     return PromptLoader(dataset, cfg.data.train_batch_size, rank=rank, world_size=shares,
-                        shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+                        shuffle=cfg.data.shuffle, seed=data_seed(cfg))
 
 
 def build_kl_controller(cfg: Config):
@@ -562,19 +565,27 @@ def build_kl_controller(cfg: Config):
 def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
                         role_ranks: Optional[dict] = None):
     """The run's checkpoints, with the planner's estimate of their size (for the disk-space
-    check before each save) and the config record each actor checkpoint carries. role_ranks:
+    check before each save) and the record each actor checkpoint carries: the run's config, its
+    model's architecture, and a copy of the HF config and tokenizer files under
+    dist/hf_config/ (where hf-to-mcore keeps them), so that mcore-to-hf makes an HF model of a
+    checkpoint with nothing but --ckpt and --out. role_ranks:
     {"actor" / "critic": global ranks} of roles on sets of their own (checkpoints.RunCheckpoints;
     None: colocated)."""
     from verl_mcore.checkpoints import RunCheckpoints
     from verl_mcore.config.resume import checkpoint_files
+    from verl_mcore.engine.checkpoint import DIST_DIR
+    from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR, hf_config_copy
 
     try:
         expected = planner.checkpoint_bytes(cfg, planner.resolve_dims(info.hf_dir or cfg.model.path))
     except ConfigError as e:
         log.warning("no estimate of the checkpoint size (%s): no disk-space check before saves", e)
         expected = None
+    hf_files = {f"{DIST_DIR}/{CKPT_HF_CONFIG_SUBDIR}/{name}": content
+                for name, content in hf_config_copy(info.hf_dir, info.tokenizer_dir).items()}
     return RunCheckpoints(cfg.checkpoint, run_dir, with_critic=cfg.uses_critic,
-                          expected_bytes=expected, run_files=checkpoint_files(cfg, info.arch),
+                          expected_bytes=expected,
+                          run_files={**checkpoint_files(cfg, info.arch), **hf_files},
                           role_ranks=role_ranks, base_weights=info.checkpoint or info.hf_dir)
 
 

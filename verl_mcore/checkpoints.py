@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -76,8 +76,9 @@ def _engine_parts(role):
 
 class RunCheckpoints:
     """expected_bytes: {role: bytes} of one checkpoint (plan.checkpoint_bytes), None when the
-    model shape is unknown (no space check before a save). run_files: {name: text} saved in
-    each actor checkpoint (the run's config.yaml and model_arch.json).
+    model shape is unknown (no space check before a save). run_files: {relative path: text or
+    bytes} saved in each actor checkpoint (the run's config.yaml and model_arch.json, its HF
+    config and tokenizer files: build.build_checkpointers).
 
     role_ranks: {"actor" / "critic": the role's global ranks} when a role lives on a set of its
     own (placement); a role left out runs on every rank. Every rank calls save / resume / close
@@ -86,7 +87,7 @@ class RunCheckpoints:
 
     def __init__(self, ckpt_cfg, run_dir: str, with_critic: bool,
                  expected_bytes: Optional[dict[str, int]] = None,
-                 run_files: Optional[dict[str, str]] = None,
+                 run_files: Optional[dict[str, Union[str, bytes]]] = None,
                  role_ranks: Optional[dict[str, Sequence[int]]] = None,
                  base_weights: Optional[str] = None):
         self.root = os.path.join(run_dir, CHECKPOINTS)

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from verl_mcore.config.seeds import rollout_config
 from verl_mcore.rollout.base import SamplingParams
 
 log = logging.getLogger("verl_mcore.generation")
@@ -139,7 +140,7 @@ def build_generation_phase(cfg, groups, info, actor) -> GenerationPhase:
     """The engine named by rollout.engine, over the actor's weights in the generation layout."""
     from verl_mcore.build import build_generation_model
 
-    r = cfg.rollout
+    r = rollout_config(cfg)  # its seed as the run draws it (the weight-sync check's)
     model, repartitioner = build_generation_model(cfg, groups, info, actor)
     engine = _engine(cfg, groups, info, model, repartitioner)
     return GenerationPhase(engine, actor, groups, r, info.eos_token_ids,
@@ -236,7 +237,7 @@ def build_rollout_set_phase(cfg, place, info, actor):
     from verl_mcore.models.gpt import unwrap
     from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
 
-    r, sets = cfg.rollout, place.placement.sets
+    r, sets = rollout_config(cfg), place.placement.sets
     a = sets["actor"]
     plan = CrossSetPlan(GroupLayout(len(a.ranks), a.tp, a.pp, a.cp, ranks=a.ranks, vpp=a.vpp),
                         sets["rollout"].ranks, r.tensor_parallel_size)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from verl_mcore import build
 from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config, ConfigError
+from verl_mcore.config.seeds import rollout_seed
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
 from verl_mcore.rollouts import RolloutSchedule
@@ -534,7 +535,7 @@ class Trainer:
             n=n, temperature=temperature, top_p=1.0 if greedy else r.top_p,
             top_k=-1 if greedy else r.top_k, max_new_tokens=self.cfg.data.max_response_length,
             stop_token_ids=self.info.eos_token_ids,
-            seed=r.seed + 1000003 * (index + seed_offset) + self._gen_replica(),
+            seed=rollout_seed(self.cfg) + 1000003 * (index + seed_offset) + self._gen_replica(),
             logprobs=self.cfg.placement.rollout is not None or r.tis_cap is not None,
         )
 

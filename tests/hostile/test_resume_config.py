@@ -14,6 +14,7 @@ from tests.engine.common import arch
 from tests.multiproc import run_on_ranks
 from verl_mcore.config import Config
 from verl_mcore.config import resume
+from verl_mcore.config.seeds import stream_seed
 
 
 def _saved(tmp_path, cfg, saved_arch=None):
@@ -52,7 +53,10 @@ def test_what_cannot_change_is_refused_by_name(tmp_path):
     assert "the vocabulary is padded to 200 rows" in message and "embedding has 128" in message
     assert "algorithm.adv_estimator: 'grpo' in the checkpoint -> 'gae'" in message
     assert "no critic" in message
-    assert "data.seed: 1 in the checkpoint -> 5" in message and "set data.seed=1 again" in message
+    # The checkpoint's data.seed was null: the one it drew from is derived from trainer.seed.
+    drawn = stream_seed(42, "data")
+    assert f"data.seed: {drawn} in the checkpoint -> 5" in message
+    assert f"set data.seed={drawn} again" in message
     assert "parallel.use_distributed_optimizer=True again" in message
 
     other = dataclasses.replace(arch(), hidden_size=128, num_layers=8)

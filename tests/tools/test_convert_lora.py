@@ -215,15 +215,45 @@ def full_step(root, hf_dir):
     return results[0]["path"]
 
 
-def test_a_fully_trained_step_directory_exports_as_before(full_step, hf_dir, tmp_path):
-    """No LoRA: --ckpt a step directory (its dist/ read as hf-to-mcore's), --hf-template for the
-    config the trainer's checkpoint does not carry; the weights come back to the bit."""
+@pytest.mark.parametrize("template", [True, False])
+def test_a_fully_trained_step_directory_exports_as_before(full_step, hf_dir, tmp_path, template):
+    """No LoRA: --ckpt a step directory (its dist/ read as hf-to-mcore's) saved without a copy of
+    the HF files (as the trainer saved before it kept one in dist/hf_config/, and as
+    lora_checkpoint_body saves): the config and tokenizer come from --hf-template, or without it
+    from the model.path its config.yaml records. The weights come back to the bit."""
     out = str(tmp_path / "hf")
-    assert main(["mcore-to-hf", "--ckpt", full_step, "--out", out, "--hf-template",
-                 hf_dir, "--quiet"]) == 0
+    flags = ["--hf-template", hf_dir] if template else []
+    assert main(["mcore-to-hf", "--ckpt", full_step, "--out", out, *flags, "--quiet"]) == 0
     base, back = _state(hf_dir), _state(out)
     base.pop("lm_head.weight", None)  # tied
     assert sorted(base) == sorted(back) and all(torch.equal(base[k], back[k]) for k in base)
+
+
+def test_a_missing_config_source_is_one_line_naming_the_file_and_the_flag(root, hf_dir, tmp_path,
+                                                                           capsys):
+    """A step directory without the HF files whose recorded model.path has moved, and an
+    --hf-template without a config.json: exit 2, one line, no traceback, nothing written."""
+    moved = str(tmp_path / "moved_model")
+    shutil.copytree(hf_dir, moved)
+    [result] = run_on_ranks(lora_checkpoint_body, 1, timeout=300,
+                            args=(moved, 1, 1, None, TOKENS, SEED, str(tmp_path / "run")))
+    shutil.rmtree(moved)
+    out = str(tmp_path / "out")
+    assert main(["mcore-to-hf", "--ckpt", result["path"], "--out", out, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err == (f"error: {result['path']}/dist/hf_config/config.json: not in the checkpoint, nor "
+                   f"at model.path {moved} that {result['path']}/config.yaml records (moved or "
+                   "deleted?); pass --hf-template DIR, an HF directory of the model the checkpoint "
+                   "was trained or converted from\n")
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert main(["mcore-to-hf", "--ckpt", result["path"], "--out", out, "--hf-template", empty,
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --hf-template {empty}: no config.json there; pass an HF directory " \
+                  "of the model the checkpoint was trained or converted from\n"
+    assert not os.path.exists(out)
 
 
 def test_bad_inputs_are_refused_naming_the_fix(saved, hf_dir, tmp_path, capsys):

@@ -26,7 +26,9 @@ Refused before any weight is read (ResumeConfigError, naming the key and what to
   - another padded vocabulary size (model.make_vocab_size_divisible_by with the training TP):
     the embedding and output layer have that many rows;
   - algorithm.adv_estimator=gae from a checkpoint of a run without a critic;
-  - data.seed, data.shuffle: the prompts still to come this epoch would change;
+  - data.seed, data.shuffle: the prompts still to come this epoch would change (data.seed as the
+    run draws it: null derives it from trainer.seed, config/seeds.py, so another trainer.seed
+    is refused there too);
   - a LoRA role's lora.r, lora.alpha, lora.target_modules (actor and critic): the adapters'
     shapes or their scale;
   - parallel.use_distributed_optimizer, when the checkpoint holds optimizer state: the two
@@ -48,6 +50,7 @@ from typing import Any, Optional
 import yaml
 
 from verl_mcore.config.loading import ConfigError, to_dict
+from verl_mcore.config.seeds import resolve_saved_seeds, resolve_seeds
 
 log = logging.getLogger("verl_mcore.config.resume")
 
@@ -101,6 +104,9 @@ def compare(checkpoint: str, cfg, arch) -> list[Change]:
         log.warning("checkpoint %s has no readable record of its config (%s): the config's "
                     "changes since are neither listed nor checked", checkpoint, e)
         return []
+    # The seeds the two configs draw from, null ones derived from their trainer.seed: another
+    # trainer.seed under a derived data.seed reorders the prompts as surely as another data.seed.
+    saved, cfg = resolve_saved_seeds(saved), resolve_seeds(cfg)
     # Keys the checkpoint's config lacks (added to the schema since) are left out.
     changes = [Change(k, _lookup(saved, k), v) for k, v in _leaves(cfg)
                if _lookup(saved, k) not in (_MISSING, v)]

@@ -89,7 +89,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
-    seed: int = 0
+    # Sampling's seed (each batch draws from it, the batch index and the replica); null: derived
+    # from trainer.seed (config/seeds.py). Set, it wins: the samples then stay the same while
+    # trainer.seed varies the rest.
+    seed: Optional[int] = None
     # Generation engine memory: fraction of the free GPU memory for the KV cache (GPU only). The
     # native engine's cache is paged: sequences take blocks as they grow, the samples of a prompt
     # share its prompt's blocks, and when the blocks run out the newest sequence is preempted and
@@ -140,7 +143,9 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step, global
     val_batch_size: Optional[int] = None  # default: all validation prompts in one batch
     shuffle: bool = True
-    seed: int = 1
+    # The prompt order (and a custom dataset's max_samples choice); null: derived from
+    # trainer.seed (config/seeds.py). Set, it wins. A resume keeps it (config/resume.py).
+    seed: Optional[int] = None
     # A subclass of verl_mcore.data.RLHFDataset overriding read_file or verl's
     # _read_files_and_tokenize (data/dataset.py).
     custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
@@ -396,6 +401,9 @@ class TrainerConfig:
     # Write this many prompt / response / score / reference rows of each validation to
     # RUN_DIR/val_generations/step_<step>.jsonl; 0: none.
     log_val_generations: int = 0
+    # The run's one seed: every random stream derives its own from it (config/seeds.py):
+    # sampling and the prompt order unless rollout.seed / data.seed are set, new heads (the
+    # critic's value head), LoRA adapters, dropout, torch / numpy / Python generators.
     seed: int = 42
     on_nonfinite: Literal["stop", "skip"] = "stop"
     # on_nonfinite=skip: this many optimizer steps of one role skipped in a row for a non-finite

@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the adapter's base_model_name_or_path")
     p.add_argument("--hf-template", default=None,
                    help="HF directory to take config.json and tokenizer files from (default: the "
-                        "copy hf-to-mcore stored in the checkpoint) or a Hugging Face Hub id org/name (from the HF cache, downloaded when not there)")
+                        "copy in the checkpoint, which hf-to-mcore and the trainer store; for a "
+                        "trainer checkpoint without one, the model.path its config.yaml records) "
+                        "or a Hugging Face Hub id org/name (from the HF cache, downloaded when "
+                        "not there)")
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hub id given as --hf-template (default: main)")
     p.add_argument("--max-shard-size", type=_parse_size, default="5GB",
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             out = _mcore_to_hf(args)
-        except (ConfigError, BadCheckpointError) as e:  # what to pass, or a damaged checkpoint
+        # What to pass, a damaged checkpoint, an --out without --force, a --ckpt that is not
+        # there: each message names the path and the flag.
+        except (ConfigError, BadCheckpointError, FileExistsError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"wrote {out}")

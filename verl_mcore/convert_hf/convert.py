@@ -7,7 +7,8 @@ sibling directory that is renamed into place at the end, so an interrupted run n
 directory that looks complete.
 
 The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, so mcore-to-hf
-needs no template for a checkpoint made by hf-to-mcore, conversion.json (the --max-seq-len a
+needs no template for a checkpoint made by hf-to-mcore or saved by the trainer (an actor
+checkpoint's dist/ carries the files the run started from), conversion.json (the --max-seq-len a
 sliding-window config was converted under), and a manifest.json (size and SHA-256 of every file,
 verl_mcore/engine/manifest.py) that every load checks first. mcore-to-hf checks a template
 against the checkpoint's record of its architecture and its tensors before writing.
@@ -24,11 +25,12 @@ import warnings
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from verl_mcore.config.loading import ConfigError
-from verl_mcore.config.resume import ARCH_FILE
+from verl_mcore.config.resume import ARCH_FILE, CONFIG_FILE
 from verl_mcore.convert_hf.dist_ckpt import (
     Chunk,
     DistCheckpointReader,
@@ -44,9 +46,8 @@ from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors, check_weight_files
 from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR as HF_CONFIG_SUBDIR
+from verl_mcore.models.load import metadata_files
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # hf-to-mcore's arguments that later reads of the stored config.json need ({"max_seq_len": N}).
 CONVERSION_RECORD = "conversion.json"
@@ -73,17 +74,11 @@ def release_freed_tensors_to_os() -> None:
         pass
 
 
-def _is_metadata_file(name: str) -> bool:
-    return not name.endswith(_WEIGHT_SUFFIXES) and name not in _WEIGHT_INDEXES
-
-
 def copy_metadata_files(src: str, dst: str) -> None:
     """config.json, generation_config.json, tokenizer files ...: every non-weight file of src."""
     os.makedirs(dst, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and _is_metadata_file(name):
-            shutil.copy2(path, os.path.join(dst, name))
+    for name in metadata_files(src):
+        shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
 def check_output_apart(out_dir: str, inputs: Mapping[str, Optional[str]]) -> None:
@@ -366,6 +361,30 @@ def _flat(record: dict, prefix: str = "") -> dict:
     return out
 
 
+def config_source(ckpt_dir: str) -> str:
+    """The directory whose config.json and tokenizer files belong to the dist checkpoint
+    `ckpt_dir`: the copy inside it (hf-to-mcore's, and every actor checkpoint the trainer saves),
+    else, for a trainer checkpoint saved before checkpoints carried that copy, the model.path its
+    config.yaml records, when it is still there. ConfigError naming the files and --hf-template
+    otherwise."""
+    stored = os.path.join(ckpt_dir, HF_CONFIG_SUBDIR)
+    if os.path.isfile(os.path.join(stored, "config.json")):
+        return stored
+    step_dir, _ = checkpoint_dirs(ckpt_dir)
+    recorded = os.path.join(step_dir, CONFIG_FILE) if step_dir else None
+    path = None
+    if recorded and os.path.isfile(recorded):
+        with open(recorded) as f:
+            path = ((yaml.safe_load(f) or {}).get("model") or {}).get("path")
+        if path and os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    where = (f", nor at model.path {path} that {recorded} records (moved or deleted?)"
+             if path else "")
+    raise ConfigError(f"{os.path.join(stored, 'config.json')}: not in the checkpoint{where}; "
+                      "pass --hf-template DIR, an HF directory of the model the checkpoint was "
+                      "trained or converted from")
+
+
 def conversion_max_seq_len(ckpt_dir: str) -> Optional[int]:
     """The --max-seq-len hf-to-mcore converted `ckpt_dir` with (None: not given, or not a
     checkpoint of hf-to-mcore)."""
@@ -378,11 +397,15 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, hf_template: Optional[str] 
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                         reader: Optional[DistCheckpointReader] = None) -> str:
     """Write safetensors shards + index + config/tokenizer files from a dist checkpoint
-    (`reader`: the caller's reader of ckpt_dir, already checked)."""
-    meta_src = hf_template or os.path.join(ckpt_dir, HF_CONFIG_SUBDIR)
-    if not os.path.isfile(os.path.join(meta_src, "config.json")):
-        raise FileNotFoundError(f"{meta_src}: no config.json; pass --hf-template PATH (an HF "
-                                "directory of the same architecture)")
+    (`reader`: the caller's reader of ckpt_dir, already checked). The config and tokenizer
+    come from `hf_template`, else from the checkpoint (config_source)."""
+    if hf_template is not None:
+        if not os.path.isfile(os.path.join(hf_template, "config.json")):
+            raise ConfigError(f"--hf-template {hf_template}: no config.json there; pass an HF "
+                              "directory of the model the checkpoint was trained or converted from")
+        meta_src = hf_template
+    else:
+        meta_src = config_source(ckpt_dir)
     reader = reader or DistCheckpointReader(ckpt_dir)  # its manifest covers conversion.json
     arch = read_hf_arch(meta_src, max_seq_len=conversion_max_seq_len(ckpt_dir))
     release_freed_tensors_to_os()

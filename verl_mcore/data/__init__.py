@@ -3,7 +3,7 @@
     from verl_mcore.data import build_dataset, PromptLoader
     ds = build_dataset(cfg.data.train_files, tokenizer, cfg.data)     # checks + tokenises
     loader = PromptLoader(ds, cfg.data.train_batch_size, rank=dp_rank, world_size=dp_size,
-                          seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+                          seed=data_seed(cfg), shuffle=cfg.data.shuffle)  # config/seeds.py
 
 `RLHFDataset` is the class a custom dataset subclasses (override `read_file`, or verl's
 `_read_files_and_tokenize` setting `self.dataframe`; see dataset.py).

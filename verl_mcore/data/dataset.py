@@ -94,7 +94,8 @@ class RLHFDataset:
         processor must be None (text prompts only; verl's is a multimodal processor);
         max_samples > 0 keeps that many of the rows read, as verl does: the first ones, or
         with data.shuffle a random choice by data.seed (numpy's default_rng(seed).choice, the
-        same rows as verl, kept here in file order)."""
+        same rows as verl, kept here in file order; the trainer's config has data.seed resolved,
+        config/seeds.py)."""
         if processor is not None:
             raise DataError(str(files), f"{type(self).__name__} was given processor="
                                         f"{type(processor).__name__}: multimodal processors are "
@@ -296,6 +297,12 @@ class RLHFDataset:
         if not 0 < self.max_samples < total:
             return
         if self.config.shuffle:
+            if self.config.seed is None:
+                # default_rng(None) draws from the OS: other rows at every start, on every rank.
+                raise ValueError(f"{type(self).__name__}: max_samples={self.max_samples} with "
+                                 "data.shuffle draws its rows by data.seed, which is null here; "
+                                 "give the dataset a DataConfig with a seed (the trainer passes "
+                                 "the one it derives from trainer.seed, config/seeds.py)")
             chosen = np.random.default_rng(self.config.seed).choice(total, self.max_samples,
                                                                     replace=False)
         else:

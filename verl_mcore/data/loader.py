@@ -1,7 +1,7 @@
 """Prompt batches: deterministic shuffling, data-parallel sharding, and a resumable position.
 
     loader = PromptLoader(dataset, batch_size=cfg.data.train_batch_size, rank=r, world_size=w,
-                          seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+                          seed=data_seed(cfg), shuffle=cfg.data.shuffle)  # config/seeds.py
     for batch in loader:          # this rank's share of each global batch; epochs roll over
         ...
     state = loader.state_dict()   # save with the checkpoint; load_state_dict(state) resumes
@@ -83,6 +83,9 @@ class PromptLoader:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")
+        if shuffle and not isinstance(seed, int):
+            raise ValueError(f"PromptLoader: seed={seed!r}; shuffling needs an int (data.seed, or "
+                             "the one config/seeds.data_seed derives from trainer.seed)")
         if drop_last and batch_size % world_size:
             raise ValueError(f"data.train_batch_size={batch_size} prompts do not split over "
                              f"{world_size} data-parallel ranks; make it a multiple of {world_size}")

@@ -8,6 +8,10 @@ On disk, under one root directory shared by all ranks:
         dist/                   megatron-core dist_checkpointing: model + optimizer, sharded by
                                 global tensor, so it loads at another TP / PP / DP layout
                                 (tested: TP2·DP1 -> TP1·DP2 and -> PP2; VPP is not tested)
+          hf_config/            actor: the HF config and tokenizer files the run started from
+                                (the trainer's extra files), as hf-to-mcore stores them, so
+                                mcore-to-hf needs only --ckpt and --out
+        config.yaml, model_arch.json  actor: the run's resolved config and model architecture
         trainer_state.pt        LR scheduler + the caller's trainer state (step, data position,
                                 KL controller, ...), written by rank 0
         rng/rank_00000.pt       each rank's RNG states (utils/rng.py)
@@ -76,7 +80,7 @@ import os
 import re
 import shutil
 import time
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -90,7 +94,13 @@ from verl_mcore.engine.safe_read import (
     read_json,
     torch_load,
 )
-from verl_mcore.utils.files import fsync_path, torch_save_synced, write_json_atomic, write_text_atomic
+from verl_mcore.utils.files import (
+    fsync_path,
+    torch_save_synced,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -519,13 +529,14 @@ class Checkpointer:
         optimizer: Any = None,
         scheduler: Any = None,
         extra_state: Optional[dict] = None,
-        extra_files: Optional[dict[str, str]] = None,
+        extra_files: Optional[dict[str, Union[str, bytes]]] = None,
     ) -> str:
         """Write the checkpoint of `step`; return the path it has (or will have, async) when
         committed. extra_state: the trainer's own state, any nesting of dicts / lists / tuples /
         str / int / float / bool / None / tensors; the role leader's copy is written (rank 0's
-        when colocated). extra_files: {name: text} written by the leader into the checkpoint
-        directory (the run's config).
+        when colocated). extra_files: {relative path: text or bytes} written by the leader into
+        the checkpoint directory (the run's config, and under dist/hf_config/ the HF config and
+        tokenizer files the run started from).
 
         A failure on any rank raises on every rank, and leaves the previous checkpoints as they
         were (the temporary directory is not removed here: RunCheckpoints does it)."""
@@ -586,8 +597,10 @@ class Checkpointer:
                     },
                     os.path.join(tmp, TRAINER_STATE),
                 )
-                for name, text in (extra_files or {}).items():
-                    write_text_atomic(os.path.join(tmp, name), text)
+                for name, content in (extra_files or {}).items():
+                    path = os.path.join(tmp, name)
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    write_bytes_atomic(path, content.encode() if isinstance(content, str) else content)
         pending = _PendingSave(step, tmp, final)
         meta = _meta(step, _layout(model_chunks, self.role),
                      self.optimizer_sharding if has_optimizer else None) if leader else None

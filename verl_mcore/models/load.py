@@ -1,6 +1,7 @@
 """One call from config fields to this rank's model: `model.path` (HF) or `model.checkpoint`."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
@@ -10,8 +11,50 @@ from verl_mcore.models.hf_config import HFArch, read_hf_arch, transformer_config
 from verl_mcore.models.hf_weights import load_hf_weights
 from verl_mcore.models.hub import local_dir
 
-# Where hf-to-mcore keeps config.json and tokenizer files inside a dist checkpoint.
+log = logging.getLogger("verl_mcore.models.load")
+
+# Where hf-to-mcore keeps config.json and tokenizer files inside a dist checkpoint (and the
+# trainer inside each actor checkpoint's dist/).
 CKPT_HF_CONFIG_SUBDIR = "hf_config"
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# A Hub snapshot's top level can hold other large files (an .onnx export, images): a copy kept
+# in every checkpoint takes the config and tokenizer (a few MB), never those.
+MAX_METADATA_FILE_BYTES = 64 * 1024**2
+
+
+def metadata_files(src: str) -> list[str]:
+    """The names of src's top-level non-weight files: config.json, generation_config.json,
+    tokenizer files, chat template ..."""
+    return [name for name in sorted(os.listdir(src))
+            if os.path.isfile(os.path.join(src, name)) and not name.endswith(_WEIGHT_SUFFIXES)
+            and name not in _WEIGHT_INDEXES]
+
+
+def hf_config_copy(hf_dir: str, tokenizer_dir: Optional[str] = None) -> dict[str, bytes]:
+    """{name: content} of the HF files a model's weights need beside them to be an HF model
+    again: hf_dir's non-weight files, with a separate tokenizer directory's (model.tokenizer)
+    over them by name, but the model's own config.json and generation_config.json kept. Read
+    once, when the run starts: the files the run's model was built from, even if the directory
+    changes later. Files over MAX_METADATA_FILE_BYTES are left out, with a warning naming them."""
+    out: dict[str, bytes] = {}
+    sources = [(hf_dir, ())]
+    if tokenizer_dir and os.path.realpath(tokenizer_dir) != os.path.realpath(hf_dir):
+        sources.append((tokenizer_dir, ("config.json", "generation_config.json")))
+    for src, keep_model_files in sources:
+        for name in metadata_files(src):
+            path = os.path.join(src, name)
+            if name in keep_model_files:
+                continue
+            if os.path.getsize(path) > MAX_METADATA_FILE_BYTES:
+                log.warning("%s (%.0f MiB) is not copied into the checkpoints' %s/: only config "
+                            "and tokenizer files are", path, os.path.getsize(path) / 2**20,
+                            CKPT_HF_CONFIG_SUBDIR)
+                continue
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
 
 
 def build_and_load(role: str, *, hf_path: Optional[str] = None, checkpoint: Optional[str] = None,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_mcore.config.seeds import rollout_config
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch
 from verl_mcore.models.hf_weights import named_canonical_parameters
@@ -211,7 +212,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("rollout.engine=vllm needs model.path to be a Hugging Face directory "
                              "(vLLM reads its config.json and tokenizer there)")
         dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[cfg.actor.dtype]
-        return cls(info.hf_dir, info.arch, gen_model, groups, cfg.rollout,
+        return cls(info.hf_dir, info.arch, gen_model, groups, rollout_config(cfg),
                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                    dtype=dtype, repartitioner=repartitioner)
 

@@ -100,10 +100,15 @@ def fsync_path(path: str) -> None:
 def write_text_atomic(path: str, text: str) -> None:
     """Replace `path` with `text` atomically (see the module docstring). A full disk raises
     DiskFullError and leaves the old file as it was."""
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """write_text_atomic for bytes (a tokenizer.model is binary)."""
     tmp = f"{path}{TMP_SUFFIX}{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -111,8 +116,7 @@ def write_text_atomic(path: str, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         if isinstance(e, OSError) and is_disk_full(e):
-            raise disk_full_error(path, f"writing {os.path.basename(path)}",
-                                  len(text.encode())) from e
+            raise disk_full_error(path, f"writing {os.path.basename(path)}", len(data)) from e
         raise
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
