@@ -42,11 +42,15 @@ class ModelInfo:
     hf_dir: Optional[str]
     checkpoint: Optional[str]
     tokenizer_dir: Optional[str] = None  # model.tokenizer's directory; None: hf_dir's tokenizer
+    # generation_config.json's eos_token_id (models/hf_config.generation_eos_ids)
+    generation_eos: tuple[int, ...] = ()
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        return sorted(ids)
+        """Where generation stops: the tokenizer's EOS (first: it also pads), then every other
+        EOS of generation_config.json, as transformers' generate stops."""
+        ids = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        return ids + [i for i in self.generation_eos if i not in ids]
 
     @property
     def pad_token_id(self) -> int:
@@ -55,7 +59,7 @@ class ModelInfo:
 
 
 def load_model_info(cfg: Config) -> ModelInfo:
-    from verl_mcore.models.hf_config import read_hf_arch
+    from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch
 
     if cfg.model.path is None:
         raise ConfigError("model.path must name a Hugging Face directory (its config.json and "
@@ -68,7 +72,8 @@ def load_model_info(cfg: Config) -> ModelInfo:
         tokenizer = _load_tokenizer(tokenizer_dir, "model.tokenizer", cfg.model.trust_remote_code)
     else:
         tokenizer = _load_tokenizer(hf_dir, "model.path", cfg.model.trust_remote_code)
-    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint, tokenizer_dir)
+    return ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint, tokenizer_dir,
+                     generation_eos_ids(hf_dir))
 
 
 def model_dir(cfg: Config) -> Optional[str]:

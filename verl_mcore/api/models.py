@@ -67,7 +67,7 @@ def _read_model(cfg, who: str, session, tokenizer: Any):
     from verl_mcore import build
     from verl_mcore.config import ModelShape
     from verl_mcore.distributed.agree import all_ranks_agree
-    from verl_mcore.models.hf_config import read_hf_arch
+    from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch
     from verl_mcore.models.hf_weights import check_weight_files
     from verl_mcore.models.hub import fetch_for_run
 
@@ -90,7 +90,8 @@ def _read_model(cfg, who: str, session, tokenizer: Any):
             raise ConfigError(f"{who}: the tokenizer given has {len(tokenizer)} ids but the model "
                               f"{arch.vocab_size} embeddings (vocab_size): ids past them would "
                               "read padding rows; give the model's own tokenizer")
-        return build.ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint)
+        return build.ModelInfo(arch, tokenizer, hf_dir, cfg.model.checkpoint,
+                               generation_eos=generation_eos_ids(hf_dir))
 
     return all_ranks_agree(read, f"reading the model of {who}")
 

@@ -95,6 +95,21 @@ def load_hf_config_dict(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return load_config_json(path)
 
 
+def generation_eos_ids(hf_dir: str | os.PathLike | None) -> tuple[int, ...]:
+    """The end-of-sequence ids of the directory's generation_config.json (one id or a list;
+    () when there is no such file or key). Instruct models often stop at more than the
+    tokenizer's EOS (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>), and transformers' generate
+    stops at every one of them."""
+    path = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
+    if not path or not os.path.isfile(path):
+        return ()
+    value = load_config_json(path).get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id {value!r} is not a token id or a list of them")
+    return tuple(ids)
+
+
 def _unsupported(source: str, field: str, value: Any, why: str) -> UnsupportedConfigError:
     return UnsupportedConfigError(f"{source}: unsupported `{field}` = {value!r}: {why}")
 
