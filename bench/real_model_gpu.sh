@@ -102,7 +102,8 @@ C)
 D)
   setup
   model=$(cat /tmp/keep/model_dir) || exit 1
-  timeout 560 python3 bench/bench_real_model.py --model "$model" --out "$OUT" > "$OUT/curves.log" 2>&1
+  timeout 560 python3 bench/bench_real_model.py --model "$model" --out "$OUT" --workdir /tmp/keep/rm_work \
+    --timeout-s 240 > "$OUT/curves.log" 2>&1
   echo "curves exit $?"; tail -25 "$OUT/curves.log"
   ;;
 *)
