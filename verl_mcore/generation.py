@@ -16,15 +16,25 @@ actor ranks send them (`WeightSender`), and the weight-sync check runs across th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from verl_mcore.config.schema import logprob_check_bound
 from verl_mcore.config.seeds import rollout_config
 from verl_mcore.rollout.base import SamplingParams
 
 log = logging.getLogger("verl_mcore.generation")
+
+
+def rollout_as_run(cfg):
+    """cfg.rollout as the run uses it: its seed as the run draws it and the weight-sync check's
+    bound for the actor's dtype (the engines and the check read these)."""
+    r = rollout_config(cfg)
+    return dataclasses.replace(r, logprob_check=dataclasses.replace(
+        r.logprob_check, max_abs_diff=logprob_check_bound(cfg)))
 
 
 class EngineStats:
@@ -140,7 +150,7 @@ def build_generation_phase(cfg, groups, info, actor) -> GenerationPhase:
     """The engine named by rollout.engine, over the actor's weights in the generation layout."""
     from verl_mcore.build import build_generation_model
 
-    r = rollout_config(cfg)  # its seed as the run draws it (the weight-sync check's)
+    r = rollout_as_run(cfg)
     model, repartitioner = build_generation_model(cfg, groups, info, actor)
     engine = _engine(cfg, groups, info, model, repartitioner)
     return GenerationPhase(engine, actor, groups, r, info.eos_token_ids,
@@ -173,7 +183,7 @@ class _CrossSetCheck:
     """check_across_sets' arguments that do not change from step to step."""
 
     def __init__(self, cfg, place, info):
-        self.max_abs_diff = cfg.rollout.logprob_check.max_abs_diff
+        self.max_abs_diff = logprob_check_bound(cfg)
         self.kwargs = dict(link=place.link, rollout_groups=place.groups["rollout"],
                            rollout_leader=place.placement.leader("rollout"),
                            actor_leader=place.placement.leader("actor"),
@@ -237,7 +247,7 @@ def build_rollout_set_phase(cfg, place, info, actor):
     from verl_mcore.models.gpt import unwrap
     from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
 
-    r, sets = rollout_config(cfg), place.placement.sets
+    r, sets = rollout_as_run(cfg), place.placement.sets
     a = sets["actor"]
     plan = CrossSetPlan(GroupLayout(len(a.ranks), a.tp, a.pp, a.cp, ranks=a.ranks, vpp=a.vpp),
                         sets["rollout"].ranks, r.tensor_parallel_size)

@@ -78,7 +78,9 @@ class LogprobCheckConfig:
     # tokens find a broken sync as surely as full-length responses, and at 512-token responses
     # the full-length check took 2.5 s of a 28 s step (1.5B, one H200). 0: the rollout's length.
     max_new_tokens: int = 64
-    max_abs_diff: float = 0.5  # the run stops above this (max over tokens)
+    # The run stops when the max over the checked tokens exceeds this; null: by the actor's
+    # compute dtype (logprob_check_bound below).
+    max_abs_diff: Optional[float] = None
 
 
 @dataclass
@@ -315,6 +317,23 @@ class ActorConfig:
     recompute_old_log_probs: Literal["auto", "always"] = "auto"
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+# The weight-sync check's default bound on max |engine - trainer| log-prob by the actor's compute
+# dtype (the engine generates in it too). fp32: the two forward passes agree to ~1e-5, so 0.5
+# trips only on wrong weights. bf16 / fp16: a trained model's logits are large (|z| ~ 20-30,
+# where a bf16 step is 0.125) and the engine's decode kernels round differently from the
+# trainer's packed forward, layer after layer: SmolLM2-135M-Instruct on an H100 showed up to
+# 0.62 and 0.85 (mean 0.03) over ~60 sampled tokens and stopped GRPO runs at 0.5, which the
+# random-weight models (small logits) never reached (bench/RESULTS.md 2026-12-07). Weights that
+# do not match (a wrong shard, a missed update) are off by whole nats on most tokens.
+LOGPROB_CHECK_BOUND = {"fp32": 0.5, "bf16": 2.0, "fp16": 2.0}
+
+
+def logprob_check_bound(cfg: "Config") -> float:
+    """rollout.logprob_check.max_abs_diff, or its default for the actor's dtype."""
+    bound = cfg.rollout.logprob_check.max_abs_diff
+    return LOGPROB_CHECK_BOUND[cfg.actor.dtype] if bound is None else bound
 
 
 def padded_micro_batches(role: "ActorConfig | CriticConfig") -> bool:

@@ -53,7 +53,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.tis_cap": ("(0, inf)", "null: no importance weights"),
     "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
-    "rollout.logprob_check.max_abs_diff": ("[0, inf)", ""),
+    "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
     "rollout.val_n": ("[1, inf)", ""),
     "rollout.val_temperature": ("[0, inf)", "0: greedy"),
     "data.max_prompt_length": ("[1, inf)", ""),
