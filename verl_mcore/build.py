@@ -30,8 +30,10 @@ from verl_mcore.planning import memory as planner
 from verl_mcore.utils.device import cuda_in_use
 
 log = logging.getLogger("verl_mcore.build")
-# The most tokens a CPU micro-batch holds by default (resolve_micro_batches); bench/RESULTS.md
-# 2026-12-07 has the measurement.
+# The most tokens a CPU micro-batch holds by default (resolve_micro_batches). There is no device
+# memory to plan against on CPU; the cap bounds the fp32 logits a micro-batch keeps (tokens x
+# vocabulary x 4 bytes, a few copies: 2.5 GB each at 4,096 tokens of a 152k vocabulary). Packed
+# against padded micro-batches on CPU: bench/RESULTS.md 2026-12-07 (the quickstart).
 CPU_TOKEN_BUDGET = 4096
 
 
@@ -601,9 +603,8 @@ def resolve_micro_batches(cfg: Config, info: ModelInfo, world: int,
 
     On a GPU the planner chooses the budget from the model's shape and the smallest GPU of the
     job (planner.choose_token_budgets, under the offload policy resolve_offload then applies).
-    On CPU there is no device memory to fit: at most CPU_TOKEN_BUDGET tokens (bench/RESULTS.md
-    2026-12-07 measured it against padded micro-batches). Without a model shape for the
-    planner: at most BUDGET_EFFICIENT_TOKENS."""
+    On CPU there is no device memory to fit: at most CPU_TOKEN_BUDGET tokens. Without a model
+    shape for the planner: at most BUDGET_EFFICIENT_TOKENS."""
     roles = planner.budget_roles(cfg)
     if not roles:
         return cfg, planner.micro_batch_report(cfg, {})
