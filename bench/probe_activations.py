@@ -38,13 +38,13 @@ def main(argv=None) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from bench.bench_actor import SHAPES, _arch, _init_single_rank
-    from verl_mcore.planning import memory as planner
     from verl_mcore.config.schema import ActorConfig, LoRAConfig, OptimConfig
     from verl_mcore.distributed import cpu_compat
     from verl_mcore.engine.actor import Actor
     from verl_mcore.engine.engine import MegatronEngine
     from verl_mcore.models.gpt import build_gpt_model
     from verl_mcore.models.hf_config import transformer_config
+    from verl_mcore.planning import memory as planner
 
     _init_single_rank()
     cpu_compat.install()

@@ -35,14 +35,14 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore import build
-from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config, ConfigError
 from verl_mcore.config.seeds import rollout_seed
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
+from verl_mcore.planning import memory as planner
+from verl_mcore.reward.manager import RewardFailureError
 from verl_mcore.rollouts import RolloutSchedule
 from verl_mcore.utils.device import cuda_in_use
-from verl_mcore.reward.manager import RewardFailureError
 from verl_mcore.val_metrics import ValMetricError, ValMetrics, ValSamples
 
 log = logging.getLogger("verl_mcore.trainer")

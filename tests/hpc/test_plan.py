@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from verl_mcore import plan
-
-from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config
+from verl_mcore.planning import memory as planner
 
 ROOT = Path(__file__).resolve().parents[2]
 PPO70B = str(ROOT / "configs" / "ppo_llama3_70b.yaml")

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from verl_mcore import plan, plan_time
-from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config
+from verl_mcore.planning import memory as planner
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [("ppo_llama3_70b.yaml", 8), ("grpo_qwen2.5_7b_gsm8k.yaml", 1), ("ppo_7b.yaml", 1)]

@@ -2,8 +2,8 @@
 import pytest
 
 from tests.multiproc import run_on_ranks
-from verl_mcore.planning import memory as planner
 from verl_mcore.config import Config
+from verl_mcore.planning import memory as planner
 
 # Shapes of tests/models/hf_factory.py (vocab 250 exercises padding; 2 KV groups over TP=2).
 HF = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
