@@ -1,13 +1,15 @@
 """The generation phase of a step: wake the engine, bring it the actor's weights, check them,
 generate, and put the engine back to sleep so training gets its memory.
 
-    phase.begin(step, prompts)   # wake + repartition/push weights + (optional) weight-sync check
+    phase.begin(step, prompts)   # wake + repartition/push weights; arms the weight-sync check
     phase.generate(prompt_ids, sampling)      # as often as the step needs (samples, baselines)
+    phase.check_samples()        # the check on a few of the first batch's samples (collective)
     phase.end()                  # release the KV cache and the generation weight buffer
 
-The weight-sync check compares the engine's log-probs of a few freshly sampled sequences with the
+The weight-sync check compares the engine's log-probs of a few of the step's own samples with the
 actor's own (training-layout, any PP) log-probs of the same tokens; a broken repartition stops
-the run with `rollout/logprob_diff_max` in the message instead of training on another model.
+the run, before any rank trains on the batch, with `rollout/logprob_diff_max` in the message
+instead of training on another model.
 
 With a rollout set of its own (placement.rollout) the phase is split over two sets: the rollout
 ranks hold the engine (`RolloutSetPhase`: its weights arrive through rollout/cross_set.py), the
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from verl_mcore.config.schema import logprob_check_bound
 from verl_mcore.config.seeds import rollout_config
 from verl_mcore.rollout.base import SamplingParams
+from verl_mcore.rollout.sync_check import check_weight_sync, checked_outputs
 
 log = logging.getLogger("verl_mcore.generation")
 
@@ -83,43 +86,66 @@ class GenerationPhase:
         self.pad = pad_token_id
         self.awake = False
         self.stats = EngineStats()
+        self.check_due = False  # the next generate keeps samples for the weight-sync check
+        self.to_check: Optional[tuple] = None  # (prompt ids, temperature, outputs) to check
+        self.check_metrics: dict[str, float] = {}
 
     def begin(self, step: int, prompts: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
-        """Wake the engine and bring it the actor's weights; with `prompts`, the weight-sync
-        check on a few of them."""
+        """Wake the engine and bring it the actor's weights; with `prompts` (the step's own, or
+        True), the weight-sync check on the step's first sampled batch (`check_samples`)."""
         self.engine.wake()
         self.awake = True
         metrics = dict(self.engine.load_weights())
         if self.cfg.logprob_check.enable and prompts is not None:
-            metrics.update(self.check(step, list(prompts)[:self.cfg.logprob_check.num_sequences]))
+            metrics.update(self.arm_check(step, prompts))
         return metrics
 
-    def check_sampling(self, step: int) -> SamplingParams:
-        """How the weight-sync check samples (short responses, every token's log-prob)."""
-        check = self.cfg.logprob_check
-        length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
-        return SamplingParams(n=1, temperature=self.cfg.temperature, top_p=1.0, top_k=-1,
-                              max_new_tokens=length, stop_token_ids=self.eos,
-                              seed=self.cfg.seed + 7919 * step + self.groups.gen_dp_rank,
-                              logprobs=True)
-
-    def check(self, step: int, prompts) -> dict[str, float]:
-        """The weight-sync check against the actor on these ranks (rollout/sync_check.py)."""
-        from verl_mcore.rollout.sync_check import check_weight_sync
-
-        return check_weight_sync(self.engine, self.actor_logprobs, prompts,
-                                 self.check_sampling(step), self.cfg.logprob_check.max_abs_diff,
-                                 group=self._set_group())
+    def arm_check(self, step: int, prompts) -> dict[str, float]:
+        """The engine's ranks check the weights on the step's own samples: the next `generate`
+        returns the engine's log-probs, and `check_samples` compares a few of them with the
+        actor's. Nothing is sampled for the check alone (at a 135M model's 20-token responses
+        that sampling cost as much as the step's generation, bench/RESULTS.md 2026-12-07)."""
+        self.check_due = True
+        return {}
 
     def generate(self, prompt_ids, sampling: SamplingParams):
         assert self.awake, "GenerationPhase.generate outside begin()/end()"
+        if self.check_due:
+            sampling = dataclasses.replace(sampling, logprobs=True)
         outputs = self.engine.generate(prompt_ids, sampling)
         self.stats.add(getattr(self.engine, "last_stats", None))
+        if self.check_due:
+            self.check_due = False
+            check = self.cfg.logprob_check
+            length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
+            self.to_check = (list(prompt_ids), sampling.temperature,
+                             checked_outputs(outputs, check.num_sequences, length))
         return outputs
+
+    def check_samples(self) -> dict[str, float]:
+        """The weight-sync check on the samples `generate` kept since `begin` (rollout/
+        sync_check.py); nothing when none were kept. Collective over the actor set: its ranks
+        call it together, after agreeing that every replica's sampling succeeded."""
+        if self.to_check is None:
+            return {}
+        prompts, temperature, outputs = self.to_check
+        self.to_check = None
+        metrics = check_weight_sync(outputs, prompts, self.actor_logprobs, temperature,
+                                    self.cfg.logprob_check.max_abs_diff, group=self._set_group())
+        self.check_metrics.update(metrics)
+        return metrics
+
+    def take_stats(self) -> dict[str, float]:
+        """The engine's stats of the calls since the last look (EngineStats.take) and the
+        weight-sync check's metrics of that time."""
+        out = {**self.stats.take(), **self.check_metrics}
+        self.check_metrics = {}
+        return out
 
     def end(self) -> None:
         self.engine.sleep()
         self.awake = False
+        self.check_due, self.to_check = False, None
 
     def _set_group(self):
         """The actor set's ranks (the world when colocated): the check's collectives stay there,
@@ -207,7 +233,19 @@ class RolloutSetPhase(GenerationPhase):
                          pad_token_id)
         self.cross_check = cross_check
 
-    def check(self, step: int, prompts) -> dict[str, float]:
+    def check_sampling(self, step: int) -> SamplingParams:
+        """How the check samples: short responses, every token's log-prob."""
+        check = self.cfg.logprob_check
+        length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
+        return SamplingParams(n=1, temperature=self.cfg.temperature, top_p=1.0, top_k=-1,
+                              max_new_tokens=length, stop_token_ids=self.eos,
+                              seed=self.cfg.seed + 7919 * step + self.groups.gen_dp_rank,
+                              logprobs=True)
+
+    def arm_check(self, step: int, prompts) -> dict[str, float]:
+        """Across the two sets, now: the check samples a few sequences of the next batch's first
+        prompts and the actor set recomputes them (rollout/sync_check.check_across_sets)."""
+        prompts = list(prompts)[:self.cfg.logprob_check.num_sequences]
         return self.cross_check(self.engine, None, prompts, self.check_sampling(step))
 
     def end(self) -> None:

@@ -475,8 +475,9 @@ class Trainer:
 
     def generation_stats(self) -> dict[str, float]:
         """The engine's stats of the calls since the last look (preemptions, peak live
-        sequences, slot occupancy, shared prompt blocks); nothing where no engine runs."""
-        return {} if self.rollout is None else self.rollout.stats.take()
+        sequences, slot occupancy, shared prompt blocks) and the weight-sync check's metrics;
+        nothing where no engine runs."""
+        return {} if self.rollout is None else self.rollout.take_stats()
 
     def off_policy(self, rollout: "Rollout", batch) -> dict[str, float]:
         """How far the engine's sampling policy is from the actor's recomputed old log-probs:
@@ -569,6 +570,11 @@ class Trainer:
             failure = e
         # A replica that failed would leave the others waiting in the gather: agree first.
         failure = agreed_failure(failure, groups.whole, "gathering the samples")
+        if failure is None:
+            try:  # after a weight update, on a few of these samples (generation.py)
+                self.rollout.check_samples()
+            except Exception as e:  # noqa: BLE001 - WeightSyncError comes on every rank alike
+                failure = e
         if failure is not None:
             return None, failure
         return gather_rollout(mine, groups, vocab), None

@@ -201,7 +201,8 @@ def sync_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int):
     # Each generation replica checks its own prompts (as in training).
     prompts = PROMPTS[groups.gen_dp_rank::groups.layout.dp_gen]
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=groups.gen_dp_rank, logprobs=True)
-    res["ok"] = check_weight_sync(engine, trainer, prompts, sp, max_abs_diff=1e-3)
+    res["ok"] = check_weight_sync(engine.generate(prompts, sp), prompts, trainer, sp.temperature,
+                                  max_abs_diff=1e-3)
     res["greedy"] = [o.token_ids for o in engine.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))]
     # sleep releases the weight buffer too; wake + load_weights brings the same weights back.
@@ -216,7 +217,8 @@ def sync_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int):
         if rank == 0:
             gen.decoder.layers[1].mlp.linear_fc2.weight.mul_(3.0)
     try:
-        check_weight_sync(engine, trainer, prompts, sp, max_abs_diff=1e-3)
+        check_weight_sync(engine.generate(prompts, sp), prompts, trainer, sp.temperature,
+                          max_abs_diff=1e-3)
         res["corrupt"] = None
     except WeightSyncError as e:
         res["corrupt"] = str(e)
@@ -274,7 +276,8 @@ def padding_body(rank, world_size, hf_dir: str, tp_train: int, tp_gen: int, divi
             theirs = trainer([PROMPTS[o.prompt_index] for o in outs], [o.token_ids for o in outs],
                              sp.temperature)
             out[name + "_trainer"] = [t.tolist() for t in theirs]
-        out["check"] = check_weight_sync(engine, trainer, prompts, sampled, max_abs_diff=1e-4)
+        out["check"] = check_weight_sync(engine.generate(prompts, sampled), prompts, trainer,
+                                         sampled.temperature, max_abs_diff=1e-4)
         return out
 
     res = {"vocab": arch.vocab_size, "padded": train.vocab_size, "clean": run()}

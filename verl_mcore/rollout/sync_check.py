@@ -1,16 +1,20 @@
 """Weight-sync check: does the engine sample from the model the trainer is training?
 
-After a weight update the engine samples a few sequences with log-probs; the trainer recomputes the
-log-probs of the same tokens; the absolute differences (max and mean over all tokens of all ranks)
-are returned as `rollout/logprob_diff_max` / `rollout/logprob_diff_mean`, and above the bound every
-rank raises `WeightSyncError` together, so a broken repartition or weight push stops the run
-instead of silently training on samples from another model.
+After a weight update the trainer recomputes the log-probs of a few sequences the engine sampled
+with log-probs: on the engine's ranks, a few of the step's own samples (`checked_outputs`: the
+check costs the trainer one small forward, not a generation of its own); with a rollout set of its
+own, a few sequences sampled for the check (`check_across_sets`). The absolute differences (max
+and mean over all tokens of all ranks) are returned as `rollout/logprob_diff_max` /
+`rollout/logprob_diff_mean`, and above the bound every rank raises `WeightSyncError` together,
+before any rank trains on the batch, so a broken repartition or weight push stops the run instead
+of silently training on samples from another model.
 
 The trainer side is a callable `(prompts, responses, temperature) -> per-sequence log-probs`;
 `model_logprobs_fn` makes one from a training model with no pipeline parallelism.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional, Sequence
 
@@ -20,7 +24,7 @@ import torch.distributed as dist
 from verl_mcore.distributed.groups import collective_device
 from verl_mcore.engine.logprobs import mask_padded_vocab
 from verl_mcore.ops import logprob_entropy
-from verl_mcore.rollout.base import RolloutEngine, SamplingParams
+from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +86,37 @@ def model_logprobs_fn(model: torch.nn.Module, vocab_size: int, tp_group=None) ->
     return logprobs
 
 
-def check_weight_sync(engine: RolloutEngine, trainer: TrainerLogprobs,
-                      prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                      max_abs_diff: float, group=None) -> dict[str, float]:
-    """Sample one response per prompt and compare engine vs trainer log-probs.
+def checked_outputs(outputs: Sequence[SampleOutput], count: int, max_tokens: int
+                    ) -> list[SampleOutput]:
+    """The step's own samples the check reads: up to `count` outputs, one per prompt first (a
+    broken weight shows on any prompt, and different prompts cover more of the model than the
+    samples of one), each cut to its first `max_tokens` response tokens (0: whole). A causal
+    model's log-probs of a prefix do not depend on what follows, so the cut changes nothing but
+    the trainer's cost."""
+    firsts, rest, seen = [], [], set()
+    for o in outputs:
+        (rest if o.prompt_index in seen else firsts).append(o)
+        seen.add(o.prompt_index)
+    chosen = (firsts + rest)[:count]
+    if max_tokens:
+        chosen = [dataclasses.replace(o, token_ids=list(o.token_ids)[:max_tokens],
+                                      logprobs=list(o.logprobs)[:max_tokens]) for o in chosen]
+    return chosen
+
+
+def check_weight_sync(outputs: Sequence[SampleOutput], prompts: Sequence[Sequence[int]], trainer: TrainerLogprobs,
+                      temperature: float, max_abs_diff: float, group=None) -> dict[str, float]:
+    """Compare the engine's log-probs of sampled `outputs` (sampled with `logprobs`;
+    `prompt_index` into `prompts`) with the trainer's log-probs of the same tokens.
 
     Every rank calls this (collective over `group`, default: the world): each generation replica
-    passes its own prompts; the max / mean are over every token of every rank. Raises
+    passes its own outputs; the max / mean are over every token of every rank. Raises
     WeightSyncError on all ranks when the max exceeds `max_abs_diff`.
     """
-    import dataclasses
-
-    sp = dataclasses.replace(sampling, n=1, logprobs=True)
-    outputs = engine.generate(prompts, sp)
-    responses = [o.token_ids for o in outputs]
-    theirs = trainer([prompts[o.prompt_index] for o in outputs], responses, sp.temperature)
+    if any(o.logprobs is None for o in outputs):
+        raise ValueError("check_weight_sync: the outputs were sampled without logprobs=True")
+    theirs = trainer([prompts[o.prompt_index] for o in outputs], [o.token_ids for o in outputs],
+                     temperature)
     diffs = [torch.as_tensor(o.logprobs, dtype=torch.float64)
              - torch.as_tensor(t, dtype=torch.float64).detach().cpu().reshape(-1)
              for o, t in zip(outputs, theirs)]
@@ -139,8 +159,6 @@ def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling:
     rollout set: every rank of both sets returns the same metrics or raises WeightSyncError.
 
     Rollout ranks pass `engine` (and `prompts`), actor ranks `actor`; both call it together."""
-    import dataclasses
-
     from verl_mcore.engine.batch import TrainBatch
     from verl_mcore.rollout.gather import (RolloutPart, agreed_failure, broadcast_part,
                                            gather_rollout)
