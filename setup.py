@@ -31,6 +31,8 @@ EXTRAS = {
     "gpu": ["vllm", "transformer-engine[pytorch]", "flash-attn"],
     "mpi": ["mpi4py>=3.1"],
     "track": ["tensorboard", "wandb"],
+    # math-verify: reward.math_compat=math_verify (reward/mathverify.py); pure Python.
+    "math": ["math-verify>=0.9"],
     # pandas and datasets: the frames verl-style dataset classes build (tests/data/test_verl_dataset.py).
     "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "pandas>=2", "datasets>=3",
              "rouge-score>=0.1.2", "sacrebleu>=2.0",
@@ -38,7 +40,9 @@ EXTRAS = {
              "peft>=0.13",
              # gguf: transformers reads the real-model fixture's GGUF file with it
              # (verl_mcore/real_model.py).
-             "gguf>=0.10"],
+             "gguf>=0.10",
+             # math-verify: the math_verify backend's tests (tests/reward/test_verl_parity.py).
+             "math-verify>=0.9"],
 }
 
 

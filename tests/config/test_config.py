@@ -52,6 +52,7 @@ def test_unknown_key_names_closest(override, expected):
     ("algorithm.adv_estimator=grpoo", "did you mean 'grpo'"),
     ("trainer.logger=5", "trainer.logger: expected list[str], got 5"),
     ("actor.optim=3", "actor.optim: expected a mapping"),
+    ("reward.math_compat=strict", "reward.math_compat"),
 ])
 def test_wrong_type_names_key_type_value(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -162,6 +163,20 @@ def test_lm_head_as_a_lora_target_passes_on_an_untied_model():
                        vocab_size=100, hidden_size=64, tie_word_embeddings=False)
     validate(_cfg("rollout.n=2", "actor.lora.enable=true",
                   "actor.lora.target_modules=[all-linear,lm_head]"), 1, shape, data_files=False)
+
+
+def test_math_compat_math_verify_without_the_package_names_it(monkeypatch):
+    """reward.math_compat=math_verify is refused at validation when math-verify is missing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "math_verify" else real(name, *a))
+    validate(_cfg("rollout.n=2"), 1)
+    with pytest.raises(ConfigError, match=r"reward.math_compat=math_verify but math_verify is not "
+                                          r"installed: pip install 'verl_mcore\[math\]'"):
+        validate(_cfg("rollout.n=2", "reward.math_compat=math_verify"), 1)
+    assert _cfg("reward.math_compat=lenient").reward.math_compat == "lenient"
 
 
 def test_valid_config_passes():

@@ -1,8 +1,10 @@
-"""GSM8K, MATH and DAPO answer checking on tables of tricky cases, and the data_source dispatch.
+"""GSM8K, MATH and DAPO answer checking with reward.math_compat=lenient on tables of tricky
+cases, and the data_source dispatch.
 
 Each row's comment gives what verl's own scorer (verl/utils/reward_score: gsm8k.py, math_reward.py,
-math_dapo.py) returns for it, worked out from its source: "verl: <value>" where we agree, and
-"ours ... verl ... because ..." where we differ on purpose (the module docstrings list why).
+math_dapo.py) returns for it: "verl: <value>" where lenient agrees, and "ours ... verl ... because
+..." where it differs on purpose (the module docstrings list why). math_compat=verl is checked
+against verl itself in test_verl_parity.py (these rows are among its cases).
 """
 import pytest
 
@@ -41,17 +43,20 @@ GSM8K_CASES = [
 
 @pytest.mark.parametrize("response,truth,strict,flexible", GSM8K_CASES)
 def test_gsm8k_table(response, truth, strict, flexible):
-    assert gsm8k.compute_score(response, truth, method="strict") == strict
-    assert gsm8k.compute_score(response, truth, method="flexible") == flexible
+    assert gsm8k.compute_score(response, truth, method="strict", compat="lenient") == strict
+    assert gsm8k.compute_score(response, truth, method="flexible", compat="lenient") == flexible
 
 
 def test_gsm8k_format_score_and_extraction():
-    assert gsm8k.compute_score("#### 5", "6", format_score=0.1) == 0.1
-    assert gsm8k.compute_score("no number", "6", format_score=0.1) == 0.0
+    assert gsm8k.compute_score("#### 5", "6", format_score=0.1, compat="lenient") == 0.1
+    assert gsm8k.compute_score("no number", "6", format_score=0.1, compat="lenient") == 0.0
     # verl: 0.1 there, a lone "." or "," counts as an answer; ours 0.0, it is no number
-    assert gsm8k.compute_score("Hello, world.", "6", "flexible", format_score=0.1) == 0.0
-    assert gsm8k.extract_answer("x #### $1,234.", "strict") == "$1,234"
-    assert gsm8k.extract_answer("a 3 b 4.5 c", "flexible") == "4.5"
+    assert gsm8k.compute_score("Hello, world.", "6", "flexible", format_score=0.1,
+                               compat="lenient") == 0.0
+    assert gsm8k.extract_answer("x #### $1,234.", "strict", compat="lenient") == "$1,234"
+    assert gsm8k.extract_answer("a 3 b 4.5 c", "flexible", compat="lenient") == "4.5"
+    assert gsm8k.extract_answer("x #### 1,234.", "strict") == "1234."  # verl's
+    assert gsm8k.extract_answer("so . and ,", "flexible") == ","  # verl's: a lone "," counts
 
 
 BOXED_CASES = [
@@ -119,11 +124,12 @@ BOXED_CASES = [
 
 @pytest.mark.parametrize("response,truth,expected", BOXED_CASES)
 def test_math_table(response, truth, expected):
-    assert math_answers.compute_score(response, truth) == expected
+    assert math_answers.compute_score(response, truth, compat="lenient") == expected
 
 
 def test_math_ground_truth_may_be_a_boxed_solution():
-    assert math_answers.compute_score(r"\boxed{6}", r"so $x=\boxed{6}$.") == 1.0
+    assert math_answers.compute_score(r"\boxed{6}", r"so $x=\boxed{6}$.", compat="lenient") == 1.0
+    assert math_answers.compute_score(r"\boxed{6}", r"so $x=\boxed{6}$.") == 0.0  # verl
 
 
 # (response, ground truth, score, pred); verl returns the same dict unless a comment says not
@@ -167,8 +173,8 @@ DAPO_CASES = [
 
 @pytest.mark.parametrize("response,truth,score,pred", DAPO_CASES)
 def test_dapo_table(response, truth, score, pred):
-    assert math_dapo.compute_score(response, truth) == {"score": score, "acc": score > 0,
-                                                        "pred": pred}
+    assert math_dapo.compute_score(response, truth, compat="lenient") == {
+        "score": score, "acc": score > 0, "pred": pred}
 
 
 @pytest.mark.parametrize("response,truth,score,pred", [

@@ -205,6 +205,17 @@ class RewardConfig:
     # per-sample `score(data_source, response, ground_truth, extra_info)` (or `__call__`) or a
     # batch `compute_reward(batch) -> B scores` (reward/custom.py). Not together with custom_fn.
     custom_cls: CustomClassKwargsConfig = field(default_factory=CustomClassKwargsConfig)
+    # How the built-in GSM8K, MATH and DAPO scorers compare answers (reward/builtin.py):
+    #   verl         verl 0.9.1's scorers exactly (`#### 3.50` is wrong for 3.5 there). The default,
+    #                because the data_source names are verl's: a dataset prepared for verl and a
+    #                recipe copied from it must get verl's rewards, or its curves and published
+    #                numbers do not reproduce, and nothing would say why.
+    #   lenient      answers equal in value or up to formatting are right (`#### 3.50`,
+    #                `\boxed{12 square inches}` for 12); every difference from verl is listed in the
+    #                scorer modules' docstrings (reward/gsm8k.py, math_answers.py, math_dapo.py).
+    #   math_verify  MATH sources checked by the math-verify library, as verl's math_verify.py
+    #                does (pip install 'verl_mcore[math]'); GSM8K and DAPO sources as `verl`.
+    math_compat: Literal["verl", "lenient", "math_verify"] = "verl"
     # Route by a column: value -> scorer name (a built-in data_source or a source name). Logs
     # reward/route/<value>/mean and /count over the whole batch (reward/manager.py).
     route_by: Optional[str] = None

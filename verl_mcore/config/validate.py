@@ -579,6 +579,9 @@ def _dependency_errors(cfg: Config) -> list[str]:
     need = []
     if cfg.rollout.engine == "vllm":
         need.append(("vllm", "rollout.engine=vllm", "pip install vllm (or rollout.engine=native)"))
+    if cfg.reward.math_compat == "math_verify":
+        need.append(("math_verify", "reward.math_compat=math_verify",
+                     "pip install 'verl_mcore[math]' (or math-verify), or reward.math_compat=verl"))
     for tracker, module in [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")]:
         if tracker in cfg.trainer.logger:
             need.append((module.split(".")[0] if tracker == "wandb" else "tensorboard",

@@ -137,7 +137,8 @@ class RewardManager:
         if len(keyed) != len(sources):
             names = [s.name for s in sources]
             raise ValueError(f"reward.sources: duplicate names in {names}")
-        specs = {"dispatch": ScorerSpec("dispatch", "reward"), **_fallback_specs(cfg, score_fn)}
+        specs = {"dispatch": ScorerSpec("dispatch", "reward", math_compat=cfg.math_compat),
+                 **_fallback_specs(cfg, score_fn)}
         self._fallback_key = next((k for k in ("custom_fn", "custom_cls") if k in specs), "dispatch")
         for name, (s, key) in keyed.items():
             if s.type == "custom":
@@ -167,7 +168,8 @@ class RewardManager:
                     raise ValueError(f"{key}={target!r}: a route cannot lead to a rule source")
                 self._route_targets[target] = target
             elif target in SCORERS:
-                specs["builtin:" + target] = ScorerSpec("builtin", key, name=target)
+                specs["builtin:" + target] = ScorerSpec("builtin", key, name=target,
+                                                        math_compat=cfg.math_compat)
                 self._route_targets[target] = "builtin:" + target
             else:
                 raise ValueError(f"{key}={target!r} is neither a reward.sources name "

@@ -1,6 +1,6 @@
 """MATH-style final answers: the content of the last `\\boxed{...}`, normalised, then compared.
 
-Normalisation (both sides): LaTeX spacing and sizing (`\\left`, `\\!`, `\\,`), `$`, degrees, `%`,
+Lenient normalisation (both sides): LaTeX spacing and sizing (`\\left`, `\\!`, `\\,`), `$`, degrees, `%`,
 `\\text{...}` / `\\mbox{...}` wrappers, a trailing unit (`5 \\text{ cm}`, `12 square feet`,
 `3 dollars` -> the number; only words from _UNIT_WORDS, so `2 and 3` or `3 \\text{ or } 4` stay
 whole and match neither 2 nor 3), `\\dfrac` / `\\tfrac` -> `\\frac`, short forms `\\frac12` /
@@ -9,18 +9,45 @@ trailing period. Two answers are equal if their normalised strings are, or if bo
 (integers, decimals, simple fractions) of equal value. Units are dropped on both sides without
 being compared: `5 cm` matches `5 m` and `5 km`, as in verl.
 
-verl's MATH scorer (`math_reward`, the Hendrycks normalisation) differs on purpose where it is
-either too strict or wrong:
-- we accept, verl does not: equal values written differently (`0.75` / `\\frac34`, `-0.5` /
-  `-\\frac12`, `\\frac24` / `\\frac12`, `1,000` / `1000`, `5.` / `5`; verl equates only `0.5` with
-  `\\frac12`), `\\text{(B)}` for `(B)`, units as plain words or in `\\mbox{}` (verl drops only a
-  `\\text{ ...}` with a leading space), bare `%` and `$`, `°`, `\\fbox{}` (verl's fallback to it
-  trips over its own assertion and scores 0), a ground truth that is a number or a boxed solution.
-- verl accepts, we do not: verl cuts an answer at its first `\\text{ `, so `2 \\text{ and } 3`
-  scores as 2 (a false positive); we drop only known units, so `12 \\text{ apples}` is not 12 here.
-- `\\boxed 5` (no braces): verl reads from the last `\\boxed ` to the next `$` even if a
-  `\\boxed{}` comes later; we take the last box by position and stop at `$` or the end of the line.
-- `x = 5` -> `5` for one letter before `=` (verl: up to two characters, `ab = 5` too).
+Two semantics (reward.math_compat; `math_verify` scores these sources with math_verify.py):
+
+verl      verl 0.9.1's math_reward (the Hendrycks MATH normalisation), exactly: the last
+          `\\boxed{}` (or, anywhere in the response, the text after the last `\\boxed ` up to a
+          `$`); `\\fbox{}` and `\\boxed\\frac..` give no answer; both sides lose `\\!`, `\\left`,
+          `\\right`, degrees, `\\$`, `\\%`, spaces and what follows a `\\text{ ` (a unit), get
+          `\\dfrac` -> `\\frac`, `\\frac12` -> `\\frac{1}{2}`, `\\sqrt2` -> `\\sqrt{2}`, `0.5` and
+          `1/2` -> `\\frac{1}{2}`, `k = 5` -> `5` (up to two characters before `=`), and must then
+          be equal strings; where that normalisation fails (two `\\text{ `, a bare `\\frac`) the
+          raw strings are compared. A ground truth that is not a string never matches.
+lenient   the normalisation above this section.
+
+Where lenient differs from verl (each is a case of tests/reward/verl_cases.json):
+- value: numbers compare by value: `0.75` / `\\frac34`, `-0.5` / `-\\frac12`, `\\frac24` /
+  `\\frac12`, `033` / `33`, `000` / `0`, `-0` / `0`, `\\$1.50` / `\\$1.5`; verl equates only
+  `0.5` with `\\frac12`.
+- period: a trailing period is dropped (`5.` is 5).
+- braces: braces around the whole answer are dropped (`{5}` is 5).
+- short-frac: `\\frac{10}3` and `\\frac{\\pi}2` are `\\frac{10}{3}` and `\\frac{\\pi}{2}`; verl expands
+  only a first argument without braces (`\\frac12`, `\\frac1{x}`).
+- text: `\\text{}`, `\\textbf{}`, `\\mbox{}` and `\\mathrm{}` wrappers are dropped on both sides, so
+  `(C)` is `\\text{(C)}`, `\\textbf{(C)}` is `\\text{(C)}` and `Tuesday` is `\\text{Tuesday}`; verl
+  keeps them.
+- units: units as plain words or in `\\mbox{}` / `\\text{5 inches}` are dropped (`12 square
+  inches`, `18 dollars`, `12\\mbox{ inches}`); verl drops only what follows `\\text{ `.
+- unit-words: after `\\text{ ` only known unit words are dropped, so `2 \\text{ and } 3`, `3 \\text{ or
+  } 4`, `5 \\text{ or more}`, `12 \\text{ apples}` and `5 \\text{ m}` are not 2, 3, 5, 12 and 5
+  here (verl cuts at the first `\\text{ `: a false positive for the first three).
+- thousands: thousands separators and LaTeX spacing are dropped (`10,000`, `\\$1,000`, `1\\,000`
+  are 10000 and 1000); verl keeps commas and `\\,`.
+- percent: a bare `%` is dropped like `\\%`.
+- box-position: the last box by position counts: `\\boxed 7, and later \\boxed{3}` is 3 (verl: a
+  `\\boxed ` anywhere wins over every `\\boxed{}`).
+- fbox: `\\fbox{7}` is read like `\\boxed{7}` (verl's fallback to it fails its own assertion).
+- ground-truth: a ground truth that is a number (int 5), a boxed solution (`\\boxed{5}`) or a math
+  span (`$5$`) is read as its answer; verl compares it as it is.
+- equals: `x = 5` -> `5` for one letter before `=`, spaces allowed; verl takes up to two
+  characters without counting them out (`ab=5` is 5 there, `ab = 5` is not).
+- boxed-space: `\\boxed 5` stops at `$` or the end of the line; verl reads on to the next `$`.
 """
 from __future__ import annotations
 
@@ -145,11 +172,118 @@ def is_equivalent(a: str, b: str) -> bool:
     return va is not None and va == vb
 
 
-def compute_score(response: str, ground_truth) -> float:
-    """1.0 if the last \\boxed answer equals the ground truth (itself boxed or plain), else 0.0."""
+def compute_score(response: str, ground_truth, compat: str = "verl") -> float:
+    """1.0 if the last \\boxed answer equals the ground truth, else 0.0; `compat` is
+    reward.math_compat: "verl" (verl_score) or "lenient" (ground truth itself boxed or plain)."""
+    if compat == "verl":
+        return verl_score(response, ground_truth)
+    if compat != "lenient":
+        raise ValueError(f"compat={compat!r}: 'verl' or 'lenient' (math-verify: math_verify.py)")
     answer = last_boxed(response)
     if answer is None:
         return 0.0
     truth = str(ground_truth)
     truth = last_boxed(truth) or truth
     return 1.0 if is_equivalent(answer, truth) else 0.0
+
+
+# ---- verl 0.9.1's math_reward (the Hendrycks MATH normalisation), step by step ---------------
+
+class _Unnormalisable(Exception):
+    """Where verl's normalisation raises (an assertion or an index out of range): verl then
+    compares the two answers as they are."""
+
+
+def _verl_box(response: str) -> Optional[str]:
+    """The answer verl reads, or None (no box, an unclosed one, or one it cannot unwrap)."""
+    if "\\boxed " in response:  # wins over any \\boxed{}; ends at the next `$`
+        return response.split("\\boxed ")[-1].split("$")[0]
+    start = response.rfind("\\boxed")
+    if start < 0:
+        start = response.rfind("\\fbox")
+        if start < 0:
+            return None
+    depth = 0
+    for i in range(start, len(response)):
+        depth += {"{": 1, "}": -1}.get(response[i], 0)
+        if response[i] == "}" and depth == 0:
+            box = response[start:i + 1]
+            # Only `\\boxed{...}` unwraps: `\\fbox{5}` and `\\boxed\\frac{1}{2}` fail verl's assertion
+            return box[len("\\boxed{"):-1] if box.startswith("\\boxed{") else None
+    return None
+
+
+def _verl_sqrt(s: str) -> str:
+    head, *rest = s.split("\\sqrt")
+    for piece in rest:
+        if not piece:
+            raise _Unnormalisable
+        head += "\\sqrt" + (piece if piece[0] == "{" else "{" + piece[0] + "}" + piece[1:])
+    return head
+
+
+def _verl_fracs(s: str) -> str:
+    head, *rest = s.split("\\frac")
+    for piece in rest:
+        if not piece:
+            raise _Unnormalisable
+        if piece[0] == "{":
+            head += "\\frac" + piece
+        elif len(piece) < 2:
+            return s  # verl gives up on the whole string
+        elif piece[1] == "{":
+            head += "\\frac{" + piece[0] + "}" + piece[1:]
+        else:
+            head += "\\frac{" + piece[0] + "}{" + piece[1] + "}" + piece[2:]
+    return head
+
+
+def _verl_slash(s: str) -> str:
+    parts = s.split("/")
+    if len(parts) != 2:
+        return s
+    try:
+        a, b = int(parts[0]), int(parts[1])
+    except ValueError:
+        return s
+    return f"\\frac{{{a}}}{{{b}}}" if s == f"{a}/{b}" else s
+
+
+def verl_normalize(s: str) -> str:
+    """verl's strip_string; raises _Unnormalisable where verl's raises."""
+    for old, new in [("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
+                     ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""),
+                     ("\\$", "")]:
+        s = s.replace(old, new)
+    if "\\text{ " in s:  # a unit: verl keeps what comes before it, if it is the only one
+        parts = s.split("\\text{ ")
+        if len(parts) != 2:
+            raise _Unnormalisable
+        s = parts[0]
+    for old, new in [("\\\\%", ""), ("\\%", ""), (" .", " 0."), ("{.", "{0.")]:
+        s = s.replace(old, new)
+    if not s:
+        return s
+    if s[0] == ".":
+        s = "0" + s
+    sides = s.split("=")
+    if len(sides) == 2 and len(sides[0]) <= 2:  # `k = 5`, `ab= 5`
+        s = sides[1]
+    if "\\sqrt" in s:
+        s = _verl_sqrt(s)
+    s = _verl_fracs(s.replace(" ", ""))
+    if s == "0.5":
+        s = "\\frac{1}{2}"
+    return _verl_slash(s)
+
+
+def verl_score(response: str, ground_truth) -> float:
+    """verl 0.9.1's MATH score: 1.0 if verl_normalize makes the last box's content and the ground
+    truth equal strings (or, where it fails on either, they are equal as they are)."""
+    answer = _verl_box(response)
+    if answer is None or not isinstance(ground_truth, str):  # verl: a str never equals a non-str
+        return 0.0
+    try:
+        return 1.0 if verl_normalize(answer) == verl_normalize(ground_truth) else 0.0
+    except _Unnormalisable:
+        return 1.0 if answer == ground_truth else 0.0

@@ -17,18 +17,25 @@ Minerva normalisation (Lewkowycz et al. 2022): keep what follows the last `=`; d
 ways, degrees, `^\\circ`, `\\text{}`...); turn `\\text{and}` into a comma and `\\mbox` into
 `\\text`; of `... $x$ ...` keep the first math span; unwrap `\\text{}`, `\\textbf{}`,
 `\\overline{}`, `\\boxed{}`; expand `\\frac12` and `\\sqrt2`; drop `$`; drop the commas of a
-number in thousands (`1,000`). Being verl's, these quirks are kept on purpose: words are removed
-as substrings (`"kmph"` -> `"k"`), `Answer: $2$ and $3$` counts as `2` (the first span) and
-`Answer: x = 2 or x = 3` as `3` (after the last `=`; a hedge earns only what its one scored
-candidate earns alone), `1/2` and `\\frac{1}{2}` differ, and `-1,000` keeps its comma.
+string of digits and commas (`1,000`; lenient: see below). Being verl's, these quirks are kept on
+purpose: words are removed as substrings (`"kmph"` -> `"k"`), `Answer: $2$ and $3$` counts as
+`2` (the first span) and `Answer: x = 2 or x = 3` as `3` (after the last `=`; a hedge earns only
+what its one scored candidate earns alone), `1/2` and `\\frac{1}{2}` differ, and `-1,000` keeps
+its comma.
 
 strict_box_verify: the content of the last `\\boxed{...}` in the final 100 of those 300 characters,
 compared unnormalised with the ground truth (pred is None when there is no box).
 
-Deliberate differences from verl: verl drops the commas of any string of digits and commas, so
-`3, 4` equals `34` there (a false positive); we drop only thousands separators. The ground truth
-may be any value and is compared as str() (verl raises on a number). verl's `pause_tokens_index`
-(a window before pause tokens) is not taken.
+reward.math_compat=verl (and math_verify, which changes only the MATH sources) is verl 0.9.1's
+scorer exactly, with one exception: verl's `pause_tokens_index` (a window before pause tokens) is
+not taken. A ground truth that is not a string raises there, as in verl (with a message saying so).
+
+Where math_compat=lenient differs from verl (each is a case of tests/reward/verl_cases.json):
+- thousands: only the commas of a number in thousands are dropped (`1,000`); verl drops the commas
+  of any string of digits and commas, so `3, 4` and `3,4` equal `34` there (a false positive)
+  and `1,000,00` equals `100000`.
+- any-ground-truth: the ground truth may be any value and is compared as str() (verl raises on a
+  number).
 """
 from __future__ import annotations
 
@@ -57,7 +64,7 @@ _REMOVED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "
             "{,}", '"', "\\dots")
 
 
-def normalize(answer: str) -> str:
+def normalize(answer: str, compat: str = "verl") -> str:
     s = answer.split("=")[-1]
     for old, new in _REPLACED:
         s = s.replace(old, new)
@@ -70,7 +77,8 @@ def normalize(answer: str) -> str:
     s = re.sub(r"frac([^{])(.)", r"frac{\1}{\2}", s)
     s = re.sub(r"sqrt([^{])", r"sqrt{\1}", s)
     s = s.replace("$", "")
-    if re.fullmatch(r"\d{1,3}(,\d{3})+", s):
+    if (s.replace(",", "").isdigit() if compat != "lenient"
+            else re.fullmatch(r"\d{1,3}(,\d{3})+", s)):
         s = s.replace(",", "")
     return s.strip()
 
@@ -80,17 +88,23 @@ def _last_braced_box(text: str) -> Optional[str]:
     return None if at < 0 else brace_group(text, at + len("\\boxed"))
 
 
-def compute_score(response: str, ground_truth: Any, strict_box_verify: bool = False) -> dict:
-    """{"score": 1.0 if the answer matches else -1.0, "acc": bool, "pred": str or None}."""
+def compute_score(response: str, ground_truth: Any, strict_box_verify: bool = False,
+                  compat: str = "verl") -> dict:
+    """{"score": 1.0 if the answer matches else -1.0, "acc": bool, "pred": str or None};
+    `compat` is reward.math_compat."""
     tail = response[-TAIL_CHARS:]
-    truth = str(ground_truth)
+    if compat != "lenient" and not strict_box_verify and not isinstance(ground_truth, str):
+        raise TypeError(f"ground_truth {ground_truth!r} is a {type(ground_truth).__name__}: verl's "
+                        "math_dapo scorer needs a string (it raises here too); store the ground "
+                        "truths as strings, or set reward.math_compat=lenient")
+    truth = str(ground_truth) if compat == "lenient" else ground_truth
     if strict_box_verify:
         pred = _last_braced_box(tail[-BOX_TAIL_CHARS:])
         correct = pred == truth
     else:
         lines = _ANSWER_LINE.findall(tail)
-        pred = normalize(lines[-1] if lines else NO_ANSWER)
-        correct = pred == normalize(truth)
+        pred = normalize(lines[-1] if lines else NO_ANSWER, compat)
+        correct = pred == normalize(truth, compat)
         box = _last_braced_box(tail[-BOX_TAIL_CHARS:]) if pred == NO_ANSWER else None
         if box is not None:  # verl 0.9.1's fallback: no `Answer:` line, the last box
             pred, correct = box, box == truth

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from verl_mcore.reward import custom
-from verl_mcore.reward.builtin import SCORERS, default_compute_score
+from verl_mcore.reward.builtin import SCORERS, check_math_compat, default_compute_score
 from verl_mcore.user_code import load_user_object
 
 ScoreFn = Callable[[str, str, Any, Optional[dict]], Any]
@@ -31,7 +31,9 @@ class ScorerSpec:
     "any"); `key` is the config key that defined it (named in errors);
     kind "object": `obj`, a callable handed in from Python (the Python API's reward_fn), which
     scores in the trainer process only (it need not pickle: a lambda, a closure, a bound
-    method); `function` and `path` then name it in messages."""
+    method); `function` and `path` then name it in messages.
+    `math_compat` (reward.math_compat) is how the built-in scorers of the dispatch and builtin
+    kinds compare answers; it travels with the spec, so workers score as the trainer would."""
 
     kind: str
     key: str
@@ -41,6 +43,7 @@ class ScorerSpec:
     kwargs: dict = field(default_factory=dict)
     accepts: str = "any"
     obj: Any = field(default=None, compare=False)
+    math_compat: str = "verl"
 
     @property
     def name_field(self) -> str:
@@ -52,13 +55,15 @@ class ScorerSpec:
         return "reward.custom_fn_kwargs" if self.key == "reward.custom_fn" else f"{self.key}.kwargs"
 
     def load(self) -> ScoreFn:
+        if self.kind in ("dispatch", "builtin"):
+            check_math_compat(self.math_compat)  # math_verify: fails at start-up if missing
         if self.kind == "dispatch":
-            return default_compute_score
+            return functools.partial(default_compute_score, math_compat=self.math_compat)
         if self.kind == "builtin":
             if self.name not in SCORERS:
                 raise ValueError(f"{self.key}={self.name!r} is neither a built-in scorer "
                                  f"({sorted(SCORERS)}) nor a reward.sources name")
-            return functools.partial(_score_as, self.name)
+            return functools.partial(_score_as, self.name, math_compat=self.math_compat)
         if self.kind == "custom":
             return custom.load(load_user_object(self.path, self.function, self.key,
                                                 self.name_field), self)
@@ -68,8 +73,8 @@ class ScorerSpec:
 
 
 def _score_as(builtin: str, data_source: str, response: str, ground_truth: Any,
-              extra_info: Optional[dict]) -> Any:
-    return default_compute_score(builtin, response, ground_truth, extra_info)
+              extra_info: Optional[dict], math_compat: str = "verl") -> Any:
+    return default_compute_score(builtin, response, ground_truth, extra_info, math_compat)
 
 
 # Rewards become float32 tensors whose squares are summed over the batch (GRPO's group std, GAE's
