@@ -242,6 +242,9 @@ EXEMPT: dict[tuple[str, Any], str] = {
     ("data.truncation", "truncate_right"): "host-side prompt loading (tests/data)",
     ("data.on_bad_row", "skip"): "host-side prompt loading (tests/data)",
     ("checkpoint.resume", "never"): "host-side choice of the checkpoint (tests/engine)",
+    **{("reward.math_compat", v): "how the host-side built-in GSM8K / MATH / DAPO scorers "
+       "compare answers; the quickstart's data has no such source (tests/reward/"
+       "test_verl_parity.py, in-process and in reward workers)" for v in ("lenient", "math_verify")},
     **{(f"{role}.lora.init_lora_weights", False): "both adapters random: a test setting (step 0 "
        "differs from the base), run by tests/models/test_lora.py and tests/engine on CPU"
        for role in ("actor", "critic")},

@@ -9,11 +9,12 @@
 #     call B (carry .whl .carry/smol.gguf.part0): the first half kept, wheels and extension
 #     call C (carry .whl .carry/smol.gguf.part1): the GGUF joined (SHA-256 checked by
 #                                  verl_mcore/real_model.py), the HF directory made; at once: the
-#                                  GPU matrix, the GPU-marked tests of trainer.device=cpu, the
-#                                  quickstart on CUDA at trainer.seed 1, 2, 3 and bf16 greedy
-#                                  parity (bench/real_model_parity.py); then, alone on the GPU,
-#                                  the micro-batch sweep of the real-model recipe, GRPO and PPO
-#                                  (bench/bench_micro_batches.py)
+#                                  GPU matrix and the GPU-marked tests of trainer.device=cpu and
+#                                  of the engine's kept cache; then, alone on the GPU, the
+#                                  recipe's step by phase and by function
+#                                  (bench/probe_step_host.py). bf16 parity
+#                                  (bench/real_model_parity.py) and the micro-batch sweep
+#                                  (bench/bench_micro_batches.py) ran in this part on 2026-12-07.
 #     call D (carry .whl):         the recipe's accuracy against training seconds: ours GRPO and
 #                                  PPO, TRL's GRPOTrainer (bench/bench_real_model.py)
 #     call bench15b (carry .whl):  the 1.5B GRPO / PPO bench at the default micro-batches and at
@@ -73,31 +74,19 @@ C)
   export VERL_MCORE_CACHE=/tmp/keep/cache
   model=$(python3 -m tools.real_model --gguf "$GGUF") || exit 1
   echo "model: $model"; echo "$model" > /tmp/keep/model_dir
-  # Not timed, so at once: the matrix, the device=cpu GPU tests, the quickstart seeds, parity.
+  # Not timed, so at once: the matrix and the GPU-marked tests of the trainer's engine and
+  # devices.
   (MATRIX_LIMIT_S=300 bash bench/gpu_matrix.sh --jobs 12 > "$OUT/matrix.log" 2>&1
    echo "matrix exit $?" >> "$OUT/matrix.log") &
   (timeout 280 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/e2e/test_cpu_device.py \
-    > "$OUT/gpu_tests.log" 2>&1) &
-  for seed in 1 2 3; do
-    (timeout 280 python3 -m verl_mcore.train --config configs/quickstart.yaml trainer.device=cuda \
-      trainer.seed=$seed trainer.run_dir=/tmp/qs_$seed model.path=/tmp/qs_model_$seed \
-      > "$OUT/quickstart_seed$seed.log" 2>&1; echo "exit $?" >> "$OUT/quickstart_seed$seed.log") &
-  done
-  timeout 250 python3 bench/real_model_parity.py --model "$model" --json "$OUT/parity.json" \
-    > "$OUT/parity.log" 2>&1; echo "parity exit $?"; tail -2 "$OUT/parity.log"
+    tests/e2e/test_weight_sync_on_samples.py > "$OUT/gpu_tests.log" 2>&1) &
   wait
   tail -3 "$OUT/matrix.log"; tail -2 "$OUT/gpu_tests.log"
-  for seed in 1 2 3; do
-    echo "seed $seed: $(grep -o "val/[^ ]*score/mean@1[^,]*" "$OUT/quickstart_seed$seed.log" | tail -1)" \
-      "$(tail -1 "$OUT/quickstart_seed$seed.log")"
-  done
+  # Alone on the GPU: where the recipe's step goes, by phase and by Python function.
   python3 -m tools.make_arith_data || exit 1  # data/arith/{train,val}.parquet, the recipe's
-  for cfg in grpo ppo; do
-    timeout 130 python3 bench/bench_micro_batches.py --config "configs/${cfg}_smollm2_arith.yaml" \
-      --steps 4 --json "$OUT/sweep_$cfg.json" model.path="$model" trainer.device=cuda \
-      > "$OUT/sweep_$cfg.log" 2>&1
-    echo "sweep $cfg exit $?"; grep -A10 "^| setting" "$OUT/sweep_$cfg.log"
-  done
+  timeout 120 python3 bench/probe_step_host.py --config configs/grpo_smollm2_arith.yaml --steps 8 \
+    model.path="$model" trainer.device=cuda > "$OUT/probe_grpo.log" 2>&1
+  echo "probe exit $?"; grep -A40 "^phase seconds" "$OUT/probe_grpo.log" | head -45
   ;;
 D)
   setup

@@ -116,11 +116,16 @@ class GenerationPhase:
         self.stats.add(getattr(self.engine, "last_stats", None))
         if self.check_due:
             self.check_due = False
-            check = self.cfg.logprob_check
-            length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
             self.to_check = (list(prompt_ids), sampling.temperature,
-                             checked_outputs(outputs, check.num_sequences, length))
+                             checked_outputs(outputs, self.cfg.logprob_check.num_sequences,
+                                             self.check_length))
         return outputs
+
+    @property
+    def check_length(self) -> int:
+        """Response tokens the check reads of each sequence (rollout.logprob_check.max_new_tokens,
+        at most the rollout's)."""
+        return min(self.max_new_tokens, self.cfg.logprob_check.max_new_tokens or self.max_new_tokens)
 
     def check_samples(self) -> dict[str, float]:
         """The weight-sync check on the samples `generate` kept since `begin` (rollout/
@@ -136,9 +141,12 @@ class GenerationPhase:
         return metrics
 
     def take_stats(self) -> dict[str, float]:
-        """The engine's stats of the calls since the last look (EngineStats.take) and the
-        weight-sync check's metrics of that time."""
+        """The engine's stats of the calls since the last look (EngineStats.take), the
+        weight-sync check's metrics of that time, and the KV cache the engine keeps through
+        training (`rollout/kept_cache_gb`, NativeEngine.sleep)."""
         out = {**self.stats.take(), **self.check_metrics}
+        if hasattr(self.engine, "kept_bytes") and not self.awake:
+            out["rollout/kept_cache_gb"] = self.kept_bytes / 2**30
         self.check_metrics = {}
         return out
 
@@ -146,6 +154,17 @@ class GenerationPhase:
         self.engine.sleep()
         self.awake = False
         self.check_due, self.to_check = False, None
+
+    def cache_budget(self, free_bytes: int) -> None:
+        """The KV cache (and its CUDA graphs) the engine may keep through training from now on:
+        at most `free_bytes` (NativeEngine.keep_cache_bytes; other engines free theirs)."""
+        if hasattr(self.engine, "keep_cache_bytes"):
+            self.engine.keep_cache_bytes = int(free_bytes)
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the engine kept through the training since its last sleep."""
+        return int(getattr(self.engine, "kept_bytes", 0))
 
     def _set_group(self):
         """The actor set's ranks (the world when colocated): the check's collectives stay there,
@@ -235,10 +254,8 @@ class RolloutSetPhase(GenerationPhase):
 
     def check_sampling(self, step: int) -> SamplingParams:
         """How the check samples: short responses, every token's log-prob."""
-        check = self.cfg.logprob_check
-        length = min(self.max_new_tokens, check.max_new_tokens or self.max_new_tokens)
         return SamplingParams(n=1, temperature=self.cfg.temperature, top_p=1.0, top_k=-1,
-                              max_new_tokens=length, stop_token_ids=self.eos,
+                              max_new_tokens=self.check_length, stop_token_ids=self.eos,
                               seed=self.cfg.seed + 7919 * step + self.groups.gen_dp_rank,
                               logprobs=True)
 

@@ -34,6 +34,10 @@ from typing import Any, Optional
 import torch
 
 
+# The step's phases of sampling (timed by the schedule); the others are the training's.
+GENERATING = ("sync", "gen", "wait_rollout")
+
+
 @dataclass
 class Sampled:
     """One prompt batch's samples (rollout.gather.RolloutPart), the ReMax baseline's when the

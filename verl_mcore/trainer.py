@@ -41,7 +41,7 @@ from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
 from verl_mcore.planning import memory as planner
 from verl_mcore.reward.manager import RewardFailureError
-from verl_mcore.rollouts import RolloutSchedule
+from verl_mcore.rollouts import GENERATING, RolloutSchedule
 from verl_mcore.utils.device import cuda_in_use
 from verl_mcore.val_metrics import ValMetricError, ValMetrics, ValSamples
 
@@ -408,6 +408,7 @@ class Trainer:
         metrics.update({f"train/skipped_now/{r}": float(n) for r, n in self.skipped_now.items()})
         self.skipped_now = {}
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        self.leave_cache_room(timer)
         # Placed: each set's metrics on every rank, and a failure of one set's update stops all.
         metrics = self.place.gather_metrics(metrics, step)
         self.skipped_updates += int(sum(metrics.pop(k) for k in list(metrics)
@@ -418,6 +419,24 @@ class Trainer:
             stages = " | ".join(f"{k} {v:.2f}s" for k, v in timer.seconds.items())
             log.info("[step %d/%d] %s", step, cfg.trainer.total_steps, stages)
         return metrics
+
+    def leave_cache_room(self, timer: "StageTimer") -> None:
+        """How much KV cache the colocated engine may keep through the next steps' training (its
+        cache and CUDA graphs then stay, NativeEngine.sleep): a quarter of the GPU memory this
+        step's training phases left free, their peak less what the engine kept through them. The
+        same on every rank (the least), so the ranks of a generation TP group keep or free
+        together. Nothing on CPU: there the engine frees its cache after each call."""
+        if not timer.cuda:
+            return
+        kept = self.rollout.kept_bytes if self.rollout is not None else 0
+        training = [peak for name, peak in timer.peak_bytes.items() if name not in GENERATING]
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        free = (total - max(training) + kept) // 4 if training else 0
+        room = torch.tensor([free], dtype=torch.int64, device="cuda")
+        if dist.is_initialized():
+            dist.all_reduce(room, op=dist.ReduceOp.MIN)
+        if self.rollout is not None:
+            self.rollout.cache_budget(int(room.item()))
 
     # ------------------------------------------------------------------ phases
 

@@ -4,6 +4,10 @@ rank trains on the batch it sampled."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,7 @@ from tests.multiproc import run_on_ranks
 from verl_mcore.rollout.base import SampleOutput
 from verl_mcore.rollout.sync_check import checked_outputs
 
+ROOT = Path(__file__).resolve().parents[2]
 # TP_t = 2 -> TP_g = 1: the engine's weights are a repartitioned copy, which the test corrupts.
 LAYOUT = ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=1"]
 
@@ -108,3 +113,27 @@ def test_the_check_samples_nothing_of_its_own_and_stops_a_corrupted_sync(model, 
         assert outcome.startswith("WeightSyncError"), (rank, outcome)
         assert "logprob_check.max_abs_diff" in outcome, (rank, outcome)
         assert updated == [1], (rank, updated)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_engine_keeps_its_cache_and_graphs_through_training(model, tmp_path):
+    """The colocated engine on CUDA: step 1 frees its KV cache before training (no budget yet);
+    from step 2 on the trainer's budget (a quarter of what training left free) keeps the tiny
+    model's cache and CUDA graphs, and the check on the step's samples still holds."""
+    import torch
+
+    assert torch.cuda.is_available()
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "verl_mcore.train", "--config", "configs/quickstart.yaml",
+            *_overrides(model, run_dir, "trainer.device=cuda", steps=3)]
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    rows = {r["step"]: r for r in _rows(run_dir)}
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[1]["rollout/kept_cache_gb"] == 0
+    for step in (2, 3):
+        assert rows[step]["rollout/kept_cache_gb"] > 0, step
+    for row in rows.values():
+        assert row["rollout/cuda_graphs"] == 1
+        assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]

@@ -462,3 +462,40 @@ def triton_engine_body(rank, world_size, hf_dir: str):
     finally:
         NativeEngine._attention_mode = mode
     return res
+
+
+def kept_cache_body(rank, world_size, hf_dir: str):
+    """sleep() under keep_cache_bytes: the cache and the decode states stay for the next call,
+    whose samples equal a fresh engine's; under a smaller budget, or once the weights moved,
+    they go."""
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+
+    groups = setup(1, 1)
+    arch, model = generation_model(hf_dir, groups, 1, 1)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=3, logprobs=True)
+
+    def run(eng):
+        return [(o.token_ids, o.logprobs) for o in eng.generate(PROMPTS, sp)]
+
+    fresh = run(NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=4))
+    engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=4)
+    res = {"first": run(engine) == fresh}
+    cache, states = engine.cache, dict(engine._graphs)
+    engine.keep_cache_bytes = engine.cache_bytes
+    engine.sleep()
+    res["kept_bytes"], res["cache_bytes"] = engine.kept_bytes, cache.numel() * cache.element_size()
+    engine.wake()
+    res["kept_again"] = run(engine) == fresh
+    res["same_cache"] = engine.cache is cache
+    res["same_states"] = all(engine._graphs.get(k) is v for k, v in states.items()) and bool(states)
+    # The weights move (a storage freed and restored elsewhere): the decode states go with them.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    res["after_move"] = run(engine) == fresh
+    res["states_renewed"] = not any(engine._graphs.get(k) is v for k, v in states.items())
+    engine.keep_cache_bytes = engine.cache_bytes - 1
+    engine.sleep()
+    res["freed"] = engine.cache is None and engine.kept_bytes == 0 and not engine._graphs
+    return res

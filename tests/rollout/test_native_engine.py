@@ -152,3 +152,11 @@ def test_padding_ids_are_never_sampled_nor_counted(hf_model, tp_train, tp_gen, d
                 diff = max(abs(a - b) for x, y in zip(poisoned[key], clean[key]) for a, b in zip(x, y))
                 assert diff < 1e-5, (rank, key, diff)
         assert poisoned["check"]["rollout/logprob_diff_max"] < 1e-4, rank
+
+
+def test_sleep_keeps_the_cache_within_its_budget(hf_model):
+    [res] = run_on_ranks(eb.kept_cache_body, 1, args=(hf_model[0],), timeout=240)
+    assert res["first"] and res["kept_again"] and res["after_move"], res
+    assert res["kept_bytes"] == res["cache_bytes"] > 0
+    assert res["same_cache"] and res["same_states"]
+    assert res["states_renewed"] and res["freed"]

@@ -70,13 +70,17 @@ class ParallelConfig:
 
 @dataclass
 class LogprobCheckConfig:
-    """After each weight update, compare engine and trainer log-probs of a few sampled sequences."""
+    """After each weight update, compare engine and trainer log-probs of a few sampled sequences:
+    with the engine on the actor's ranks, a few of the step's own samples (one per prompt first),
+    which costs the trainer one small forward; with a rollout set of its own (placement.rollout),
+    a few sequences sampled for the check from the next batch's prompts."""
 
     enable: bool = True
-    num_sequences: int = 4
-    # Response tokens each checked sequence may run to (at most the rollout's): a few hundred
-    # tokens find a broken sync as surely as full-length responses, and at 512-token responses
-    # the full-length check took 2.5 s of a 28 s step (1.5B, one H200). 0: the rollout's length.
+    num_sequences: int = 4  # per generation replica
+    # Response tokens of each checked sequence the trainer recomputes (a prefix; at most the
+    # rollout's): a few hundred tokens find a broken sync as surely as full-length responses,
+    # and at 512-token responses the full-length check took 2.5 s of a 28 s step (1.5B, one
+    # H200). 0: the whole response.
     max_new_tokens: int = 64
     # The run stops when the max over the checked tokens exceeds this; null: by the actor's
     # compute dtype (logprob_check_bound below).

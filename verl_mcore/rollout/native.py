@@ -360,6 +360,11 @@ class NativeEngine(RolloutEngine):
         self._capped = False  # the pool is what the memory budget allowed, not what was wanted
         self._graphs: dict = {}  # (slots, width) -> _DecodeState with its captured graph
         self._graph_pool = None
+        self._graph_weights: tuple = ()  # the weights' addresses the graphs were captured over
+        # sleep() keeps a cache (and its graphs) of at most this many bytes; the caller sets it
+        # from the memory its other work leaves free (generation.GenerationPhase.cache_budget).
+        self.keep_cache_bytes = 0
+        self.kept_bytes = 0
         self.last_stats: dict[str, float] = {}
 
     @property
@@ -429,7 +434,22 @@ class NativeEngine(RolloutEngine):
                 "rollout/repartition_bytes_sent": float(stats.bytes_sent),
                 "rollout/repartition_min_bytes_received": float(stats.min_bytes_received)}
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV cache the engine holds now (0 when none)."""
+        cache = self.net.cache
+        return 0 if cache is None else cache.numel() * cache.element_size()
+
     def sleep(self) -> None:
+        """Give the memory back for training: the KV cache, the CUDA graphs over it and the
+        repartition buffer (unless keep_weights_buffer). The cache and its graphs stay when they
+        take at most `keep_cache_bytes` and the weights stay where the graphs read them (the
+        training model's own, or a kept buffer): the next call then neither allocates nor
+        captures again (`kept_bytes` says how much stayed)."""
+        weights_stay = self.repartitioner is None or self.keep_weights_buffer
+        self.kept_bytes = self.cache_bytes if weights_stay and self.cache_bytes <= self.keep_cache_bytes else 0
+        if self.kept_bytes:
+            return
         self._graphs.clear()  # they hold addresses of the cache and the weights
         self._graph_pool = None
         self.net.cache, self.pool = None, None
@@ -675,6 +695,10 @@ class NativeEngine(RolloutEngine):
         width = self._table_width(max_len)
         if self.net.rope_tables(width * self.block_size):
             self._graphs.clear()  # graphs hold the old tables' addresses
+        weights = tuple(p.data_ptr() for p in self.model.parameters())
+        if weights != self._graph_weights:  # moved since the capture (e.g. freed and restored)
+            self._graphs.clear()
+            self._graph_weights = weights
         seed = sp.seed
         if seed is None and not sp.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
