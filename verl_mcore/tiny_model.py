@@ -23,6 +23,9 @@ import time
 # AutoTokenizer rebuilds a qwen2 model's tokenizer through that class whatever tokenizer.json says.
 CORPUS = [f"repeat the digit {d} : {str(d) * 4}" for d in range(10)]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# The one model.path model.make_tiny_if_missing writes to: configs/quickstart.yaml's, relative to
+# the current directory as that config names it (ensure_tiny_model says why only there).
+QUICKSTART_PATH = "runs/quickstart/tiny_model"
 
 
 def build_tokenizer(vocab_size: int = 40):
@@ -103,8 +106,11 @@ def write_tiny_model_atomic(out: str, **kwargs) -> bool:
 def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
     """model.make_tiny_if_missing (`model`: the config's ModelConfig): write the tiny model at
     model.path unless a model is there. Local rank 0 of each node writes it; the node's other
-    ranks wait for the rename (this runs before torch.distributed is initialised, so they poll
-    the filesystem). Raises ConfigError naming the key."""
+    ranks wait for the rename (they poll the filesystem: no collective, so a rank that fails
+    here never leaves the others waiting in one). Raises ConfigError naming the key.
+
+    Only at QUICKSTART_PATH: a user who copies the quickstart config keeps the flag, and a
+    mistyped model.path of theirs must stop the run, not train a random model and exit 0."""
     from verl_mcore.config import ConfigError
 
     if not model.make_tiny_if_missing:
@@ -117,6 +123,14 @@ def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
     path, config = model.path, os.path.join(model.path, "config.json")
     if os.path.isfile(config) or is_hub_id(path):  # a Hub id names a model, not a place to write
         return
+    if os.path.abspath(path) != os.path.abspath(QUICKSTART_PATH):
+        raise ConfigError(
+            f"model.path={path} holds no model (no config.json there), and "
+            f"model.make_tiny_if_missing=true writes the quickstart's random tiny model only at "
+            f"the quickstart's own path {QUICKSTART_PATH}: set model.path to your model's "
+            f"directory or Hub id (and model.make_tiny_if_missing=false); to train a tiny random "
+            f"model there on purpose, write it first with "
+            f"`python -m verl_mcore.tiny_model --out {path}`")
     if os.path.exists(path):
         raise ConfigError(
             f"model.path={path} exists but holds no config.json; model.make_tiny_if_missing "
