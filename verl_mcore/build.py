@@ -138,7 +138,8 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
                       the config (lengths, heads); every safetensors header is whole and fits
                       its file (models/hf_weights.check_weight_files); the tokenizer loads and
                       turns text into tokens; reward models alike
-      user code       reward code imported under reward.import_timeout_s, its workers started
+      user code       data.custom_cls and the reward code imported under their
+                      import_timeout_s, the reward's workers started
 
     A config error stops there (the other checks read the config); of the others, the first
     problem of each kind is reported together, in one ConfigError. A Hub id is downloaded, and
@@ -148,6 +149,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
     Every rank checks; a problem on any rank stops every rank together (distributed/agree.py),
     as ConfigError (or, on the ranks that passed, AgreedFailure) naming what to fix.
     `local_rank`: this rank's on its node (the tiny model's writer is local rank 0)."""
+    from verl_mcore.data import load_dataset_class
     from verl_mcore.distributed.agree import all_ranks_agree
     from verl_mcore.models.hub import fetch_for_run, run_sources
     from verl_mcore.tiny_model import ensure_tiny_model
@@ -168,7 +170,8 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
                 models = _read_models(cfg, world, gpus_per_node)
         except (ConfigError, ValueError, OSError) as e:  # what a user's model dir raises
             problems.append(str(e))
-        try:
+        try:  # imported under data / reward.import_timeout_s first
+            dataset_class = load_dataset_class(cfg.data)
             rewards = build_reward_manager(cfg)
         except (ConfigError, ValueError, OSError) as e:
             problems.append(str(e))
@@ -178,7 +181,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
             _raise(problems)
         info, reward_models = models
         try:
-            train, val = build_datasets(cfg, info)
+            train, val = build_datasets(cfg, info, dataset_class)
             if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
                 raise ConfigError(
                     f"data.train_files: {len(train)} prompts after the data checks, fewer than one "
@@ -583,15 +586,16 @@ def read_time_limit(cfg: Config) -> float:
     return d.read_timeout_s if d.read_timeout_s is not None else 0.75 * cfg.trainer.collective_timeout_s
 
 
-def build_datasets(cfg: Config, info: ModelInfo):
+def build_datasets(cfg: Config, info: ModelInfo, cls: Optional[type] = None):
     """(train, val or None), both built within data.read_timeout_s: a reader that blocks (a
     data.custom_cls waiting on the network, a lock, input()) fails naming its class, its file
-    and where it was, and build_inputs' agreement then stops every rank."""
+    and where it was, and build_inputs' agreement then stops every rank. `cls`: the dataset
+    class when already loaded (data.load_dataset_class: build_inputs' user-code check)."""
     from verl_mcore.data import RLHFDataset, load_dataset_class
     from verl_mcore.user_code import call_with_time_limit
 
     d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
-    cls = load_dataset_class(d)  # imported under data.import_timeout_s first
+    cls = cls or load_dataset_class(d)  # imported under data.import_timeout_s first
     limit = read_time_limit(cfg)
     reading: list = []  # the split being read, for the message
 

@@ -301,6 +301,26 @@ def test_a_broken_model_dir_and_a_missing_data_file_are_reported_together(model_
     assert made == []
 
 
+def test_one_problem_of_each_kind_in_the_order_of_the_checks(model_dir, tmp_path):
+    """Data, model, user code: each kind's first problem, in one message (a second data file
+    missing and a second user file missing are not looked for)."""
+    (model_dir / "config.json").unlink()
+    missing = [tmp_path / f"{name}.parquet" for name in ("train", "val")]
+    with _no_model_made() as made, pytest.raises(ConfigError) as e:
+        build.build_inputs(_cfg(model_dir, "model.make_tiny_if_missing=false",
+                                f"data.train_files=[{missing[0]}]",
+                                f"data.val_files=[{missing[1]}]",
+                                f"data.custom_cls.path={tmp_path}/my_dataset.py",
+                                "data.custom_cls.name=MyDataset",
+                                f"reward.custom_fn.path={tmp_path}/rewards.py"), 1)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "the inputs have problems, the first of each kind:" and len(lines) == 4
+    assert lines[1] == f"  - data.train_files: {missing[0]}: no such file or directory"
+    assert lines[2].startswith(f"  - model.path={model_dir}: holds no config.json")
+    assert lines[3].startswith(f"  - data.custom_cls.path='{tmp_path}/my_dataset.py': no such file")
+    assert made == []
+
+
 def test_the_data_is_checked_before_a_model_is_written_or_downloaded(tmp_path, monkeypatch):
     """The quickstart's tiny model still to write, or a Hub id not in the cache: a missing data
     file is reported without either, and so is a bad row the data check reads."""
