@@ -228,16 +228,7 @@ def test_prompt_too_long_named(model_dir):
     assert "more than data.max_prompt_length=2" in msg and "quickstart_train.parquet" in msg
 
 
-def test_trainer_checks_the_data_before_building_models(model_dir, tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": 7}\n')
-    [(msg, made)] = run_on_ranks(_trainer_body, 1, args=(str(tmp_path), [
-        str(model_dir), f"data.train_files=[{bad}]", f"trainer.run_dir={tmp_path / 'run'}"]),
-        timeout=300)
-    assert str(bad) in msg and "row 0" in msg and made == []
-
-
-# ------------------------------------------------------------------ the order: config, data, model, user code
+# ------------------------------------------------------------------ the order of the checks
 
 # Everything that makes or fetches a model, for the stand-ins that raise "built!".
 MODEL_MAKERS = (("verl_mcore.build", "build_actor"), ("verl_mcore.build", "build_reference"),
@@ -353,6 +344,15 @@ def _trainer_body(rank, world_size, cwd, overrides):
     finally:
         os.chdir(before)
     return None, made
+
+
+def test_trainer_checks_the_data_before_building_models(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 7}\n')
+    [(msg, made)] = run_on_ranks(_trainer_body, 1, args=(str(tmp_path), [
+        str(model_dir), f"data.train_files=[{bad}]", f"trainer.run_dir={tmp_path / 'run'}"]),
+        timeout=300)
+    assert str(bad) in msg and "row 0" in msg and made == []
 
 
 def test_the_trainer_reports_a_missing_data_file_before_any_model_is_made(tmp_path):
