@@ -13,6 +13,9 @@ def test_a_bare_name_is_the_shipped_config_from_any_directory(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     cfg = Config.load("quickstart")
     assert cfg.model.make_tiny_if_missing and cfg.model.path == "runs/quickstart/tiny_model"
+    from verl_mcore.tiny_model import QUICKSTART_PATH
+
+    assert cfg.model.path == QUICKSTART_PATH  # the one path the tiny model is written to
     assert cfg.data.train_files == [str(ROOT / "examples/data/quickstart_train.parquet")]
     assert cfg.data.val_files == [str(ROOT / "examples/data/quickstart_val.parquet")]
     assert cfg.reward.custom_fn.path == str(ROOT / "examples/quickstart_reward.py")

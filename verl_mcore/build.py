@@ -67,6 +67,12 @@ def load_model_info(cfg: Config) -> ModelInfo:
         raise ConfigError("model.path must name a Hugging Face directory (its config.json and "
                           "tokenizer are needed even when model.checkpoint gives the weights)")
     hf_dir = model_dir(cfg)
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        what = "holds no config.json" if os.path.isdir(hf_dir) else "no such directory"
+        snapshot = "" if hf_dir == cfg.model.path else f" (read from {hf_dir})"  # a Hub id's
+        raise ConfigError(f"model.path={cfg.model.path}{snapshot}: {what} (a Hugging Face model "
+                          f"directory holds config.json, the safetensors and the tokenizer "
+                          f"files){cache_advice(hf_dir)}")
     arch = read_hf_arch(hf_dir)
     tokenizer_dir = None
     if cfg.model.tokenizer and cfg.model.tokenizer != cfg.model.path:
@@ -93,13 +99,20 @@ def _load_tokenizer(where: str, key: str, trust_remote_code: bool, instead: str 
         raise ConfigError(f"{key}={where}: no such directory (the tokenizer is read from there; "
                           f"set {instead} to the directory that has tokenizer.json / "
                           "tokenizer_config.json)")
+    needs = (f"it needs tokenizer.json or tokenizer_config.json with its vocabulary files, or "
+             f"set {instead}{cache_advice(where)}")
     try:
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot"
         raise ConfigError(f"{key}={where}: the tokenizer of this directory does not load "
-                          f"({type(e).__name__}: {e}); it needs tokenizer.json or "
-                          f"tokenizer_config.json with its vocabulary files, or set "
-                          f"{instead}{cache_advice(where)}") from e
+                          f"({type(e).__name__}: {e}); {needs}") from e
+    # Without its vocabulary files transformers 5 still builds a tokenizer (from config.json's
+    # model type) whose every prompt is empty: the run would stop at its first generation.
+    probe = "The answer is 5."
+    if not tokenizer.encode(probe, add_special_tokens=False):
+        raise ConfigError(f"{key}={where}: the tokenizer of this directory turns text into no "
+                          f"tokens ({probe!r} -> []): its vocabulary is missing or empty; {needs}")
+    return tokenizer
 
 
 @dataclass
@@ -113,58 +126,121 @@ class Inputs:
     reward_models: dict = field(default_factory=dict)  # source name -> its checked ModelInfo
 
 
-def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None) -> Inputs:
-    """Read and check everything the user supplies before any model is built (minutes at 70B):
+def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
+                 local_rank: int = 0) -> Inputs:
+    """Read and check everything the user supplies before any model is built (minutes at 70B),
+    cheapest first (the preflight), so that a missing data file is not found after a download:
 
-      the config      every numeric range and cross-field rule (config/validate.py), the
-                      lengths against the model's max_position_embeddings
-      the model       config.json parses; every safetensors header is whole and fits its file
-                      (models/hf_weights.check_weight_files); the tokenizer loads
-      the data        the datasets are built here: schemas, rows, prompt lengths
-      reward code     imported under reward.import_timeout_s, its workers started
+      the config      every numeric range and cross-field rule (config/validate.py)
+      the data        the train and val files exist and open; the first rows of each have the
+                      columns and prompts the dataset needs (data/checks.check_files)
+      the model       written first if model.make_tiny_if_missing; config.json parses and fits
+                      the config (lengths, heads); every safetensors header is whole and fits
+                      its file (models/hf_weights.check_weight_files); the tokenizer loads and
+                      turns text into tokens; reward models alike
+      user code       data.custom_cls and the reward code imported under their
+                      import_timeout_s, the reward's workers started
+
+    A config error stops there (the other checks read the config); of the others, the first
+    problem of each kind is reported together, in one ConfigError. A Hub id is downloaded, and
+    the tiny model written, only after the config and the data passed. Then the datasets are
+    read in full (tokenised: prompt lengths) and checked against the reward functions.
 
     Every rank checks; a problem on any rank stops every rank together (distributed/agree.py),
-    as ConfigError (or, on the ranks that passed, AgreedFailure) naming what to fix."""
-    from verl_mcore.config import ModelShape, validate
+    as ConfigError (or, on the ranks that passed, AgreedFailure) naming what to fix.
+    `local_rank`: this rank's on its node (the tiny model's writer is local rank 0)."""
+    from verl_mcore.data import load_dataset_class
     from verl_mcore.distributed.agree import all_ranks_agree
-    from verl_mcore.models.hf_weights import check_weight_files
-    from verl_mcore.models.hub import fetch_for_run
+    from verl_mcore.models.hub import fetch_for_run, run_sources
+    from verl_mcore.tiny_model import ensure_tiny_model
 
-    # Hub ids: downloaded once per node and pinned for the run; from here on every reader
-    # gets the same snapshot directory (models/hub.py).
-    fetch_for_run(cfg)
+    if run_sources(cfg):
+        # Hub ids: downloaded once per node and pinned for the run, from here on every reader
+        # gets the same snapshot directory (models/hub.py); but only for a run whose config and
+        # data pass, decided alike on every rank (the download is collective).
+        all_ranks_agree(lambda: _raise(_check_config_and_data(cfg, world, gpus_per_node)),
+                        "checking the config and data")
+        fetch_for_run(cfg)
 
     def check() -> Inputs:
+        problems = _check_config_and_data(cfg, world, gpus_per_node)
+        models, rewards = None, None
+        try:  # with the data wrong, a tiny model still to write waits for the fix
+            if ensure_tiny_model(cfg.model, local_rank, write=not problems):
+                models = _read_models(cfg, world, gpus_per_node)
+        except (ConfigError, ValueError, OSError) as e:  # what a user's model dir raises
+            problems.append(str(e))
+        try:  # imported under data / reward.import_timeout_s first
+            dataset_class = load_dataset_class(cfg.data)
+            rewards = build_reward_manager(cfg)
+        except (ConfigError, ValueError, OSError) as e:
+            problems.append(str(e))
+        if problems:
+            if rewards is not None:
+                rewards.close()
+            _raise(problems)
+        info, reward_models = models
         try:
-            hf_dir = model_dir(cfg)
-            shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
-            validate(cfg, world, shape, gpus_per_node)
-            if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
-                check_weight_files(hf_dir)
-            info = load_model_info(cfg)
-            reward_models = {}
-            for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
-                reward_models[source.name] = reward_model_info(cfg, key, source)
-                check_reward_model_tokens(cfg, info, key, reward_models[source.name])
-            train, val = build_datasets(cfg, info)
+            train, val = build_datasets(cfg, info, dataset_class)
             if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
                 raise ConfigError(
                     f"data.train_files: {len(train)} prompts after the data checks, fewer than one "
                     f"batch of data.train_batch_size={cfg.data.train_batch_size}; lower the batch "
                     "size or add data")
-            rewards = build_reward_manager(cfg)
-        except ConfigError:
-            raise
-        except (ValueError, OSError) as e:  # what a user's input raises; the rest are our bugs
-            raise ConfigError(str(e)) from e
-        try:
             rewards.check_dataset(train)
-        except ValueError as e:
-            rewards.close()
-            raise ConfigError(str(e)) from e
+        except BaseException as e:
+            rewards.close()  # its scoring workers are started
+            if isinstance(e, (ValueError, OSError)) and not isinstance(e, ConfigError):
+                raise ConfigError(str(e)) from e  # what a user's input raises; the rest are bugs
+            raise
         return Inputs(info, train, val, rewards, reward_models)
 
     return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
+
+
+def _check_config_and_data(cfg: Config, world: int, gpus_per_node: Optional[int]) -> list[str]:
+    """The preflight's first two stages (build_inputs): raises ConfigError for the config alone;
+    returns the data's first problem, naming its key ([] when none)."""
+    from verl_mcore.config import validate
+    from verl_mcore.data.checks import check_files
+
+    validate(cfg, world, None, gpus_per_node)  # the model's shape is the model stage's
+    d = cfg.data
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if files:
+            try:
+                check_files(files, d, read=not d.custom_cls.path)
+            except (ValueError, OSError) as e:  # DataError, and what pyarrow raises
+                return [f"{key}: {e}"]
+    return []
+
+
+def _raise(problems: list[str]) -> None:
+    """One ConfigError for the preflight's problems (one per kind), if any."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("the inputs have problems, the first of each kind:\n  - "
+                          + "\n  - ".join(problems))
+
+
+def _read_models(cfg: Config, world: int, gpus_per_node: Optional[int]):
+    """(ModelInfo, {reward source name: its ModelInfo}): the run's model directories read and
+    checked against the config (the model stage of build_inputs' preflight)."""
+    from verl_mcore.config import ModelShape, validate
+    from verl_mcore.models.hf_weights import check_weight_files
+
+    hf_dir = model_dir(cfg)
+    shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
+    validate(cfg, world, shape, gpus_per_node)  # the config passed alone: only the shape's rules
+    if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
+        check_weight_files(hf_dir)
+    info = load_model_info(cfg)
+    reward_models = {}
+    for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
+        reward_models[source.name] = reward_model_info(cfg, key, source)
+        check_reward_model_tokens(cfg, info, key, reward_models[source.name])
+    return info, reward_models
 
 
 def _weight_loader(info: ModelInfo, role: str, lora=None, seed: int = 0):
@@ -510,15 +586,16 @@ def read_time_limit(cfg: Config) -> float:
     return d.read_timeout_s if d.read_timeout_s is not None else 0.75 * cfg.trainer.collective_timeout_s
 
 
-def build_datasets(cfg: Config, info: ModelInfo):
+def build_datasets(cfg: Config, info: ModelInfo, cls: Optional[type] = None):
     """(train, val or None), both built within data.read_timeout_s: a reader that blocks (a
     data.custom_cls waiting on the network, a lock, input()) fails naming its class, its file
-    and where it was, and build_inputs' agreement then stops every rank."""
+    and where it was, and build_inputs' agreement then stops every rank. `cls`: the dataset
+    class when already loaded (data.load_dataset_class: build_inputs' user-code check)."""
     from verl_mcore.data import RLHFDataset, load_dataset_class
     from verl_mcore.user_code import call_with_time_limit
 
     d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
-    cls = load_dataset_class(d)  # imported under data.import_timeout_s first
+    cls = cls or load_dataset_class(d)  # imported under data.import_timeout_s first
     limit = read_time_limit(cfg)
     reading: list = []  # the split being read, for the message
 

@@ -23,6 +23,9 @@ import time
 # AutoTokenizer rebuilds a qwen2 model's tokenizer through that class whatever tokenizer.json says.
 CORPUS = [f"repeat the digit {d} : {str(d) * 4}" for d in range(10)]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# The one model.path model.make_tiny_if_missing writes to: configs/quickstart.yaml's, relative to
+# the current directory as that config names it (ensure_tiny_model says why only there).
+QUICKSTART_PATH = "runs/quickstart/tiny_model"
 
 
 def build_tokenizer(vocab_size: int = 40):
@@ -100,15 +103,22 @@ def write_tiny_model_atomic(out: str, **kwargs) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
+def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0,
+                      write: bool = True) -> bool:
     """model.make_tiny_if_missing (`model`: the config's ModelConfig): write the tiny model at
     model.path unless a model is there. Local rank 0 of each node writes it; the node's other
-    ranks wait for the rename (this runs before torch.distributed is initialised, so they poll
-    the filesystem). Raises ConfigError naming the key."""
+    ranks wait for the rename (they poll the filesystem: no collective, so a rank that fails
+    here never leaves the others waiting in one). Raises ConfigError naming the key.
+
+    Only at QUICKSTART_PATH: a user who copies the quickstart config keeps the flag, and a
+    mistyped model.path of theirs must stop the run, not train a random model and exit 0.
+
+    write=False checks the same and writes nothing (the preflight, while the data is wrong):
+    False when the model is still to be written, else True."""
     from verl_mcore.config import ConfigError
 
     if not model.make_tiny_if_missing:
-        return
+        return True
     if not model.path:
         raise ConfigError("model.make_tiny_if_missing=true needs model.path: the directory to "
                           "write the tiny model to")
@@ -116,12 +126,22 @@ def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
 
     path, config = model.path, os.path.join(model.path, "config.json")
     if os.path.isfile(config) or is_hub_id(path):  # a Hub id names a model, not a place to write
-        return
+        return True
+    if os.path.abspath(path) != os.path.abspath(QUICKSTART_PATH):
+        raise ConfigError(
+            f"model.path={path} holds no model (no config.json there), and "
+            f"model.make_tiny_if_missing=true writes the quickstart's random tiny model only at "
+            f"the quickstart's own path {QUICKSTART_PATH}: set model.path to your model's "
+            f"directory or Hub id (and model.make_tiny_if_missing=false); to train a tiny random "
+            f"model there on purpose, write it first with "
+            f"`python -m verl_mcore.tiny_model --out {path}`")
     if os.path.exists(path):
         raise ConfigError(
             f"model.path={path} exists but holds no config.json; model.make_tiny_if_missing "
             "writes only a directory that does not exist yet: remove it, or point model.path "
             "at a Hugging Face model directory")
+    if not write:
+        return False
     if local_rank == 0:
         try:
             wrote = write_tiny_model_atomic(path)
@@ -131,7 +151,7 @@ def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
         if wrote:
             print(f"model.make_tiny_if_missing: wrote the quickstart's tiny model to {path}",
                   flush=True)
-        return
+        return True
     deadline = time.monotonic() + timeout_s
     while not os.path.isfile(config):
         if time.monotonic() > deadline:
@@ -139,6 +159,7 @@ def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0) -> None:
                 f"model.make_tiny_if_missing: local rank 0 of this node did not write the tiny "
                 f"model at model.path={path} within {timeout_s:.0f} s; see that rank's error")
         time.sleep(0.2)
+    return True
 
 
 def main(argv=None) -> int:

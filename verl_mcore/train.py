@@ -9,7 +9,7 @@ import argparse
 import faulthandler
 import sys
 
-from verl_mcore.config import Config, ConfigError, ModelShape, validate
+from verl_mcore.config import Config, ConfigError, validate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,11 +51,9 @@ def main(argv=None) -> int:
     info = detect_launch()
     setup_logging(info.rank)
     try:
-        from verl_mcore.tiny_model import ensure_tiny_model
-
-        ensure_tiny_model(cfg.model, info.local_rank)  # the quickstart's model, on its first run
-        shape = ModelShape.from_hf_dir(cfg.model.path) if cfg.model.path else None
-        validate(cfg, info.world_size, shape, info.local_world_size)
+        # The config alone, before torch.distributed: the same verdict on every rank. What it
+        # names (data, model, user code) is checked with the ranks' agreement, by the Trainer.
+        validate(cfg, info.world_size, None, info.local_world_size)
     except ConfigError as e:
         # Every rank reaches the same verdict from the same inputs; rank 0 says it once.
         if info.rank == 0:
@@ -73,7 +71,7 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, launch=info)  # writes RUN_DIR/config.yaml once it holds the lock
     except (RunDirError, ConfigError, AgreedFailure) as e:
         # Raised on every rank alike, before any model is built: the run directory's lock, and
-        # the checks of build.build_inputs (config, model directory, data, reward code) and
+        # the checks of build.build_inputs (config, data, model directory, reward code) and
         # build.resolve_offload (the memory plan). Rank 0 says why.
         if info.rank == 0:
             kind = "run directory error" if isinstance(e, RunDirError) else "error before training"

@@ -155,9 +155,6 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = training_device()
         self.run_dir = build.resolve_run_dir(cfg)
-        from verl_mcore.tiny_model import ensure_tiny_model
-
-        ensure_tiny_model(cfg.model, self.launch.local_rank)  # Trainer(cfg) without train.main
         # Before anything is written into the run directory: a second run there is refused.
         self.run = RunDir.open(cfg, self.run_dir, self.launch.local_rank, self.launch.local_world_size)
         try:
@@ -200,11 +197,12 @@ class Trainer:
         # After the guard's handlers: a rank blocked in a collective still reports a signal.
         self.watchdog.start(watch_signals=True)
 
-        # Everything the user supplied (config, model directory, data, reward code) is read and
+        # Everything the user supplied (config, data, model directory, reward code) is read and
         # checked before minutes of model building, and "auto" offload refuses a run whose
         # phases would not fit; a problem on any rank stops every rank.
         with self.watchdog.phase("check inputs"):
-            inputs = build.build_inputs(cfg, self.world, self.launch.local_world_size)
+            inputs = build.build_inputs(cfg, self.world, self.launch.local_world_size,
+                                        self.launch.local_rank)
             self.rewards = inputs.rewards
             # Token budgets where no micro-batch size is set (the planner's, on every rank
             # alike), before the offload choice that plans with them.

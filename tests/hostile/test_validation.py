@@ -1,6 +1,9 @@
 """Careless input is refused before any model is built, naming the key or the file and what to do:
-every numeric config field has a checked range, and the model directory (config.json, the
-safetensors headers, the tokenizer), the data files and the reward code are all read first."""
+every numeric config field has a checked range, and the data files, the model directory
+(config.json, the safetensors headers, the tokenizer) and the reward code are all read first, in
+that order, the first problem of each kind reported together (issue 39)."""
+import contextlib
+import importlib
 import json
 import math
 import shutil
@@ -225,29 +228,162 @@ def test_prompt_too_long_named(model_dir):
     assert "more than data.max_prompt_length=2" in msg and "quickstart_train.parquet" in msg
 
 
-def _trainer_with_bad_data_body(rank, world_size, model_dir, bad_file, run_dir):
-    """Trainer(cfg) with a bad data file: the error comes before any model is built."""
-    from verl_mcore import build
+# ------------------------------------------------------------------ the order of the checks
+
+# Everything that makes or fetches a model, for the stand-ins that raise "built!".
+MODEL_MAKERS = (("verl_mcore.build", "build_actor"), ("verl_mcore.build", "build_reference"),
+                ("verl_mcore.build", "build_critic"), ("verl_mcore.build", "build_reward_models"),
+                ("verl_mcore.tiny_model", "make_tiny_model"),
+                ("huggingface_hub", "snapshot_download"))
+
+
+@contextlib.contextmanager
+def _no_model_made():
+    """Each of MODEL_MAKERS replaced by a stand-in that records its name and raises 'built!' (a
+    model that takes minutes to build or download), and put back after (ranks are pooled: later
+    tests build models); yields the record."""
+    made: list[str] = []
+    saved = {}
+    for module, name in MODEL_MAKERS:
+        def stand_in(*args, _name=name, **kwargs):
+            made.append(_name)
+            raise AssertionError(f"built! ({_name})")
+
+        owner = importlib.import_module(module)
+        saved[owner, name] = getattr(owner, name)
+        setattr(owner, name, stand_in)
+    try:
+        yield made
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def _cut_header(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:20])  # the 8-byte length and 12 bytes of the header
+
+
+BROKEN = {  # how a model directory breaks -> what the message says
+    "no config.json": (lambda d: (d / "config.json").unlink(), "holds no config.json"),
+    "a cut safetensors header": (lambda d: _cut_header(d / "model.safetensors"),
+                                 "model.safetensors: the safetensors file is incomplete"),
+    # transformers then builds a tokenizer from config.json alone, which encodes text to nothing
+    "no tokenizer files": (lambda d: [p.unlink() for p in d.glob("tokenizer*")],
+                           "the tokenizer of this directory turns text into no tokens"),
+}
+
+
+@pytest.mark.parametrize("damage", BROKEN)
+def test_a_broken_model_dir_and_a_missing_data_file_are_reported_together(model_dir, tmp_path,
+                                                                         damage):
+    breaks, problem = BROKEN[damage]
+    breaks(model_dir)
+    missing = tmp_path / "train.parquet"
+    with _no_model_made() as made, pytest.raises(ConfigError) as e:
+        build.build_inputs(_cfg(model_dir, "model.make_tiny_if_missing=false",
+                                f"data.train_files=[{missing}]"), 1)
+    message = str(e.value)
+    assert message.startswith("the inputs have problems, the first of each kind:\n  - "
+                              f"data.train_files: {missing}: no such file or directory\n  - ")
+    assert problem in message and "model.path" in message
+    assert made == []
+    with _no_model_made() as made, pytest.raises(ConfigError, match=problem):  # alone
+        build.build_inputs(_cfg(model_dir, "model.make_tiny_if_missing=false"), 1)
+    assert made == []
+
+
+def test_one_problem_of_each_kind_in_the_order_of_the_checks(model_dir, tmp_path):
+    """Data, model, user code: each kind's first problem, in one message (a second data file
+    missing and a second user file missing are not looked for)."""
+    (model_dir / "config.json").unlink()
+    missing = [tmp_path / f"{name}.parquet" for name in ("train", "val")]
+    with _no_model_made() as made, pytest.raises(ConfigError) as e:
+        build.build_inputs(_cfg(model_dir, "model.make_tiny_if_missing=false",
+                                f"data.train_files=[{missing[0]}]",
+                                f"data.val_files=[{missing[1]}]",
+                                f"data.custom_cls.path={tmp_path}/my_dataset.py",
+                                "data.custom_cls.name=MyDataset",
+                                f"reward.custom_fn.path={tmp_path}/rewards.py"), 1)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "the inputs have problems, the first of each kind:" and len(lines) == 4
+    assert lines[1] == f"  - data.train_files: {missing[0]}: no such file or directory"
+    assert lines[2].startswith(f"  - model.path={model_dir}: holds no config.json")
+    assert lines[3].startswith(f"  - data.custom_cls.path='{tmp_path}/my_dataset.py': no such file")
+    assert made == []
+
+
+def test_the_data_is_checked_before_a_model_is_written_or_downloaded(tmp_path, monkeypatch):
+    """The quickstart's tiny model still to write, or a Hub id not in the cache: a missing data
+    file is reported without either, and so is a bad row the data check reads."""
+    monkeypatch.chdir(tmp_path)
+    missing, bad = tmp_path / "train.parquet", tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "repeat the digit 3 : "}\n{"prompt": ""}\n')
+    for model in ("runs/quickstart/tiny_model", "org/a-70b-model"):
+        for files, says in ((missing, f"data.train_files: {missing}: no such file or directory"),
+                            (bad, f"data.train_files: {bad}, row 1, column 'prompt': the prompt "
+                                  "is an empty string")):
+            with _no_model_made() as made, pytest.raises(ConfigError) as e:
+                build.build_inputs(_cfg(model, f"data.train_files=[{files}]"), 1)
+            assert str(e.value) == says and made == []
+    assert not (tmp_path / "runs").exists()
+
+
+def _trainer_body(rank, world_size, cwd, overrides):
+    """Trainer(cfg) in `cwd` with every model maker raising 'built!': (its error, what was made)."""
+    import os
+
     from verl_mcore.trainer import Trainer
 
-    def no_models(*args, **kwargs):
-        raise AssertionError("a model was built before the inputs were checked")
-
-    saved = build.build_actor, build.build_critic, build.build_reference
-    build.build_actor = build.build_critic = build.build_reference = no_models
-    cfg = _cfg(model_dir, f"data.train_files=[{bad_file}]", f"trainer.run_dir={run_dir}")
+    before = os.getcwd()
+    os.chdir(cwd)
     try:
-        Trainer(cfg)
-    except ConfigError as e:
-        return str(e)
-    finally:  # the rank is pooled: later tests build models
-        build.build_actor, build.build_critic, build.build_reference = saved
-    return None
+        with _no_model_made() as made:
+            Trainer(_cfg(*overrides))
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        return f"{type(e).__name__}: {e}", made
+    finally:
+        os.chdir(before)
+    return None, made
 
 
 def test_trainer_checks_the_data_before_building_models(model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 7}\n')
-    [msg] = run_on_ranks(_trainer_with_bad_data_body, 1,
-                         args=(str(model_dir), str(bad), str(tmp_path / "run")), timeout=300)
-    assert msg is not None and str(bad) in msg and "row 0" in msg
+    [(msg, made)] = run_on_ranks(_trainer_body, 1, args=(str(tmp_path), [
+        str(model_dir), f"data.train_files=[{bad}]", f"trainer.run_dir={tmp_path / 'run'}"]),
+        timeout=300)
+    assert str(bad) in msg and "row 0" in msg and made == []
+
+
+def test_the_trainer_reports_a_missing_data_file_before_any_model_is_made(tmp_path):
+    """`--config quickstart` with the tiny model not written yet, and a config of a Hub model not
+    downloaded yet: a mistyped data file stops the Trainer before either model is made."""
+    missing = tmp_path / "trian.parquet"
+    for model in ("runs/quickstart/tiny_model", "org/a-70b-model"):
+        [(error, made)] = run_on_ranks(_trainer_body, 1, args=(str(tmp_path), [
+            model, f"data.train_files=[{missing}]",
+            f"trainer.run_dir={tmp_path}/run_{model.replace('/', '_')}"]), timeout=300)
+        assert error == f"ConfigError: data.train_files: {missing}: no such file or directory"
+        assert made == []
+
+
+def _agree_body(rank, world_size, files):
+    try:
+        with _no_model_made() as made:
+            build.build_inputs(_cfg("org/a-70b-model", f"data.train_files=[{files[rank]}]"), world_size)
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return type(e).__name__, str(e), made
+    return None
+
+
+def test_a_data_file_missing_on_one_rank_stops_every_rank_before_the_download(tmp_path):
+    """The download is collective: every rank must skip it alike, so the data verdict is agreed
+    first (one rank's node lacks the file; the other rank must not wait for it in a download)."""
+    missing = tmp_path / "only_on_the_other_node.parquet"
+    results = run_on_ranks(_agree_body, 2, args=(
+        [f"{ROOT}/examples/data/quickstart_train.parquet", str(missing)],), timeout=300)
+    assert results[1] == ("ConfigError", f"data.train_files: {missing}: no such file or "
+                                          "directory", [])
+    assert results[0] == ("AgreedFailure", "rank 1 failed while checking the config and data: "
+                          f"ConfigError: data.train_files: {missing}: no such file or directory",
+                          [])

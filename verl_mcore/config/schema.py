@@ -48,7 +48,12 @@ class ModelConfig:
     # very files `python -m tools.make_tiny_model --out PATH` writes), so the quickstart is one
     # command with no download. Local rank 0 of each node writes it into a temporary directory
     # renamed at the end (a killed first run leaves no half model); the node's other ranks wait.
-    # A model already at `path` is used as it is.
+    # A model already at `path` is used as it is. It writes only at the quickstart's own path,
+    # `runs/quickstart/tiny_model` (relative to the current directory): as in verl or NeMo-RL,
+    # model.path names a model that exists, so a config copied from the quickstart whose
+    # model.path is mistyped or not downloaded yet stops, naming model.path, instead of training
+    # a random model and exiting 0. A tiny model elsewhere: `python -m verl_mcore.tiny_model
+    # --out PATH` first.
     make_tiny_if_missing: bool = False
     # Pad the vocabulary to a multiple of lcm(this, training TP) (Megatron's option of that name,
     # whose own rule is this × TP); the generation model keeps that same padded size.

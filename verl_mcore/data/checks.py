@@ -19,8 +19,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
+from verl_mcore.config.schema import DataConfig
 from verl_mcore.data.errors import DataError
-from verl_mcore.data.readers import nested_types
+from verl_mcore.data.readers import (detect_format, nested_types, plain_types, read_file_rows,
+                                     resolve_files)
+
+# Rows of each file the preflight reads (check_files): enough to meet a wrong column or prompt
+# layout, few enough that a large file costs nothing; the dataset reads every row later.
+SAMPLE_ROWS = 64
 
 # Known optional columns -> the type categories they may have ("null": a column of only nulls).
 _KNOWN_COLUMNS = {
@@ -132,3 +138,32 @@ def prompt_problem(prompt: Any) -> Optional[str]:
             if not isinstance(message[key], str):
                 return f"message {i}: {key!r} must be a string, got {type(message[key]).__name__}"
     return None
+
+
+def check_files(files, data: DataConfig, read: bool = True) -> None:
+    """The preflight's data check (build.build_inputs), made before the model is read: `files`
+    (data.train_files or data.val_files) exist, and with `read`, each opens as its format and
+    its first SAMPLE_ROWS rows pass the checks the dataset makes of every row (columns, prompt
+    layout). Raises DataError naming the file, row and column. `read=False` for a
+    data.custom_cls, which reads the files its own way: any file in a directory then counts."""
+    if not read:
+        resolve_files(files, extensions=("",))  # any file: the class picks what it reads
+        return
+    parts = []
+    for path in resolve_files(files):
+        part = read_file_rows(path, data.on_bad_row, data.prompt_key, limit=SAMPLE_ROWS)
+        if part.table.num_rows == 0 and part.bad_rows:
+            continue  # all bad, under data.on_bad_row=skip: the full read tells whether all are
+        table = plain_types(path, part.table)
+        check_columns(path, table, data.prompt_key, part.file_row)
+        if data.on_bad_row != "skip":
+            for i, prompt in enumerate(table.column(data.prompt_key).to_pylist()):
+                problem = prompt_problem(prompt)
+                if problem is not None:
+                    raise DataError(path, problem, part.file_row(i), data.prompt_key)
+        parts.append((path, table))
+    # A JSON Lines sample's columns are those its first rows have; Parquet and Arrow carry the
+    # whole file's schema.
+    typed = [(path, table) for path, table in parts if detect_format(path) != "jsonl"]
+    if len(typed) > 1:
+        check_same_schema(typed)

@@ -161,17 +161,23 @@ def detect_format(path: str) -> str:
                           f"(first bytes {head!r})")
 
 
-def read_file_rows(path: str, on_bad_row: str = "error",
-                   prompt_key: Optional[str] = None) -> FileRows:
+def read_file_rows(path: str, on_bad_row: str = "error", prompt_key: Optional[str] = None,
+                   limit: Optional[int] = None) -> FileRows:
     """Read one file of any supported format; every failure is a DataError naming the file.
-    `prompt_key` (data.prompt_key) is for the message about a prompt column of mixed kinds."""
+    `prompt_key` (data.prompt_key) is for the message about a prompt column of mixed kinds.
+    `limit`: the first rows only (the preflight's sample, data/checks.check_files): Parquet
+    decodes only them, JSON Lines parses only their lines, Arrow maps the file as always."""
     fmt = detect_format(path)
     if fmt == "jsonl":
-        return _validated(_read_jsonl(path, on_bad_row, prompt_key))
+        return _validated(_read_jsonl_rows(path, on_bad_row, prompt_key, limit) if limit else
+                          _read_jsonl(path, on_bad_row, prompt_key))
     readers = {"parquet": _read_parquet, "arrow_file": _read_arrow_file,
                "arrow_stream": _read_arrow_stream}
     try:
-        table = readers[fmt](path)
+        if limit and fmt == "parquet":
+            table = _read_parquet_head(path, limit)
+        else:  # Arrow is memory-mapped: the slice reads nothing more
+            table = readers[fmt](path).slice(0, limit)
     except DataError:
         raise
     except (pa.ArrowException, OSError) as e:
@@ -195,6 +201,12 @@ def _validated(part: FileRows) -> FileRows:
 
 def _read_parquet(path: str) -> pa.Table:
     return pq.read_table(path, memory_map=True)
+
+
+def _read_parquet_head(path: str, rows: int) -> pa.Table:
+    source = pq.ParquetFile(path, memory_map=True)
+    first = next(source.iter_batches(batch_size=rows), None)
+    return source.schema_arrow.empty_table() if first is None else pa.Table.from_batches([first])
 
 
 def _read_arrow_file(path: str) -> pa.Table:
@@ -284,10 +296,12 @@ def _read_jsonl(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRo
     return FileRows(path, table)
 
 
-def _read_jsonl_rows(path: str, on_bad_row: str, prompt_key: Optional[str]) -> FileRows:
+def _read_jsonl_rows(path: str, on_bad_row: str, prompt_key: Optional[str],
+                     limit: Optional[int] = None) -> FileRows:
     """The file parsed line by line: slow, for the files pyarrow.json reads wrongly or not at
-    all. Pyarrow infers each block's types from that block; here the whole file decides."""
-    rows, row_numbers, bad = _scan_jsonl(path, prompt_key)
+    all. Pyarrow infers each block's types from that block; here the whole file decides (or its
+    first `limit` rows)."""
+    rows, row_numbers, bad = _scan_jsonl(path, prompt_key, limit)
     if bad and on_bad_row != "skip":
         first = bad[0]
         raise DataError(path, first.problem, first.row, first.column)
@@ -380,15 +394,17 @@ def _a(kind: str) -> str:
     return ("an " if kind[0] in "aeiou" else "a ") + kind
 
 
-def _scan_jsonl(path: str, prompt_key: Optional[str] = None
+def _scan_jsonl(path: str, prompt_key: Optional[str] = None, limit: Optional[int] = None
                 ) -> tuple[list[dict], list[int], list[BadRow]]:
-    """Parse line by line; a row is bad if it is not a JSON object, or if some value in it has a
-    different kind from the one most rows have there (kind_mismatches). Returns the good rows,
-    their file row numbers, and the bad rows."""
+    """Parse line by line (the first `limit` rows); a row is bad if it is not a JSON object, or
+    if some value in it has a different kind from the one most rows have there
+    (kind_mismatches). Returns the good rows, their file row numbers, and the bad rows."""
     parsed: list[tuple[int, int, object]] = []  # (row, line, value or exception)
     with open(path, "r", encoding="utf-8", errors="replace") as f:
         row = 0
         for line_no, line in enumerate(f, start=1):
+            if row == limit:
+                break
             if not line.strip():
                 continue
             try:
