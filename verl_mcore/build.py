@@ -107,11 +107,14 @@ def _load_tokenizer(where: str, key: str, trust_remote_code: bool, instead: str 
         raise ConfigError(f"{key}={where}: the tokenizer of this directory does not load "
                           f"({type(e).__name__}: {e}); {needs}") from e
     # Without its vocabulary files transformers 5 still builds a tokenizer (from config.json's
-    # model type) whose every prompt is empty: the run would stop at its first generation.
-    probe = "The answer is 5."
-    if not tokenizer.encode(probe, add_special_tokens=False):
+    # model type) whose vocabulary is its special tokens alone, and every prompt encodes to
+    # nothing: the run would stop at its first generation. (Encoding a probe sentence instead
+    # would refuse small word-level test vocabularies, which map English words to nothing.)
+    words = set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens)
+    if not words:
         raise ConfigError(f"{key}={where}: the tokenizer of this directory turns text into no "
-                          f"tokens ({probe!r} -> []): its vocabulary is missing or empty; {needs}")
+                          f"tokens: its vocabulary holds {len(tokenizer.get_vocab())} special "
+                          f"token(s) and nothing else; {needs}")
     return tokenizer
 
 

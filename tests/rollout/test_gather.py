@@ -73,7 +73,7 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     place = RolePlacement(Placement.resolve(cfg, world_size), {"actor": groups}, rank)
     fake = SimpleNamespace(groups=groups, info=INFO, world=world_size, place=place,
                            rollout=SimpleNamespace(generate=lambda ids, sampling: outputs,
-                                                   groups=groups))
+                                                   check_samples=dict, groups=groups))
     for name in ("sample_part", "share_part"):  # the methods generate calls
         setattr(fake, name, getattr(Trainer, name).__get__(fake))
     new = Trainer.generate(fake, prompts, sampling=None)

@@ -170,11 +170,16 @@ class _Gather:
         # Where NCCL needs the buffers (the current GPU); gloo takes them on the host.
         self.device = collective_device(groups.gen_dp)
         self.src = dist.get_global_rank(groups.gen_tp, 0) if self.tp else groups.rank
+        # One replica of one rank holds the whole batch: nothing to exchange (the collectives
+        # of a one-rank group still cost a round trip each, ~5 ms on gloo).
+        self.alone = self.n == 1 and not self.tp
 
     def tensors(self, local: Optional[Tensor], lengths: list[int],
                 dtype: torch.dtype) -> list[Tensor]:
         """Each replica's 1-D tensor (its length in `lengths`), on the host, in gen_dp rank order.
         all_gather needs equal sizes: each part is padded to the largest."""
+        if self.alone:
+            return [local.cpu()]
         width = max(1, max(lengths))  # gloo refuses empty buffers
         out = torch.empty(self.n, width, dtype=dtype, device=self.device)  # [DP_g, width]
         if self.lead:
@@ -188,6 +193,8 @@ class _Gather:
 
     def objects(self, local: Optional[list]) -> list:
         """Each replica's list of small objects (the dataset rows, once per prompt)."""
+        if self.alone:
+            return [local]
         out: list = [None] * self.n
         if self.lead:
             dist.all_gather_object(out, local, group=self.groups.gen_dp)
@@ -249,7 +256,7 @@ def agreed_failure(failure: Optional[BaseException], group, what: str
     no class of its own for it, placement._failure_class), naming that rank and `what` (where
     they met). Every rank of the group must call it, failed or not, so that none waits in a
     collective the failed rank never joins."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return failure
     flag = torch.tensor([0 if failure is None else dist.get_rank() + 1], dtype=torch.int64,
                         device=collective_device(group))
