@@ -49,6 +49,7 @@ else
     echo "setup: $PYTHON is not Python 3.10 or newer; set PYTHON=/path/to/python3.11" >&2
     exit 1
   fi
+  say "making the environment $VENV"
   venv_args=()
   if has_gpu && "$PYTHON" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
     # The base Python's CUDA torch was built for this machine's driver: keep it.
