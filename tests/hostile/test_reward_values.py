@@ -146,5 +146,6 @@ def test_the_trainer_stops_when_every_reward_is_a_string(tmp_path):
     assert msg is not None, "the run did not stop"
     assert msg.startswith("8 of 8 samples of this batch failed to score")
     assert "the first: sample 0 (data_source=" in msg and "got str '0.75'" in msg
+    assert f"scorer reward.custom_fn {tmp_path}/string_reward.py:score: invalid" in msg, msg
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
         (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # no step was recorded
