@@ -154,6 +154,17 @@ def test_an_import_that_exits_ends_its_message_with_the_error(tmp_path, prints, 
     assert ("loading the judge" in lines) == prints and "(nothing)" not in str(e.value)
 
 
+def test_a_worker_that_cannot_load_the_file_ends_its_message_with_the_error(tmp_path):
+    # The probe imports it uncapped; the workers, under reward.max_memory_mb, cannot.
+    path = _file(tmp_path, "BIG = bytearray(1 << 30)")
+    with pytest.raises(UserCodeError) as e:
+        _manager(path, workers=1, max_memory_mb=256)
+    assert str(e.value).splitlines()[-1] == (
+        f"a reward worker could not load the scorers (reward.custom_fn.path={path}): ValueError: "
+        f"reward.custom_fn.path='{path}': importing the file failed: MemoryError: (the workers' "
+        "reward.max_memory_mb=256 applies to loading them too; the import probe has no such cap)")
+
+
 def test_the_cli_ends_with_the_error_of_an_import_that_exits(tmp_path):
     path = _file(tmp_path, "import os\nos._exit(3)")
     code, err = _train(tmp_path, f"reward.custom_fn.path={path}", "reward.custom_fn.name=score")

@@ -158,9 +158,12 @@ class ScoringPool:
             self._replace(self._workers.index(w))
             return
         tag, payload = message
-        if tag == "init_error":
+        if tag == "init_error":  # the traceback, then what failed: the last line a user sees
+            cap = (f" (the workers' reward.max_memory_mb={self.max_memory_mb} applies to loading "
+                   "them too; the import probe has no such cap)"
+                   if self.max_memory_mb and "MemoryError" in payload else "")
             raise UserCodeError(f"{payload.rstrip()}\na reward worker could not load the scorers "
-                                f"({self._files()}): {payload.strip().splitlines()[-1]}")
+                                f"({self._files()}): {payload.strip().splitlines()[-1]}{cap}")
         if tag == "ready":
             w.state = "idle"
             return
