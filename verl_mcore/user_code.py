@@ -173,11 +173,16 @@ def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: 
                                              f"ended without reporting its check of {name!r}"))
         return result[_RESULT]
     report = _report(run.stdout, _REPORT)
+    # Each message ends with the error, the last line a user sees; what led to it comes first.
     if report is not None:
-        raise UserCodeError(report[_REPORT] + (f"\n{report['where']}" if report["where"] else ""))
+        if not report["where"]:
+            raise UserCodeError(report[_REPORT])
+        raise UserCodeError(f"{where}: it failed here (most recent call last):\n"
+                            f"{report['where'].rstrip()}\n{report[_REPORT]}")
     if "Timeout (" in run.stderr:  # faulthandler's report of where the import was stuck
         raise UserCodeError(f"{where}: {late}; it was here (most recent call first):\n"
-                            f"{_user_frames(run.stderr, path)}\n" + _BLOCKING_HINT.format(timeout_key))
+                            f"{_user_frames(run.stderr, path)}\n{where}: {late}. "
+                            + _BLOCKING_HINT.format(timeout_key))
     raise UserCodeError(_after_output(
         run.stdout + run.stderr, where, f"{exit_description(run.returncode)} while importing the "
                                         "file (a module-level os._exit, or a crash in native code)"))

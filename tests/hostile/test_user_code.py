@@ -154,6 +154,23 @@ def test_an_import_that_exits_ends_its_message_with_the_error(tmp_path, prints, 
     assert ("loading the judge" in lines) == prints and "(nothing)" not in str(e.value)
 
 
+@pytest.mark.parametrize("body, last", [
+    ("def helper():\n    raise ValueError('no judge configured')\nhelper()",
+     "'{path}': importing the file failed: ValueError: no judge configured"),
+    ("import time\ntime.sleep(3600)",
+     "{path}: importing the file did not finish within reward.import_timeout_s=1.0 s. A "
+     "module-level statement blocks")])
+def test_an_import_that_raises_or_blocks_ends_its_message_with_the_error(tmp_path, body, last):
+    # Where it failed or was stuck comes first (the user's frames), the error last.
+    path = _file(tmp_path, body)
+    with pytest.raises(UserCodeError) as e:
+        _manager(path, import_timeout_s=1.0)
+    lines = str(e.value).splitlines()
+    assert lines[-1].startswith("reward.custom_fn.path=" + last.format(path=path)), str(e.value)
+    assert any(f'File "{path}", line 3' in line or f'File "{path}", line 2' in line
+               for line in lines[1:-1]), str(e.value)
+
+
 def test_a_worker_that_cannot_load_the_file_ends_its_message_with_the_error(tmp_path):
     # The probe imports it uncapped; the workers, under reward.max_memory_mb, cannot.
     path = _file(tmp_path, "BIG = bytearray(1 << 30)")
