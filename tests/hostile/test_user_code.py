@@ -481,3 +481,42 @@ def test_the_watchdog_names_a_scorer_that_blocks_in_the_trainer(tmp_path):
     assert fired and (f"in phase 'score', step 3; this rank was running reward.custom_fn "
                       f"{path}:wait in this process (reward.num_workers=0: no reward.timeout_s)"
                       in fired[0]), fired
+
+
+def _watched_inputs_body(rank, world_size, model_dir, reward_file):
+    """build_inputs under a watchdog shorter than the import limit; rank 1's import blocks."""
+    from verl_mcore import build
+    from verl_mcore.config import Config
+    from verl_mcore.distributed.watchdog import Watchdog
+
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={model_dir}", f"reward.custom_fn.path={reward_file}",
+        "reward.custom_fn.name=score", "reward.num_workers=0", "reward.import_timeout_s=8",
+        f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
+        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]"])
+    fired = []
+    wd = Watchdog(3, rank, on_expire=fired.append, poll_s=0.1, dump_stacks=False,
+                  stream=io.StringIO()).start()
+    try:
+        with wd.phase("check inputs"):
+            build.build_inputs(cfg, world_size).rewards.close()
+    except Exception:  # noqa: BLE001 - rank 1's import times out, both ranks stop: expected
+        pass
+    finally:
+        wd.stop()
+    return fired
+
+
+def test_each_rank_says_what_it_was_doing_when_one_rank_blocks_importing(tmp_path):
+    # One rank blocks importing the reward file (on its node only), the other waits for it: each
+    # watchdog report says which, the first naming the file.
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    path = _file(tmp_path, "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(3600)")
+    fired = run_on_ranks(_watched_inputs_body, 2, args=(model, path), timeout=300)
+    assert fired[0] and fired[1], fired
+    assert ("this rank was done checking the inputs, waiting for the other ranks to finish it"
+            in fired[0][0]), fired[0]
+    assert (f"this rank was importing reward.custom_fn.path={path} in a probe process" in
+            fired[1][0] and "(inside: checking the inputs)" in fired[1][0]), fired[1]
