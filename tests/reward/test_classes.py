@@ -168,9 +168,10 @@ SIGNATURES = [
      r"reward.sources\[0\].function='NoBatch' in {path}: NoBatch.compute_reward\(self\) cannot "
      r"be called as compute_reward\(self, batch\)"),
     (dict(custom_cls=("Raises", {"url": "http://judge"})),
-     r"(?s)reward.custom_cls.name='Raises' in {path}: constructing "
-     r"Raises\(\*\*reward.custom_cls.kwargs\) raised ConnectionError: cannot reach the judge at "
-     r"http://judge.*my_classes.py\", line \d+, in __init__"),
+     # the user's frames first, the error last (user_code.check_import)
+     r"(?s)my_classes.py\", line \d+, in __init__.*\nreward.custom_cls.name='Raises' in {path}: "
+     r"constructing Raises\(\*\*reward.custom_cls.kwargs\) raised ConnectionError: cannot reach "
+     r"the judge at http://judge$"),
     (dict(source=("Raises", {"site": "x"})),
      r"reward.sources\[0\].function='Raises' in {path}: the constructor Raises\(url\) cannot be "
      r"called as Raises\(site=...\) \(the kwargs of reward.sources\[0\].kwargs\)"),
