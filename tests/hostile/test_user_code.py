@@ -127,7 +127,8 @@ def test_the_watchdog_names_the_file_whose_import_blocks(tmp_path):
     # and its report (the last line the user sees) names the file and both limits.
     path = _file(tmp_path, "import time\ntime.sleep(3600)")
     code, err = _train(tmp_path, f"reward.custom_fn.path={path}", "reward.custom_fn.name=score",
-                       "reward.import_timeout_s=30", "trainer.collective_timeout_s=5")
+                       # 10 s: the checks before the import (data, tokenizer) fit well within
+                       "reward.import_timeout_s=30", "trainer.collective_timeout_s=10")
     from verl_mcore.distributed.watchdog import EXIT_COLLECTIVE_TIMEOUT
 
     assert code == EXIT_COLLECTIVE_TIMEOUT, err[-3000:]
@@ -136,7 +137,7 @@ def test_the_watchdog_names_the_file_whose_import_blocks(tmp_path):
     assert (f"this rank was importing reward.custom_fn.path={path} in a probe process and "
             "checking 'score' (for at most 30 s, reward.import_timeout_s)") in last, last
     assert ("Its own limit (30 s, reward.import_timeout_s) is longer than this phase's watchdog "
-            "timeout (5 s, trainer.collective_timeout_s)") in last, last
+            "timeout (10 s, trainer.collective_timeout_s)") in last, last
 
 
 @pytest.mark.parametrize("prints", [False, True])
@@ -491,11 +492,12 @@ def _watched_inputs_body(rank, world_size, model_dir, reward_file):
 
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [
         f"model.path={model_dir}", f"reward.custom_fn.path={reward_file}",
-        "reward.custom_fn.name=score", "reward.num_workers=0", "reward.import_timeout_s=8",
+        "reward.custom_fn.name=score", "reward.num_workers=0", "reward.import_timeout_s=14",
         f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
         f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]"])
     fired = []
-    wd = Watchdog(3, rank, on_expire=fired.append, poll_s=0.1, dump_stacks=False,
+    # 10 s: what comes before the import (data, tokenizer) fits well within it on a loaded machine
+    wd = Watchdog(10, rank, on_expire=fired.append, poll_s=0.1, dump_stacks=False,
                   stream=io.StringIO()).start()
     try:
         with wd.phase("check inputs"):
