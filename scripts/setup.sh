@@ -9,8 +9,9 @@
 # seconds). Which torch:
 #   - one already in the environment is kept, whatever its build;
 #   - with an NVIDIA GPU (nvidia-smi lists one): a CUDA build of torch that the base Python
-#     already has (a site or image install) is kept, by giving the environment the base
-#     Python's packages; without one, the default build from the package index (CUDA on Linux);
+#     already has (a site or image install) is kept: the environment reads the base Python's
+#     packages from where they are; without one, the default build from the package index (CUDA
+#     on Linux);
 #   - without a GPU: the CPU build, torch==2.13.0+cpu, from the configured package sources if
 #     they have it (a local mirror), else from PyTorch's CPU index. A plain `pip install torch`
 #     would fetch the multi-GB CUDA build there.
@@ -42,6 +43,7 @@ run() {
 has_gpu() { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; }
 
 # 1. the environment
+torch_site=""
 if [ -x "$VENV/bin/python" ]; then
   say "environment $VENV exists: reused"
 else
@@ -50,19 +52,29 @@ else
     exit 1
   fi
   say "making the environment $VENV"
-  venv_args=()
-  if has_gpu && "$PYTHON" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
-    # The base Python's CUDA torch was built for this machine's driver: keep it.
-    say "the base Python has a CUDA build of torch: the environment sees its packages"
-    venv_args+=(--system-site-packages)
+  # A CUDA torch the base Python has (a site or image install, often in a venv of its own) was
+  # built for this machine's driver: the environment reads it from where it is, through a .pth
+  # file (packages installed in the environment come first; --system-site-packages would miss
+  # a base Python that is itself a venv).
+  if has_gpu; then
+    torch_site="$("$PYTHON" -c 'import os, torch; assert torch.version.cuda; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)" || torch_site=""
   fi
-  run "$PYTHON" -m venv ${venv_args[@]+"${venv_args[@]}"} "$VENV"
+  run "$PYTHON" -m venv "$VENV"
+  if [ -n "$torch_site" ]; then
+    say "the base Python has a CUDA build of torch in $torch_site: the environment reads it there"
+    if [ "$DRY_RUN" = 0 ]; then
+      site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      echo "$torch_site" > "$site/verl_mcore_base_torch.pth"
+    fi
+  fi
 fi
 PY="$VENV/bin/python"
 
 # 2. torch
 if [ -x "$PY" ] && torch_version="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"; then
   say "torch $torch_version is installed: kept"
+elif [ "$DRY_RUN" = 1 ] && [ -n "$torch_site" ]; then
+  say "the base Python's CUDA torch would be kept"
 elif has_gpu; then
   say "an NVIDIA GPU is present: installing the default (CUDA) build of torch"
   run "$PY" -m pip install torch

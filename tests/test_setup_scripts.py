@@ -51,3 +51,17 @@ def test_an_installed_torch_is_kept_with_or_without_a_gpu(tmp_path):
         assert f"environment {sys.prefix} exists: reused" in out
         assert f"torch {torch.__version__} is installed: kept" in out
         assert "pip install torch" not in out and "-m venv" not in out
+
+
+def test_a_gpu_machine_keeps_the_base_pythons_cuda_torch(tmp_path, monkeypatch):
+    # A stand-in CUDA torch on the base Python's path (as an image or a site module provides).
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '2.11.0+cu130'\n"
+                                      "class version:\n    cuda = '13.0'\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}{os.pathsep}"
+                                     f"{os.environ.get('PYTHONPATH', '')}")
+    out = _dry_run(tmp_path, tmp_path / "venv", gpu=True)
+    assert (f"the base Python has a CUDA build of torch in {tmp_path / 'site'}: the environment "
+            "reads it there") in out
+    assert "the base Python's CUDA torch would be kept" in out and "pip install torch" not in out
