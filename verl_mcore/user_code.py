@@ -37,6 +37,8 @@ import threading
 import traceback
 from typing import Any, Callable, Optional, TypeVar
 
+from verl_mcore.utils.doing import doing
+
 T = TypeVar("T")
 
 # Seconds the probe may take beyond the limit (interpreter start-up, the faulthandler report)
@@ -88,7 +90,8 @@ def load_user_object(path: Optional[str], name: Optional[str], key: str,
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         try:
-            spec.loader.exec_module(module)
+            with doing(f"importing {key}.path={path}"):
+                spec.loader.exec_module(module)
         except BaseException as e:
             del sys.modules[module_name]
             raise ValueError(f"{key}.path={path!r}: importing the file failed: "
@@ -153,9 +156,11 @@ def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: 
                        "check": base64.b64encode(pickle.dumps(check)).decode() if check else None})
     where, late = f"{key}.path={path}", f"importing the file did not finish within {timeout_key}={timeout_s} s"
     try:
-        run = subprocess.run([sys.executable, "-c", _PROBE, args], env=child_env(),
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=timeout_s + _KILL_MARGIN_S)
+        with doing(f"importing {key}.path={path} in a probe process" +
+                   (f" and checking {name!r}" if check else ""), timeout_s, timeout_key):
+            run = subprocess.run([sys.executable, "-c", _PROBE, args], env=child_env(),
+                                 stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                 timeout=timeout_s + _KILL_MARGIN_S)
     except subprocess.TimeoutExpired:  # not even faulthandler could report: killed from outside
         raise UserCodeError(f"{where}: {late} (the probe process was killed). "
                             + _BLOCKING_HINT.format(timeout_key)) from None
@@ -164,18 +169,23 @@ def check_import(path: Optional[str], name: Optional[str], key: str, timeout_s: 
             return None
         result = _report(run.stdout, _RESULT)
         if result is None:
-            raise UserCodeError(f"{where}: the import probe ended without reporting its check of "
-                                f"{name!r}; its output ends with:\n{_tail(run.stdout + run.stderr)}")
+            raise UserCodeError(_after_output(run.stdout + run.stderr, where, "the import probe "
+                                             f"ended without reporting its check of {name!r}"))
         return result[_RESULT]
     report = _report(run.stdout, _REPORT)
+    # Each message ends with the error, the last line a user sees; what led to it comes first.
     if report is not None:
-        raise UserCodeError(report[_REPORT] + (f"\n{report['where']}" if report["where"] else ""))
+        if not report["where"]:
+            raise UserCodeError(report[_REPORT])
+        raise UserCodeError(f"{where}: it failed here (most recent call last):\n"
+                            f"{report['where'].rstrip()}\n{report[_REPORT]}")
     if "Timeout (" in run.stderr:  # faulthandler's report of where the import was stuck
         raise UserCodeError(f"{where}: {late}; it was here (most recent call first):\n"
-                            f"{_user_frames(run.stderr, path)}\n" + _BLOCKING_HINT.format(timeout_key))
-    raise UserCodeError(f"{where}: {exit_description(run.returncode)} while importing the file "
-                        f"(a module-level os._exit, or a crash in native code); its output ends "
-                        f"with:\n{_tail(run.stdout + run.stderr)}")
+                            f"{_user_frames(run.stderr, path)}\n{where}: {late}. "
+                            + _BLOCKING_HINT.format(timeout_key))
+    raise UserCodeError(_after_output(
+        run.stdout + run.stderr, where, f"{exit_description(run.returncode)} while importing the "
+                                        "file (a module-level os._exit, or a crash in native code)"))
 
 
 def call_with_time_limit(fn: Callable[[], T], timeout_s: float, late: Callable[[str], str],
@@ -194,7 +204,8 @@ def call_with_time_limit(fn: Callable[[], T], timeout_s: float, late: Callable[[
 
     thread = threading.Thread(target=run, name=thread_name, daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    with doing(f"waiting for {thread_name}", timeout_s):
+        thread.join(timeout_s)
     if thread.is_alive():
         frame = sys._current_frames().get(thread.ident)
         frames = traceback.extract_stack(frame) if frame is not None else []
@@ -235,6 +246,12 @@ def exit_description(returncode: int) -> str:
     return f"the process exited with code {returncode}"
 
 
-def _tail(text: str, lines: int = 15) -> str:
-    text = text.strip()
-    return "\n".join(text.splitlines()[-lines:]) if text else "(nothing)"
+def _after_output(output: str, where: str, error: str, lines: int = 15) -> str:
+    """'{where}: {error}', after the last `lines` lines of what the child process printed, if it
+    printed anything: the error is the message's last line, the last one a user sees (a tail
+    printed after it, or an "(nothing)" there, hid it)."""
+    output = output.strip()
+    if not output:
+        return f"{where}: {error}"
+    tail = "\n".join(output.splitlines()[-lines:])
+    return f"{where}: the process printed (its last lines):\n{tail}\n{where}: {error}"

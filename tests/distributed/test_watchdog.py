@@ -198,3 +198,55 @@ def test_bad_timeout_and_pg_margin():
     with pytest.raises(ValueError, match="collective_timeout_s"):
         Watchdog(0)
     assert process_group_timeout(30).total_seconds() > 30
+
+
+def test_the_report_says_what_the_rank_was_doing_and_ends_with_it(tmp_path):
+    # The note names what no stack of this process shows (a file imported in a probe process);
+    # the report's line comes after the stacks, as the last thing a user sees.
+    from verl_mcore.utils.doing import doing
+
+    fired, clock, stream = [], _Clock(), open(tmp_path / "stderr", "w+")  # faulthandler: an fd
+    wd = Watchdog(5, rank=2, on_expire=fired.append, stream=stream, clock=clock)
+    with wd.phase("check inputs"), doing("checking the inputs"), \
+            doing("importing reward.custom_fn.path=/x/rewards.py in a probe process", 60,
+                  "reward.import_timeout_s"):
+        clock.now += 6
+        assert wd.check()
+    stream.seek(0)
+    written = stream.read()
+    stream.close()
+    last = written.strip().splitlines()[-1]
+    assert last == fired[0] and last.startswith("[rank 2] WATCHDOG on ")
+    assert ("in phase 'check inputs'; this rank was importing reward.custom_fn.path=/x/rewards.py "
+            "in a probe process (for at most 60 s, reward.import_timeout_s) (inside: checking the "
+            "inputs). Its own limit (60 s, reward.import_timeout_s) is longer than this phase's "
+            "watchdog timeout (5 s, trainer.collective_timeout_s)") in last, last
+    assert "Current thread" in written  # the stacks came first
+
+
+def test_the_report_names_other_threads_notes_and_no_limit_hint_without_one():
+    import threading
+
+    from verl_mcore.utils.doing import doing
+
+    fired, clock, started, release = [], _Clock(), threading.Event(), threading.Event()
+
+    def reader():
+        with doing("reading data.custom_cls Mine's files"):
+            started.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=reader, name="dataset reader")
+    thread.start()
+    try:
+        started.wait(30)
+        wd = Watchdog(5, rank=0, on_expire=fired.append, stream=io.StringIO(),
+                      dump_stacks=False, clock=clock)
+        with wd.phase("check inputs"):
+            clock.now += 6
+            assert wd.check()
+    finally:
+        release.set()
+        thread.join()
+    assert "its thread 'dataset reader' was reading data.custom_cls Mine's files" in fired[0]
+    assert "A collective in this phase is probably waiting" in fired[0]

@@ -65,7 +65,8 @@ def test_bad_values_fail_their_sample_and_name_the_first(tmp_path, caplog, worke
     assert out.first_failure[0] == 11
     assert ("6 of 8 samples failed in this batch (0 errors, 0 timeouts, 6 invalid values)"
             in caplog.text)
-    assert ("the first: sample 11 (data_source='src1'), source 'rule', scorer custom_fn: "
+    assert ("the first: sample 11 (data_source='src1'), source 'rule', scorer reward.custom_fn "
+            f"{path}:score: "
             "invalid: a scorer must return a number or {'score': number, ...}, got str '0.75'"
             in caplog.text)
 
@@ -80,7 +81,7 @@ def test_reward_model_values_are_checked_too():
     with RewardManager.from_config(cfg, {"rm": NaNModel()}) as m:
         out = m.score(["a", "b"], [{}, {}], prompt_ids=[[1], [1]], response_ids=[[2], [2]])
     assert out.failed == [False, True] and out.metrics["reward/invalid"] == 1
-    assert "scorer model:rm: invalid" in out.first_failure[1]
+    assert "scorer the reward model 'rm' (reward.sources[0]): invalid" in out.first_failure[1]
 
 
 def _manager(**kw):
@@ -145,5 +146,6 @@ def test_the_trainer_stops_when_every_reward_is_a_string(tmp_path):
     assert msg is not None, "the run did not stop"
     assert msg.startswith("8 of 8 samples of this batch failed to score")
     assert "the first: sample 0 (data_source=" in msg and "got str '0.75'" in msg
+    assert f"scorer reward.custom_fn {tmp_path}/string_reward.py:score: invalid" in msg, msg
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
         (tmp_path / "run" / "metrics.jsonl").read_text() == ""  # no step was recorded

@@ -1,6 +1,7 @@
 """User code that blocks, exits, crashes or eats memory: at import it fails within the time limit
 naming the file (and the line it was stuck on); while scoring it costs only its own sample,
 reported with the sample's number and the exit code; every rank stops together."""
+import io
 import logging
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from verl_mcore.config.schema import (CustomClassConfig, DataConfig, RewardConfi
                                       RewardSourceConfig)
 from verl_mcore.user_code import UserCodeError
 from verl_mcore.reward import RewardManager
+from verl_mcore.reward.manager import RewardFailureError
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = {"data_source": "my/data", "reward_model": {"ground_truth": "1"}}
@@ -106,6 +108,88 @@ def test_the_cli_stops_with_the_file_named_instead_of_hanging(tmp_path):
     assert f"error before training: reward.custom_fn.path={path}: importing the file did not " \
            "finish within reward.import_timeout_s=1.0 s" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def _train(tmp_path, *overrides):
+    """The CLI on the quickstart config with a tiny model; (exit code, stderr)."""
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    run = subprocess.run(
+        [sys.executable, "-m", "verl_mcore.train", "--config", "configs/quickstart.yaml",
+         f"model.path={model}", f"trainer.run_dir={tmp_path}/run", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    return run.returncode, run.stderr
+
+
+def test_the_watchdog_names_the_file_whose_import_blocks(tmp_path):
+    # The import's own limit is longer than the watchdog's: the watchdog stops the rank first,
+    # and its report (the last line the user sees) names the file and both limits.
+    path = _file(tmp_path, "import time\ntime.sleep(3600)")
+    code, err = _train(tmp_path, f"reward.custom_fn.path={path}", "reward.custom_fn.name=score",
+                       # 10 s: the checks before the import (data, tokenizer) fit well within
+                       "reward.import_timeout_s=30", "trainer.collective_timeout_s=10")
+    from verl_mcore.distributed.watchdog import EXIT_COLLECTIVE_TIMEOUT
+
+    assert code == EXIT_COLLECTIVE_TIMEOUT, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("[rank 0] WATCHDOG on "), err[-3000:]
+    assert (f"this rank was importing reward.custom_fn.path={path} in a probe process and "
+            "checking 'score' (for at most 30 s, reward.import_timeout_s)") in last, last
+    assert ("Its own limit (30 s, reward.import_timeout_s) is longer than this phase's watchdog "
+            "timeout (10 s, trainer.collective_timeout_s)") in last, last
+
+
+@pytest.mark.parametrize("prints", [False, True])
+@pytest.mark.parametrize("body, problem", [
+    ("import os\nos._exit(3)", "the process exited with code 3 while importing the file"),
+    ("import ctypes\nctypes.string_at(0)", "killed by signal 11 (SIGSEGV) while importing")])
+def test_an_import_that_exits_ends_its_message_with_the_error(tmp_path, prints, body, problem):
+    # What the file printed comes first (when it printed anything), the error last.
+    path = _file(tmp_path, ("print('loading the judge')\n" if prints else "") + body)
+    with pytest.raises(UserCodeError) as e:
+        _manager(path)
+    lines = str(e.value).splitlines()
+    assert lines[-1].startswith(f"reward.custom_fn.path={path}: ") and problem in lines[-1], \
+        str(e.value)
+    assert ("loading the judge" in lines) == prints and "(nothing)" not in str(e.value)
+
+
+@pytest.mark.parametrize("body, last", [
+    ("def helper():\n    raise ValueError('no judge configured')\nhelper()",
+     "'{path}': importing the file failed: ValueError: no judge configured"),
+    ("import time\ntime.sleep(3600)",
+     "{path}: importing the file did not finish within reward.import_timeout_s=1.0 s. A "
+     "module-level statement blocks")])
+def test_an_import_that_raises_or_blocks_ends_its_message_with_the_error(tmp_path, body, last):
+    # Where it failed or was stuck comes first (the user's frames), the error last.
+    path = _file(tmp_path, body)
+    with pytest.raises(UserCodeError) as e:
+        _manager(path, import_timeout_s=1.0)
+    lines = str(e.value).splitlines()
+    assert lines[-1].startswith("reward.custom_fn.path=" + last.format(path=path)), str(e.value)
+    assert any(f'File "{path}", line 3' in line or f'File "{path}", line 2' in line
+               for line in lines[1:-1]), str(e.value)
+
+
+def test_a_worker_that_cannot_load_the_file_ends_its_message_with_the_error(tmp_path):
+    # The probe imports it uncapped; the workers, under reward.max_memory_mb, cannot.
+    path = _file(tmp_path, "BIG = bytearray(1 << 30)")
+    with pytest.raises(UserCodeError) as e:
+        _manager(path, workers=1, max_memory_mb=256)
+    assert str(e.value).splitlines()[-1] == (
+        f"a reward worker could not load the scorers (reward.custom_fn.path={path}): ValueError: "
+        f"reward.custom_fn.path='{path}': importing the file failed: MemoryError: (the workers' "
+        "reward.max_memory_mb=256 applies to loading them too; the import probe has no such cap)")
+
+
+def test_the_cli_ends_with_the_error_of_an_import_that_exits(tmp_path):
+    path = _file(tmp_path, "import os\nos._exit(3)")
+    code, err = _train(tmp_path, f"reward.custom_fn.path={path}", "reward.custom_fn.name=score")
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"error before training: reward.custom_fn.path={path}: the process exited with code 3 "
+        "while importing the file (a module-level os._exit, or a crash in native code)")
 
 
 # ------------------------------------------------------------------ while scoring
@@ -268,3 +352,173 @@ def test_a_dataset_blocking_on_one_rank_stops_every_rank(tmp_path):
     assert kind == "AgreedFailure"
     assert msg.startswith("rank 1 failed while checking the inputs: ConfigError: data.custom_cls "
                           f"WaitsForTheNetwork ({path}) did not finish"), msg
+
+
+# ------------------------------------------------------------------ failures name the user's code
+
+# Every way a scorer can fail, as a user writes it: the message that stops the run must name the
+# file and the function (`rewards.py:boolean`), with the sample's data source, wherever it runs.
+FAILING = '''
+import math, os, signal, sys
+
+
+def boolean(data_source, response, ground_truth, extra_info):
+    if response == "raise":
+        raise ValueError("no answer found")
+    if response == "list":
+        return [1.0]
+    if response == "nan":
+        return math.nan
+    if response == "sys.exit":
+        sys.exit(4)
+    if response == "os._exit":
+        os._exit(3)
+    if response == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return response == "yes"  # a bool, not a number
+
+
+class Judge:
+    def compute_reward(self, batch):
+        first = batch["responses"][0]
+        if first == "short":
+            return [1.0] * (len(batch["responses"]) - 1)
+        if first == "nan":
+            return [math.nan] * len(batch["responses"])
+        return [boolean(*args) for args in zip(batch["data_source"], batch["responses"],
+                                               batch["responses"], batch["responses"])]
+'''
+
+FAILURES = {  # response -> what the message says after the scorer's name
+    "yes": "invalid: a scorer must return a number or {'score': number, ...}, got bool 'True'",
+    "list": "invalid: a scorer must return a number or {'score': number, ...}, got list",
+    "nan": "invalid: a scorer returned nan",
+    "raise": "error: ValueError: no answer found (raised at line 7 of rewards.py, in boolean)",
+    "sys.exit": "error: the scorer called sys.exit(4): return a score instead (raised at line 13",
+    "os._exit": "error: ",  # and EXITED, by placement
+    "killed": "the reward worker died while scoring this sample: the process was killed by "
+              "signal 9 (SIGKILL) (killed from outside",
+}
+
+
+EXITED = {0: "error: verl_mcore.reward.manager.ExitCalled: the scorer called os._exit(3)",
+          # with workers: the pool's word for a worker that died, with the exit code
+          1: "error: the reward worker died while scoring this sample: the process exited with "
+             "code 3 (the scorer ended its process: os._exit"}
+
+
+@pytest.fixture
+def failing(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(FAILING)
+    return str(path)
+
+
+def _stop_message(m, responses, **kw):
+    out = m.score(responses, [{"data_source": "my/data"}] * len(responses), **kw)
+    with pytest.raises(RewardFailureError) as e:
+        m.check_failures(sum(out.failed), len(out.failed), out.first_failure)
+    return str(e.value)
+
+
+# A SIGKILL in the trainer's own process (num_workers=0) ends it: no message is possible there.
+@pytest.mark.parametrize("response, workers", [(r, w) for r in FAILURES for w in (0, 2)
+                                               if (r, w) != ("killed", 0)])
+def test_the_stop_message_names_the_users_file_and_function(failing, workers, response):
+    cfg = RewardConfig(custom_fn=CustomClassConfig(path=failing, name="boolean"),
+                       num_workers=workers)
+    with RewardManager.from_config(cfg) as m:
+        msg = _stop_message(m, [response])
+    assert (f"the first: sample 0 (data_source='my/data'), source 'rule', scorer reward.custom_fn "
+            f"{failing}:boolean: ") in msg, msg
+    assert FAILURES[response] in msg, msg
+    if response == "os._exit":
+        assert EXITED[min(workers, 1)] in msg, msg
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("first, says", [
+    ("short", "invalid: compute_reward(batch) returned 1 values for a batch of 2 samples"),
+    ("nan", "invalid: a scorer returned nan"),
+    ("raise", "error: ValueError: no answer found (raised at line 7 of rewards.py, in boolean)"),
+    ("sys.exit", "error: the scorer called sys.exit(4)"),
+    ("os._exit", "os._exit")])
+def test_a_failing_batch_class_is_named_by_file_class_and_method(failing, workers, first, says):
+    cfg = RewardConfig(sources=[RewardSourceConfig(name="judge", type="custom", path=failing,
+                                                   function="Judge")], num_workers=workers)
+    with RewardManager.from_config(cfg) as m:
+        msg = _stop_message(m, [first, "yes"], prompts=["p", "p"])
+    assert (f"the first: sample 0 (data_source='my/data'), source 'judge', scorer "
+            f"reward.sources[0] {failing}:Judge.compute_reward: ") in msg, msg
+    assert (EXITED[workers] if says == "os._exit" else says) in msg, msg
+
+
+def test_a_python_reward_fn_is_named_by_its_file_and_name():
+    def judge(data_source, response, ground_truth, extra_info):
+        raise KeyError("answer")
+
+    with RewardManager.from_config(RewardConfig(num_workers=0), score_fn=judge) as m:
+        msg = _stop_message(m, ["x"])
+    assert (f"scorer reward_fn {__file__}:test_a_python_reward_fn_is_named_by_its_file_and_name."
+            "<locals>.judge: error: KeyError: 'answer' (raised at line") in msg, msg
+
+
+def test_the_watchdog_names_a_scorer_that_blocks_in_the_trainer(tmp_path):
+    # reward.num_workers=0 has no reward.timeout_s: a scorer that blocks is stopped by the
+    # watchdog, whose report names it (the stacks would too, but not which config key it is).
+    from verl_mcore.distributed.watchdog import Watchdog
+
+    path = tmp_path / "slow.py"
+    path.write_text("import time\n\ndef wait(*args):\n    time.sleep(2)\n    return 1.0\n")
+    fired = []
+    wd = Watchdog(0.5, on_expire=fired.append, poll_s=0.05, dump_stacks=False,
+                  stream=io.StringIO()).start()
+    try:
+        cfg = RewardConfig(custom_fn=CustomClassConfig(path=str(path), name="wait"), num_workers=0)
+        with RewardManager.from_config(cfg) as m, wd.phase("score", step=3):
+            m.score(["x"], [ROW])
+    finally:
+        wd.stop()
+    assert fired and (f"in phase 'score', step 3; this rank was running reward.custom_fn "
+                      f"{path}:wait in this process (reward.num_workers=0: no reward.timeout_s)"
+                      in fired[0]), fired
+
+
+def _watched_inputs_body(rank, world_size, model_dir, reward_file):
+    """build_inputs under a watchdog shorter than the import limit; rank 1's import blocks."""
+    from verl_mcore import build
+    from verl_mcore.config import Config
+    from verl_mcore.distributed.watchdog import Watchdog
+
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={model_dir}", f"reward.custom_fn.path={reward_file}",
+        "reward.custom_fn.name=score", "reward.num_workers=0", "reward.import_timeout_s=14",
+        f"data.train_files=[{ROOT}/examples/data/quickstart_train.parquet]",
+        f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]"])
+    fired = []
+    # 10 s: what comes before the import (data, tokenizer) fits well within it on a loaded machine
+    wd = Watchdog(10, rank, on_expire=fired.append, poll_s=0.1, dump_stacks=False,
+                  stream=io.StringIO()).start()
+    try:
+        with wd.phase("check inputs"):
+            build.build_inputs(cfg, world_size).rewards.close()
+    except Exception:  # noqa: BLE001 - rank 1's import times out, both ranks stop: expected
+        pass
+    finally:
+        wd.stop()
+    return fired
+
+
+def test_each_rank_says_what_it_was_doing_when_one_rank_blocks_importing(tmp_path):
+    # One rank blocks importing the reward file (on its node only), the other waits for it: each
+    # watchdog report says which, the first naming the file.
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    path = _file(tmp_path, "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(3600)")
+    fired = run_on_ranks(_watched_inputs_body, 2, args=(model, path), timeout=300)
+    assert fired[0] and fired[1], fired
+    assert ("this rank was done checking the inputs, waiting for the other ranks to finish it"
+            in fired[0][0]), fired[0]
+    assert (f"this rank was importing reward.custom_fn.path={path} in a probe process" in
+            fired[1][0] and "(inside: checking the inputs)" in fired[1][0]), fired[1]

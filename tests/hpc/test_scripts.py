@@ -11,7 +11,9 @@ from verl_mcore.distributed.preemption import EXIT_PREEMPTED
 from verl_mcore.distributed.watchdog import EXIT_COLLECTIVE_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted((ROOT / "scripts" / "slurm").glob("*.sh")) + sorted((ROOT / "tests" / "hpc").glob("*.sh"))
+SCRIPTS = (sorted((ROOT / "scripts" / "slurm").glob("*.sh")) + sorted((ROOT / "tests" / "hpc").glob("*.sh"))
+           # the set-up commands (scripts/setup.sh under quickstart.sh and test.sh) and CI's
+           + sorted((ROOT / "scripts").glob("*.sh")) + [ROOT / ".ci" / "run"])
 
 
 def _run(*args, **env):

@@ -109,8 +109,9 @@ def test_a_batch_class_as_a_route_target_gets_only_its_samples(tmp_path):
     rows = [row("chat"), row("math"), row("chat"), row("chat"), row("math")]
     with RewardManager.from_config(cfg) as m:
         out = m.score(["a", "#### 72", "b", "c", "#### 1"], rows, prompts=["q"] * 5)
-        with pytest.raises(ValueError, match=r"reward.sources\[1\] \(BatchSize in .*my_classes.py\) "
-                                             r"is a batch reward class: pass prompts"):
+        with pytest.raises(ValueError, match=r"reward.sources\[1\] .*my_classes.py:BatchSize"
+                                             r".compute_reward is a batch reward class: pass "
+                                             r"prompts"):
             m.score(["a"], [row("chat")])
     assert out.scores == [3.0, 1.0, 3.0, 3.0, 0.0]  # one call of the 3 chat samples
 
@@ -126,7 +127,8 @@ def test_batch_results_are_checked_like_scores(tmp_path, workers):
 
         short = run("short")
         assert short.scores == [-1.0] * 3 and short.metrics["reward/invalid"] == 3
-        assert ("class Bad (reward.custom_cls, " in short.first_failure[1]
+        assert ("scorer reward.custom_cls " in short.first_failure[1]
+                and ":Bad.compute_reward: invalid: " in short.first_failure[1]
                 and "compute_reward(batch) returned 2 values for a batch of 3 samples"
                 in short.first_failure[1])
         assert "returned float 1.0 for a batch of 3" in run("scalar").first_failure[1]
@@ -166,9 +168,10 @@ SIGNATURES = [
      r"reward.sources\[0\].function='NoBatch' in {path}: NoBatch.compute_reward\(self\) cannot "
      r"be called as compute_reward\(self, batch\)"),
     (dict(custom_cls=("Raises", {"url": "http://judge"})),
-     r"(?s)reward.custom_cls.name='Raises' in {path}: constructing "
-     r"Raises\(\*\*reward.custom_cls.kwargs\) raised ConnectionError: cannot reach the judge at "
-     r"http://judge.*my_classes.py\", line \d+, in __init__"),
+     # the user's frames first, the error last (user_code.check_import)
+     r"(?s)my_classes.py\", line \d+, in __init__.*\nreward.custom_cls.name='Raises' in {path}: "
+     r"constructing Raises\(\*\*reward.custom_cls.kwargs\) raised ConnectionError: cannot reach "
+     r"the judge at http://judge$"),
     (dict(source=("Raises", {"site": "x"})),
      r"reward.sources\[0\].function='Raises' in {path}: the constructor Raises\(url\) cannot be "
      r"called as Raises\(site=...\) \(the kwargs of reward.sources\[0\].kwargs\)"),

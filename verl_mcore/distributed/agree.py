@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from verl_mcore.utils.doing import doing
 from verl_mcore.utils.files import DiskFullError, is_disk_full
 
 T = TypeVar("T")
@@ -36,13 +37,17 @@ def raised_on_every_rank(what: str, error_type: type = AgreedFailure, group=None
     """Collective over `group` (default: all ranks); `what` names the block in the message."""
     failure = None
     try:
-        yield
+        with doing(what):
+            yield
     except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
         failure = e
     mine = None if failure is None else (is_disk_full(failure), f"{type(failure).__name__}: {failure}")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        # A rank that waits here long waits for one still inside the block: the watchdog's
+        # report says so, beside that rank's report of what it is doing.
+        with doing(f"done {what}, waiting for the other ranks to finish it"):
+            dist.all_gather_object(everyone, mine, group=group)
     else:
         everyone = [mine]
     if failure is not None:

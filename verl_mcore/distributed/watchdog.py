@@ -14,11 +14,14 @@ until the process-group timeout, often 30 minutes or more, and the log then says
             wd.beat()                          # progress inside one long phase
 
 A background thread checks a few times per timeout. When the innermost phase has made no progress
-(no phase entered or left, no set_op, no beat) for longer than its timeout, it writes one line on
-this rank's stderr -- rank, host, phase, operation, step, seconds waited -- plus the Python stacks
-of all threads, and ends the process with `os._exit(EXIT_COLLECTIVE_TIMEOUT)`. Every rank runs its
-own watchdog, so each rank reports where *it* was: the ones waiting in the collective and the one
-that never arrived. `os._exit` because a thread blocked in a C++ collective can be neither
+(no phase entered or left, no set_op, no beat) for longer than its timeout, it writes the Python
+stacks of all threads on this rank's stderr, then one line -- rank, host, phase, operation, step,
+seconds waited, and what the rank was doing (utils/doing.py: importing which user file, starting
+the scoring workers, waiting for the other ranks) -- and ends the process with
+`os._exit(EXIT_COLLECTIVE_TIMEOUT)`. The line comes last so that it is the last thing the user
+sees, not a stack frame; the note names what a stack cannot (a file imported in another process).
+Every rank runs its own watchdog, so each rank reports where *it* was: the ones waiting in the
+collective and the one that never arrived. `os._exit` because a thread blocked in a C++ collective can be neither
 interrupted nor joined, and atexit handlers could block on the same hung communicator.
 
 Outside any phase the watchdog is idle (start-up, model loading), so wrap the whole step.
@@ -50,6 +53,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
+
+from verl_mcore.utils.doing import notes
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +228,7 @@ class Watchdog:
             top = self._stack[-1] if self._stack else None
             waited = self._clock() - self._last_progress
         where = f"in {self._describe(top)} (no progress for {waited:.1f} s)" if top else "outside any phase"
+        where += "".join(f"; {line}" for line in _doing_lines())
         for signum in data:
             try:
                 name = signal.Signals(signum).name
@@ -249,21 +255,43 @@ class Watchdog:
 
     def _report(self, top: _Phase, outer: list[str], waited: float) -> None:
         where = f" inside {' > '.join(outer)}" if outer else ""
+        doing = _doing_lines()
+        longer = [n for _, stack in notes() for n in stack
+                  if n.limit_s is not None and n.limit_s > top.timeout_s]
+        if longer:  # the rank was within a limit of its own: say which limit to change
+            why = (f"Its own limit ({longer[-1].limit()}) is longer than this phase's watchdog "
+                   f"timeout ({top.timeout_s:g} s, trainer.collective_timeout_s), so the watchdog "
+                   "stopped the rank first: lower the one or raise the other.")
+        else:
+            why = ("A collective in this phase is probably waiting for a rank that is elsewhere: "
+                   "compare with the other ranks' WATCHDOG lines.")
         msg = (f"[rank {self.rank}] WATCHDOG on {socket.gethostname()} (pid {os.getpid()}): "
                f"no progress for {waited:.1f} s (timeout {top.timeout_s:g} s) in "
-               f"{self._describe(top)}{where}. A collective in this phase is probably waiting for "
-               f"a rank that is elsewhere: compare with the other ranks' WATCHDOG lines. "
-               f"Exiting with code {EXIT_COLLECTIVE_TIMEOUT}.")
+               f"{self._describe(top)}{where}"
+               + "".join(f"; {line}" for line in doing)
+               + f". {why} Exiting with code {EXIT_COLLECTIVE_TIMEOUT}.")
         self.expired_message = msg
         stream = self._stream or sys.stderr
-        try:
-            stream.write(msg + "\n")
-            stream.flush()
-            if self._dump_stacks:
+        if self._dump_stacks:
+            try:  # faulthandler needs a stream with a file descriptor
+                stream.write(f"[rank {self.rank}] WATCHDOG: the Python stacks of this rank's "
+                             "threads; what it was doing follows them\n")
+                stream.flush()
                 faulthandler.dump_traceback(file=stream, all_threads=True)
-        except (OSError, ValueError):
-            pass  # a closed stream must not stop the exit below
+            except (OSError, ValueError):
+                pass
+        self._write(msg)  # a closed stream must not stop the exit below: _write ignores it
         self._on_expire(msg)
+
+
+def _doing_lines() -> list[str]:
+    """'this rank was importing ... (inside checking the inputs)' per thread with notes."""
+    lines = []
+    for thread, stack in notes():
+        who = "this rank was" if thread == threading.main_thread().name else f"its thread {thread!r} was"
+        inside = f" (inside: {' > '.join(map(str, stack[:-1]))})" if len(stack) > 1 else ""
+        lines.append(f"{who} {stack[-1]}{inside}")
+    return lines
 
 
 def _exit_process(message: str) -> None:

@@ -94,6 +94,7 @@ from verl_mcore.engine.safe_read import (
     read_json,
     torch_load,
 )
+from verl_mcore.utils.doing import doing
 from verl_mcore.utils.files import (
     fsync_path,
     torch_save_synced,
@@ -360,7 +361,8 @@ def load_newest(roots: Sequence[str], load: Callable[[int, str], T],
             results = []
             for i, path in enumerate(paths):
                 failing = path
-                results.append(load(i, path))
+                with doing(f"loading the checkpoint {path}"):
+                    results.append(load(i, path))
             if set_aside and dist.get_rank() == 0:
                 logger.warning("checkpoint: resumed from step %d, the newest good checkpoint",
                                step)

@@ -10,6 +10,7 @@ from verl_mcore.models.gpt import build_gpt_model
 from verl_mcore.models.hf_config import HFArch, read_hf_arch, transformer_config
 from verl_mcore.models.hf_weights import load_hf_weights
 from verl_mcore.models.hub import local_dir
+from verl_mcore.utils.doing import doing
 
 log = logging.getLogger("verl_mcore.models.load")
 
@@ -79,10 +80,12 @@ def build_and_load(role: str, *, hf_path: Optional[str] = None, checkpoint: Opti
                                     "give model.path (an HF directory of the same architecture)")
     arch = read_hf_arch(hf_dir, max_seq_len=max_seq_len)
     config = transformer_config(arch, tp=tp, pp=pp, dtype=dtype, **config_overrides)
-    model = build_gpt_model(arch, config, role=role, pg_collection=pg_collection,
-                            core_attention=core_attention)
-    if checkpoint is not None:
-        load_dist_checkpoint(model, checkpoint, role=role)
-    else:
-        load_hf_weights(model, arch, hf_dir, role=role)
+    with doing(f"building the {role} model ({arch.num_layers} layers, TP {tp} x PP {pp})"):
+        model = build_gpt_model(arch, config, role=role, pg_collection=pg_collection,
+                                core_attention=core_attention)
+    with doing(f"loading the {role} weights from {checkpoint or hf_dir}"):
+        if checkpoint is not None:
+            load_dist_checkpoint(model, checkpoint, role=role)
+        else:
+            load_hf_weights(model, arch, hf_dir, role=role)
     return model, arch

@@ -62,7 +62,6 @@ class BatchScorer:
     """A batch class's instance, as the workers run it (worker.run_item)."""
 
     compute_reward: Callable[[RewardBatch], Any]
-    label: str  # "class Judge (reward.sources[1], /path/judge.py)", for messages
 
 
 def describe(spec: "ScorerSpec") -> str:
@@ -128,7 +127,7 @@ def load(obj: Any, spec: "ScorerSpec") -> Callable:
     instance = instantiate(obj, spec)
     bound = getattr(instance, _called_method(obj, kind))
     if kind == "batch":
-        return BatchScorer(bound, f"class {spec.function} ({spec.key}, {spec.path})")
+        return BatchScorer(bound)
     return bound
 
 

@@ -78,6 +78,7 @@ from verl_mcore.reward.pool import ScoringPool
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome, checked, run_item
 from verl_mcore.user_code import check_import
+from verl_mcore.utils.doing import doing
 
 logger = logging.getLogger(__name__)
 
@@ -190,17 +191,21 @@ class RewardManager:
                                    "reward.import_timeout_s", spec.name_field,
                                    check=(custom.check, (spec,)))
                  for key, spec in specs.items() if spec.kind == "custom"}
-        for spec in specs.values():
+        for key, spec in specs.items():
             if spec.kind == "object":  # a Python callable: nothing to import, signature bound here
                 if cfg.num_workers:
                     raise ValueError(f"{spec.key} ({spec.function}) is a Python object: it scores "
                                      "in this process, with reward.num_workers=0 (to score in "
                                      "workers, name a function in a file: reward.custom_fn)")
-                custom.check(spec.obj, spec)
+                kinds[key] = custom.check(spec.obj, spec)
         # Scorer keys of batch classes: one call per batch (of the samples each one scores).
         self._batch_keys = {key for key, kind in kinds.items() if kind == "batch"}
-        self._labels = {key: f"{spec.key} ({spec.function} in {spec.path})"
-                        for key, spec in specs.items() if spec.kind == "custom"}
+        # What messages call each scorer: the user's file and function (`rewards.py:boolean`),
+        # and the file whose frames locate a failure in a traceback.
+        self._labels = {key: spec.label(kinds.get(key, "function")) for key, spec in specs.items()}
+        self._labels.update({"model:" + name: f"the reward model {name!r} ({key})"
+                             for name, (s, key) in keyed.items() if s.type == "reward_model"})
+        self._files = {key: spec.path for key, spec in specs.items() if spec.path}
         # Then only the processes that score import them: this one with num_workers=0, else
         # the workers (a bad path or name fails there too, before training starts).
         self._fns = ({key: spec.load() for key, spec in specs.items()}
@@ -346,8 +351,13 @@ class RewardManager:
     def _run(self, calls: list[tuple[str, tuple]], sizes: list[int]) -> list:
         if self._pool is not None:
             return self._pool.map(calls, sizes)
+        results = []
         with _exit_raises_in_this_thread():
-            return [run_item(self._fns[key], args) for key, args in calls]
+            for key, args in calls:  # with no time limit here, a scorer that blocks is named
+                with doing(f"running {self._labels[key]} in this process (reward.num_workers=0: "
+                           "no reward.timeout_s)"):
+                    results.append(run_item(self._fns[key], args))
+        return results
 
     def _score_model(self, model_name, slots, outcomes, prompt_ids, response_ids, model_scores,
                      n) -> None:
@@ -391,9 +401,10 @@ class RewardManager:
             source_scores[source.name] = scores
 
         def describe(i: int, name: str) -> str:
-            o = outcomes[name][i]
+            o, key = outcomes[name][i], scorer_of[(name, i)]
             return (f"sample {indices[i]} (data_source={rows[i].get('data_source')!r}), source "
-                    f"{name!r}, scorer {scorer_of[(name, i)]}: {o.status}: {_last_line(o.error)}")
+                    f"{name!r}, scorer {self._labels[key]}: {o.status}: {_last_line(o.error)}"
+                    f"{_raised_at(o.error, self._files.get(key))}")
 
         # A dead worker is worth a line of its own (its sample, its exit code), a few per batch.
         crashed = [(i, s.name) for i in range(n) for s in self.sources
@@ -521,6 +532,19 @@ def _mean(values: Sequence[float]) -> float:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
+
+
+def _raised_at(error: str, path: Optional[str]) -> str:
+    """' (raised at line 7 of rewards.py, in boolean)': the innermost frame of the scorer's file
+    in a traceback, or ''."""
+    if not path:
+        return ""
+    frames = re.findall(r'File "(.*?)", line (\d+), in (\S+)', error)
+    mine = [(line, fn) for file, line, fn in frames if file == path]
+    if not mine:
+        return ""
+    line, fn = mine[-1]
+    return f" (raised at line {line} of {os.path.basename(path)}, in {fn})"
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing.connection as mp_connection
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import Any, Optional, Union
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome
 from verl_mcore.user_code import UserCodeError, child_env, exit_description
+from verl_mcore.utils.doing import doing
 
 
 # Not `-m verl_mcore.reward.worker`: that would load worker.py twice (as __main__ and through the
@@ -61,6 +63,15 @@ class _Worker:
         self.conn.close()
 
 
+def _why_it_died(code: int) -> str:
+    if code >= 0:
+        return "the scorer ended its process: os._exit, or an exit from native code"
+    if code == -signal.SIGKILL:
+        return ("killed from outside: the kernel's out-of-memory killer (see dmesg), or a kill; "
+                "reward.max_memory_mb turns a scorer's excess memory into a MemoryError instead")
+    return "a crash in native code"
+
+
 class ScoringPool:
     """`map(items, sizes)` scores [(scorer_key, args)] -> [Outcome, or [Outcome] for a batch
     scorer's item], in order; `sizes` [items]: samples per item (default 1 each), which scale its
@@ -74,8 +85,10 @@ class ScoringPool:
         self.max_memory_mb = max_memory_mb
         self._workers = [_Worker(specs, max_memory_mb) for _ in range(num_workers)]
         self.restarts = 0  # workers replaced after a timeout or a crash, over the pool's life
-        try:
-            self._serve({}, [], [])  # wait until every worker has loaded the scorers
+        try:  # wait until every worker has loaded the scorers
+            with doing(f"starting {num_workers} reward workers, which import {self._files()}",
+                       startup_timeout_s, "reward.import_timeout_s plus start-up"):
+                self._serve({}, [], [])
         except BaseException:
             self.close()
             raise
@@ -83,7 +96,9 @@ class ScoringPool:
     def map(self, items: list[tuple[str, tuple]],
             sizes: Optional[list[int]] = None) -> list[Union[Outcome, list[Outcome]]]:
         results: dict[int, Outcome] = {}
-        self._serve(results, items, sizes or [1] * len(items))
+        with doing(f"scoring {len(items)} reward items in {len(self._workers)} workers "
+                   f"(each item within reward.timeout_s={self.timeout_s:g} s per sample)"):
+            self._serve(results, items, sizes or [1] * len(items))
         return [results[i] for i in range(len(items))]
 
     def _serve(self, results: dict[int, Outcome], items: list[tuple[str, tuple]],
@@ -137,15 +152,18 @@ class ScoringPool:
                                     f"({self._files()}): {exit_description(code)}{cap}") from None
             results[w.items.popleft()] = Outcome(
                 "error", error=f"the reward worker died while scoring this sample: "
-                               f"{exit_description(code)}{cap} (os._exit, or a crash in native "
-                               f"code)", exit_code=code)
+                               f"{exit_description(code)}{cap} ({_why_it_died(code)})",
+                exit_code=code)
             todo.extendleft(reversed(w.items))
             self._replace(self._workers.index(w))
             return
         tag, payload = message
-        if tag == "init_error":
-            raise UserCodeError(f"a reward worker could not load the scorers ({self._files()}):"
-                                f"\n{payload}")
+        if tag == "init_error":  # the traceback, then what failed: the last line a user sees
+            cap = (f" (the workers' reward.max_memory_mb={self.max_memory_mb} applies to loading "
+                   "them too; the import probe has no such cap)"
+                   if self.max_memory_mb and "MemoryError" in payload else "")
+            raise UserCodeError(f"{payload.rstrip()}\na reward worker could not load the scorers "
+                                f"({self._files()}): {payload.strip().splitlines()[-1]}{cap}")
         if tag == "ready":
             w.state = "idle"
             return

@@ -54,6 +54,17 @@ class ScorerSpec:
     def kwargs_key(self) -> str:
         return "reward.custom_fn_kwargs" if self.key == "reward.custom_fn" else f"{self.key}.kwargs"
 
+    def label(self, interface: str = "function") -> str:
+        """What messages call the scorer: the user's file and function, `reward.custom_fn
+        /x/rewards.py:boolean` (`:Judge.compute_reward` for a batch class: custom.interface_of
+        gives `interface`), or the built-in one."""
+        if self.kind == "dispatch":
+            return "the built-in scorer of the sample's data_source"
+        if self.kind == "builtin":
+            return f"the built-in scorer {self.name!r} ({self.key})"
+        method = {"batch": ".compute_reward"}.get(interface, "")
+        return f"{self.key} {self.path}:{self.function}{method}"
+
     def load(self) -> ScoreFn:
         if self.kind in ("dispatch", "builtin"):
             check_math_compat(self.math_compat)  # math_verify: fails at start-up if missing

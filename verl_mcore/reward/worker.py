@@ -60,7 +60,7 @@ def score_batch(scorer: BatchScorer, batch: RewardBatch,
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = (f"{len(values)} values" if isinstance(values, (list, tuple))
                else f"{type(value).__name__} {repr(value)[:80]}")
-        return [Outcome("invalid", error=f"{scorer.label}: compute_reward(batch) returned {got} "
+        return [Outcome("invalid", error=f"compute_reward(batch) returned {got} "
                                          f"for a batch of {n} samples: it must return one score "
                                          "per sample, in the batch's order")] * n
     return [checked(v) for v in values]
@@ -84,7 +84,10 @@ def _call(fn, args: tuple, max_memory_mb: Optional[int]) -> tuple:
         cap = f" over reward.max_memory_mb={max_memory_mb} MiB" if max_memory_mb else ""
         return None, Outcome("error", error=f"the scorer ran out of memory{cap} (MemoryError):\n"
                                             + traceback.format_exc())
-    except (Exception, SystemExit):
+    except SystemExit as e:  # said last: the line that messages quote
+        return None, Outcome("error", error=traceback.format_exc() + (
+            f"the scorer called sys.exit({e.code!r}): return a score instead"))
+    except Exception:
         return None, Outcome("error", error=traceback.format_exc())
 
 

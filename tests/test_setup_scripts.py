@@ -1,0 +1,67 @@
+"""scripts/setup.sh (run first by scripts/quickstart.sh and scripts/test.sh) picks the torch build
+the machine needs and keeps what is installed; its --dry-run says what it would do. The real
+runs from a fresh clone, twice, are README's commands (not repeated here: minutes each)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dry_run(tmp_path, venv, gpu: bool) -> str:
+    # A stand-in nvidia-smi shadows any real one: it lists a GPU or fails like a node without one.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n" if gpu
+                    else "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               VERL_MCORE_VENV=str(venv))
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_a_cpu_machine_gets_the_cpu_build(tmp_path):
+    venv = tmp_path / "venv"
+    out = _dry_run(tmp_path, venv, gpu=False)
+    assert f"would run: python3 -m venv {venv}" in out
+    assert "no NVIDIA GPU: installing the CPU build of torch (torch==2.13.0+cpu)" in out
+    assert ("--index-url https://download.pytorch.org/whl/cpu" in out
+            and "pip install torch\n" not in out)
+    assert f"would run: {venv}/bin/python -m pip install -q -e {ROOT}[test]" in out
+    assert not venv.exists()  # a dry run changes nothing
+
+
+def test_a_gpu_machine_gets_the_default_cuda_build(tmp_path):
+    out = _dry_run(tmp_path, tmp_path / "venv", gpu=True)
+    assert "an NVIDIA GPU is present: installing the default (CUDA) build of torch" in out
+    assert f"would run: {tmp_path}/venv/bin/python -m pip install torch\n" in out
+    assert "+cpu" not in out
+
+
+def test_an_installed_torch_is_kept_with_or_without_a_gpu(tmp_path):
+    for gpu in (False, True):  # this test's own environment has torch
+        out = _dry_run(tmp_path, sys.prefix, gpu=gpu)
+        assert f"environment {sys.prefix} exists: reused" in out
+        assert f"torch {torch.__version__} is installed: kept" in out
+        assert "pip install torch" not in out and "-m venv" not in out
+
+
+def test_a_gpu_machine_keeps_the_base_pythons_cuda_torch(tmp_path, monkeypatch):
+    # A stand-in CUDA torch on the base Python's path (as an image or a site module provides).
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '2.11.0+cu130'\n"
+                                      "class version:\n    cuda = '13.0'\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'site'}{os.pathsep}"
+                                     f"{os.environ.get('PYTHONPATH', '')}")
+    out = _dry_run(tmp_path, tmp_path / "venv", gpu=True)
+    assert (f"the base Python has a CUDA build of torch in {tmp_path / 'site'}: the environment "
+            "reads it there") in out
+    assert "the base Python's CUDA torch would be kept" in out and "pip install torch" not in out
