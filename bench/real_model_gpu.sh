@@ -17,6 +17,7 @@
 #                                  (bench/bench_micro_batches.py) ran in this part on 2026-12-07.
 #     call D (carry .whl):         the recipe's accuracy against training seconds: ours GRPO and
 #                                  PPO, TRL's GRPOTrainer (bench/bench_real_model.py)
+#     call E (carry .whl .carry/smol.gguf.part1, after B): ours GRPO and TRL for 60 steps each
 #     call bench15b (carry .whl):  the 1.5B GRPO / PPO bench at the default micro-batches and at
 #                                  the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
 #
@@ -95,8 +96,19 @@ D)
     --timeout-s 240 > "$OUT/curves.log" 2>&1
   echo "curves exit $?"; tail -25 "$OUT/curves.log"
   ;;
+E)
+  # Past the matched 30 steps: ours GRPO and TRL, 60 steps each, in one call (time to accuracy
+  # beyond the recipe's length; the first half is the 30-step protocol again).
+  cat /tmp/keep/smol.gguf.part0 .carry/smol.gguf.part1 > "$GGUF" || exit 1
+  setup
+  export VERL_MCORE_CACHE=/tmp/keep/cache
+  model=$(python3 -m tools.real_model --gguf "$GGUF" 2>/dev/null) || exit 1
+  timeout 400 python3 bench/bench_real_model.py --model "$model" --out "$OUT" --workdir /tmp/keep/rm_work \
+    --runs grpo,trl --steps 60 --timeout-s 200 > "$OUT/curves60.log" 2>&1
+  echo "curves exit $?"; tail -25 "$OUT/curves60.log"
+  ;;
 *)
-  echo "unknown part $part (split, B, C, D or bench15b)"; exit 2
+  echo "unknown part $part (split, B, C, D, E or bench15b)"; exit 2
   ;;
 esac
 tar -czf "/tmp/part_$part.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part_$part.tar.gz" "$OUT/"
