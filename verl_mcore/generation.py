@@ -110,15 +110,24 @@ class GenerationPhase:
 
     def generate(self, prompt_ids, sampling: SamplingParams):
         assert self.awake, "GenerationPhase.generate outside begin()/end()"
-        if self.check_due:
+        check, self.check_due = self.check_due, False
+        count = self.cfg.logprob_check.num_sequences
+        # An engine whose log-probs of top-k / top-p sampling would be the truncated
+        # distribution's (vLLM) samples the check's few sequences apart, untruncated.
+        apart = check and not sampling.greedy and (sampling.top_p < 1.0 or sampling.top_k > 0) \
+            and not self.engine.logprobs_when_truncated
+        if check and not apart:
             sampling = dataclasses.replace(sampling, logprobs=True)
         outputs = self.engine.generate(prompt_ids, sampling)
         self.stats.add(getattr(self.engine, "last_stats", None))
-        if self.check_due:
-            self.check_due = False
+        checked = outputs
+        if apart:
+            checked = self.engine.generate(list(prompt_ids)[:count], dataclasses.replace(
+                sampling, n=1, top_p=1.0, top_k=-1, max_new_tokens=self.check_length,
+                logprobs=True))
+        if check:
             self.to_check = (list(prompt_ids), sampling.temperature,
-                             checked_outputs(outputs, self.cfg.logprob_check.num_sequences,
-                                             self.check_length))
+                             checked_outputs(checked, count, self.check_length))
         return outputs
 
     @property

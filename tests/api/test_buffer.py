@@ -114,3 +114,22 @@ def test_select_groups_and_errors(policy):
         exp.select_groups([9])
     with pytest.raises(TypeError, match="takes Experiences"):
         ExperienceBuffer().add(exp.rollout)
+
+
+def test_selected_groups_keep_their_engine_log_probs(policy):
+    """RolloutWorker.generate hands out the engine's log-probs (the weight-sync check asks for
+    them): a mini-batch or a sample must carry its own rows of them, which the update compares
+    with the old log-probs (Trainer.off_policy; rollout.tis_cap weighs by them)."""
+    import dataclasses
+
+    exp = _experiences(policy, 0, 3)
+    width = exp.rollout.train.response_mask.shape[1]
+    engine = torch.arange(exp.num_samples * width, dtype=torch.float32).view(-1, width)
+    exp = dataclasses.replace(exp, rollout=dataclasses.replace(exp.rollout, engine_log_probs=engine))
+    picked = exp.select_groups([2, 0])
+    rows = [4, 5, 0, 1]  # group 2's samples, then group 0's
+    assert torch.equal(picked.rollout.engine_log_probs, engine[rows])
+    buffer = ExperienceBuffer()
+    buffer.add(exp)
+    for mini in buffer.mini_batches(2):
+        assert mini.rollout.engine_log_probs.shape[0] == mini.num_samples

@@ -118,10 +118,13 @@ class Experiences:
                              f"is here (the groups are {self.groups[:8]}...)")
         r = self.rollout
         idx = torch.as_tensor(rows, dtype=torch.long)
+        engine = r.engine_log_probs  # [B, R]: the weight-sync check's, rollout.tis_cap's
         rollout = dataclasses.replace(r, train=r.train.select(idx), rows=[r.rows[i] for i in rows],
                                       group_ids=r.group_ids[idx.to(r.group_ids.device)],
                                       responses=[r.responses[i] for i in rows],
-                                      finish=[r.finish[i] for i in rows])
+                                      finish=[r.finish[i] for i in rows],
+                                      engine_log_probs=None if engine is None
+                                      else engine[idx.to(engine.device)])
         on = idx.to(self.scores.device)
         return dataclasses.replace(
             self, rollout=rollout, scores=self.scores[on],

@@ -77,7 +77,9 @@ class ParallelConfig:
 class LogprobCheckConfig:
     """After each weight update, compare engine and trainer log-probs of a few sampled sequences:
     with the engine on the actor's ranks, a few of the step's own samples (one per prompt first),
-    which costs the trainer one small forward; with a rollout set of its own (placement.rollout),
+    which costs the trainer one small forward (vLLM under top_p < 1 or top_k > 0, whose log-probs
+    would be the truncated distribution's: a few sequences sampled for the check, untruncated);
+    with a rollout set of its own (placement.rollout),
     a few sequences sampled for the check from the next batch's prompts."""
 
     enable: bool = True

@@ -86,6 +86,10 @@ class SampleOutput:
 class RolloutEngine(abc.ABC):
     """A generation engine living inside the training ranks (SPMD: every rank calls every method)."""
 
+    # Whether `generate` returns log-probs (the module docstring's) for sampling that top-k /
+    # top-p truncate; vLLM's would be the truncated distribution's, so it refuses them there.
+    logprobs_when_truncated = True
+
     @abc.abstractmethod
     def load_weights(self) -> dict[str, float]:
         """Make the engine generate with the actor's current weights; returns metrics (bytes moved,

@@ -202,6 +202,8 @@ class VLLMEngine(RolloutEngine):
     repartitioner: fills gen_model before each push (None: gen_model is the training model).
     """
 
+    logprobs_when_truncated = False  # to_vllm_sampling refuses them
+
     @classmethod
     def from_config(cls, cfg, groups, info, gen_model: torch.nn.Module, repartitioner=None
                     ) -> "VLLMEngine":
