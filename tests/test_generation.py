@@ -63,3 +63,38 @@ def test_vllm_with_top_p_or_top_k_still_checks_the_weights(top_p, top_k):
     own = engine.calls[-1]  # the check's few sequences, from the whole distribution
     assert (own.n, own.top_p, own.top_k, own.logprobs) == (1, 1.0, -1, True), own
     phase.end()
+
+
+class _KeepingEngine:
+    """What GenerationPhase reads of NativeEngine's kept cache: sleep keeps it within budget."""
+
+    logprobs_when_truncated = True
+
+    def __init__(self, cache_bytes: int):
+        self.cache_bytes, self.keep_cache_bytes, self.kept_bytes, self.held = cache_bytes, 0, 0, True
+
+    def wake(self):
+        self.held = True
+
+    def load_weights(self):
+        return {}
+
+    def sleep(self):
+        self.kept_bytes = self.cache_bytes if self.cache_bytes <= self.keep_cache_bytes else 0
+        self.held = bool(self.kept_bytes)
+
+
+def test_a_checkpoint_save_frees_the_kept_cache_and_keeps_the_budget():
+    engine = _KeepingEngine(100)
+    phase = GenerationPhase(engine, None, SimpleNamespace(whole=None), RolloutConfig(), (2,), 8, 0)
+    phase.cache_budget(1000)
+    phase.begin(1)
+    phase.end()
+    assert engine.held and phase.kept_bytes == 100
+    assert phase.take_stats()["rollout/kept_cache_gb"] == 100 / 2**30
+    phase.release_cache()
+    assert not engine.held and phase.kept_bytes == 0 and engine.keep_cache_bytes == 1000
+    phase.cache_budget(99)  # a smaller budget than the cache: freed at the next sleep
+    phase.begin(2)
+    phase.end()
+    assert not engine.held and phase.kept_bytes == 0

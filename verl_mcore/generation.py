@@ -170,6 +170,15 @@ class GenerationPhase:
         if hasattr(self.engine, "keep_cache_bytes"):
             self.engine.keep_cache_bytes = int(free_bytes)
 
+    def release_cache(self) -> None:
+        """Free what the engine kept through training now (before work the training phases'
+        memory did not measure, such as a checkpoint save that brings every role's optimizer
+        state back); the budget stays for the next generation."""
+        if self.kept_bytes and not self.awake:
+            budget, self.engine.keep_cache_bytes = self.engine.keep_cache_bytes, 0
+            self.engine.sleep()
+            self.engine.keep_cache_bytes = budget
+
     @property
     def kept_bytes(self) -> int:
         """What the engine kept through the training since its last sleep."""

@@ -821,6 +821,8 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         with self.watchdog.phase("checkpoint", step=step):
+            if self.rollout is not None:  # the step's budget did not see a save's memory
+                self.rollout.release_cache()
             self.onload_training_state()  # the optimizer state is saved from the GPU
             self.checkpoints.save(step, self.actor, self.critic, self.trainer_state())
 
