@@ -18,6 +18,7 @@
 #     call D (carry .whl):         the recipe's accuracy against training seconds: ours GRPO and
 #                                  PPO, TRL's GRPOTrainer (bench/bench_real_model.py)
 #     call E (carry .whl .carry/smol.gguf.part1, after B): ours GRPO and TRL for 60 steps each
+#                                  (E_RUNS=grpo: ours alone)
 #     call bench15b (carry .whl):  the 1.5B GRPO / PPO bench at the default micro-batches and at
 #                                  the hand-set 16384 tokens (bench_grpo_step.py, 2 steps each)
 #
@@ -104,7 +105,7 @@ E)
   export VERL_MCORE_CACHE=/tmp/keep/cache
   model=$(python3 -m tools.real_model --gguf "$GGUF" 2>/dev/null) || exit 1
   timeout 400 python3 bench/bench_real_model.py --model "$model" --out "$OUT" --workdir /tmp/keep/rm_work \
-    --runs grpo,trl --steps 60 --timeout-s 200 > "$OUT/curves60.log" 2>&1
+    --runs "${E_RUNS:-grpo,trl}" --steps 60 --timeout-s 200 > "$OUT/curves60.log" 2>&1
   echo "curves exit $?"; tail -25 "$OUT/curves60.log"
   ;;
 *)
