@@ -16,7 +16,6 @@ from verl_mcore.algo.advantages import compute_advantages
 from verl_mcore.config import Config
 from verl_mcore.distributed.groups import build_groups
 from verl_mcore.distributed.launch import detect_launch, init_distributed
-from verl_mcore.generation import build_generation_phase
 from verl_mcore.reward import place_on_last_token
 from verl_mcore.rollout.base import SamplingParams
 from verl_mcore.trainer import make_rollout
@@ -34,7 +33,7 @@ def main(model_dir: str = "runs/quickstart/tiny_model", steps: int = 3) -> list[
     groups = build_groups(cfg)                     # training + generation process groups
     info = build.load_model_info(cfg)              # HF architecture + tokenizer
     actor = build.build_actor(cfg, groups, info)   # megatron model, optimizer, PPO update
-    rollout = build_generation_phase(cfg, groups, info, actor)
+    rollout = build.build_generation_phase(cfg, groups, info, actor)
 
     digits = ["3", "7"]
     tok = info.tokenizer

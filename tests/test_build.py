@@ -35,13 +35,12 @@ def test_generation_model_pads_the_vocabulary_as_the_training_model(monkeypatch)
     import megatron.core.models.gpt as megatron_gpt
 
     from verl_mcore import build
-    from verl_mcore.engine import engine as engine_mod
 
     def gpt_model(*, config, vocab_size, **kwargs):
         raise _Built(vocab_size)
 
     monkeypatch.setattr(megatron_gpt, "GPTModel", gpt_model)
-    monkeypatch.setattr(engine_mod, "MegatronEngine",
+    monkeypatch.setattr(build, "MegatronEngine",
                         lambda provider, config, *a, **k: provider(config, True, True, None))
     from verl_mcore.distributed.groups import GroupLayout
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from verl_mcore.config import Config, ConfigError, validate
-from verl_mcore.val_metrics import (ValMetrics, ValSamples, bleu, check_metric_fn, config_errors,
-                                    exact_match, reference_of, rouge, write_generations)
+from verl_mcore.config.validate import val_metric_errors
+from verl_mcore.val_metrics import (ValMetrics, ValSamples, bleu, check_metric_fn, exact_match,
+                                    reference_of, rouge, write_generations)
 
 
 def test_exact_match_strips_and_counts():
@@ -254,7 +255,7 @@ def test_missing_package_names_the_pip_package(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("rouge_score", "sacrebleu") else real(name, *a))
-    errs = config_errors(_cfg("trainer.val_metrics=[exact_match, rouge, bleu]").trainer)
+    errs = val_metric_errors(_cfg("trainer.val_metrics=[exact_match, rouge, bleu]").trainer)
     assert errs == [
         "trainer.val_metrics[1]='rouge' needs the rouge-score package, which is not installed: "
         "pip install rouge-score",
@@ -263,7 +264,7 @@ def test_missing_package_names_the_pip_package(monkeypatch):
 
 
 def test_kwargs_and_duplicates_are_checked():
-    errs = config_errors(_cfg("trainer.val_metrics=[bleu, bleu, exact_match]",
+    errs = val_metric_errors(_cfg("trainer.val_metrics=[bleu, bleu, exact_match]",
                               "trainer.val_metric_kwargs={rouge: {use_stemmer: true}, "
                               "exact_match: {a: 1}}").trainer)
     assert any("names a metric twice" in e for e in errs)
@@ -295,7 +296,7 @@ def fake_evaluate(monkeypatch):
 
 def test_evaluate_metric_by_name(fake_evaluate):
     cfg = _cfg("trainer.val_metrics=[bertscore]", "trainer.val_metric_kwargs={bertscore: {lang: de}}")
-    assert config_errors(cfg.trainer) == []  # a name evaluate may know passes the config check
+    assert val_metric_errors(cfg.trainer) == []  # a name evaluate may know passes the config check
     out = ValMetrics.from_config(cfg, 0).compute(_samples())
     # source a: "x"=="x", "y"!="x", "y"=="y", "y "!="y" (not stripped for an evaluate metric)
     assert out["val/a/bertscore/f1"] == 0.5 and out["val/a/bertscore/precision"] == 0.25

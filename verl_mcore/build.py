@@ -7,7 +7,7 @@
     actor = build_actor(cfg, groups, model)
     reference = build_reference(cfg, groups, model, actor)  # None when no KL term needs it
     critic = build_critic(cfg, groups, model)        # None unless algorithm.adv_estimator=gae
-    rollout = build_generation_phase(cfg, groups, model, actor)   # verl_mcore.generation
+    rollout = build_generation_phase(cfg, groups, model, actor)   # generation.GenerationPhase
 
 Weights come from `model.checkpoint` (a dist checkpoint from tools/convert_hf, resharded at load)
 or else from the Hugging Face directory `model.path`, read slice by slice straight into each
@@ -22,11 +22,41 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from verl_mcore.config import Config, ConfigError
+import torch.distributed as dist
+
+from verl_mcore.algo.kl import make_kl_controller
+from verl_mcore.checkpoints import RunCheckpoints
+from verl_mcore.config import Config, ConfigError, ModelShape, validate
+from verl_mcore.config.resume import checkpoint_files
 from verl_mcore.config.seeds import data_config, data_seed, lora_seed
-from verl_mcore.models.gpt import unwrap  # noqa: F401 (also verl_mcore.build.unwrap)
-from verl_mcore.models.hub import cache_advice, local_dir
+from verl_mcore.data import PromptLoader, RLHFDataset, load_dataset_class
+from verl_mcore.data.checks import check_files
+from verl_mcore.distributed.agree import all_ranks_agree
+from verl_mcore.distributed.groups import GroupLayout
+from verl_mcore.distributed.launch import detect_launch
+from verl_mcore.engine.actor import Actor, Reference
+from verl_mcore.engine.checkpoint import DIST_DIR
+from verl_mcore.engine.critic import Critic
+from verl_mcore.engine.engine import DTYPES, MegatronEngine, training_device
+from verl_mcore.engine.offload import HostOffloader
+from verl_mcore.engine.reward_model import RewardModelScorer, retokenize, same_tokenizer
+from verl_mcore.generation import (CrossSetCheck, GenerationPhase, RolloutSetPhase, WeightSender,
+                                   rollout_as_run)
+from verl_mcore.models.checkpoint import load_dist_checkpoint
+from verl_mcore.models.gpt import build_gpt_model, have_transformer_engine, unwrap
+from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch, transformer_config
+from verl_mcore.models.hf_weights import check_weight_files, load_hf_weights
+from verl_mcore.models.hub import cache_advice, local_dir, run_sources
+from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR, hf_config_copy
+from verl_mcore.models.lora import attach_lora, load_peft_dir, merged_weights
 from verl_mcore.planning import memory as planner
+from verl_mcore.reward import RewardManager
+from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
+from verl_mcore.rollout.native import NativeEngine
+from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
+from verl_mcore.rollout.vllm_engine import VLLMEngine
+from verl_mcore.tiny_model import ensure_tiny_model
+from verl_mcore.user_code import call_with_time_limit
 from verl_mcore.utils.device import cuda_in_use
 
 log = logging.getLogger("verl_mcore.build")
@@ -61,8 +91,6 @@ class ModelInfo:
 
 
 def load_model_info(cfg: Config) -> ModelInfo:
-    from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch
-
     if cfg.model.path is None:
         raise ConfigError("model.path must name a Hugging Face directory (its config.json and "
                           "tokenizer are needed even when model.checkpoint gives the weights)")
@@ -152,11 +180,6 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
     Every rank checks; a problem on any rank stops every rank together (distributed/agree.py),
     as ConfigError (or, on the ranks that passed, AgreedFailure) naming what to fix.
     `local_rank`: this rank's on its node (the tiny model's writer is local rank 0)."""
-    from verl_mcore.data import load_dataset_class
-    from verl_mcore.distributed.agree import all_ranks_agree
-    from verl_mcore.models.hub import fetch_for_run, run_sources
-    from verl_mcore.tiny_model import ensure_tiny_model
-
     if run_sources(cfg):
         # Hub ids: downloaded once per node and pinned for the run, from here on every reader
         # gets the same snapshot directory (models/hub.py); but only for a run whose config and
@@ -201,12 +224,33 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
     return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
 
 
+def fetch_for_run(cfg) -> None:
+    """Every rank: make each hub id of `cfg` a cached snapshot, downloaded once per node.
+
+    Local rank 0 downloads while the node's other ranks wait in the agreement's all_gather
+    (bounded by trainer.collective_timeout_s: download a very large model beforehand with `hf
+    download`); then every rank finds the snapshot in its node's cache without network. A
+    failure in either step raises on every rank, naming the rank and the key."""
+    specs = run_sources(cfg)
+    if not specs:  # the same config on every rank: all skip both collectives alike
+        return
+    local_rank = detect_launch().local_rank  # from the launcher's environment, as the trainer's
+    names = ", ".join(f"{key}={where}" for key, where, _ in specs)
+
+    def download() -> None:
+        if local_rank == 0:
+            for key, where, revision in specs:
+                local_dir(where, revision, key)
+
+    all_ranks_agree(download, f"downloading {names} from the Hugging Face Hub")
+    all_ranks_agree(lambda: [local_dir(where, revision, key, download=False)
+                             for key, where, revision in specs],
+                    f"finding {names} in the Hugging Face cache")
+
+
 def _check_config_and_data(cfg: Config, world: int, gpus_per_node: Optional[int]) -> list[str]:
     """The preflight's first two stages (build_inputs): raises ConfigError for the config alone;
     returns the data's first problem, naming its key ([] when none)."""
-    from verl_mcore.config import validate
-    from verl_mcore.data.checks import check_files
-
     validate(cfg, world, None, gpus_per_node)  # the model's shape is the model stage's
     d = cfg.data
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
@@ -230,9 +274,6 @@ def _raise(problems: list[str]) -> None:
 def _read_models(cfg: Config, world: int, gpus_per_node: Optional[int]):
     """(ModelInfo, {reward source name: its ModelInfo}): the run's model directories read and
     checked against the config (the model stage of build_inputs' preflight)."""
-    from verl_mcore.config import ModelShape, validate
-    from verl_mcore.models.hf_weights import check_weight_files
-
     hf_dir = model_dir(cfg)
     shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
     validate(cfg, world, shape, gpus_per_node)  # the config passed alone: only the shape's rules
@@ -250,17 +291,12 @@ def _weight_loader(info: ModelInfo, role: str, lora=None, seed: int = 0):
     """Fills one freshly built model chunk with the run's initial weights; with `lora` enabled
     it then gets its adapters (models/lora.py: the base frozen, the adapters from their seed or
     from lora.init_from)."""
-    from verl_mcore.models.checkpoint import load_dist_checkpoint
-    from verl_mcore.models.hf_weights import load_hf_weights
-
     def load(module):
         if info.checkpoint:
             load_dist_checkpoint(module, info.checkpoint, role=role)
         else:
             load_hf_weights(module, info.arch, info.hf_dir, role=role)
         if lora is not None and lora.enable:
-            from verl_mcore.models.lora import attach_lora, load_peft_dir
-
             adapters = attach_lora(module, lora, info.arch, seed=seed,
                                    trainable=("output_layer",) if role == "critic" else ())
             if lora.init_from:
@@ -276,8 +312,6 @@ def role_lora(cfg: Config, role: str):
 
 
 def _transformer_config(cfg: Config, info: ModelInfo, dtype: str, tp: int, pp: int, vpp=None):
-    from verl_mcore.models.hf_config import transformer_config
-
     extra = {}
     if vpp and vpp > 1:
         extra["virtual_pipeline_model_parallel_size"] = vpp
@@ -332,9 +366,6 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
                  recompute: bool = False, lr_decay_steps: int = 1):
     """The role's MegatronEngine on its set: TP / PP / VPP from `groups.layout` (the role's
     set, which the placement gives its own layout), every group from `groups.train`."""
-    from verl_mcore.engine.engine import MegatronEngine
-    from verl_mcore.models.gpt import build_gpt_model
-
     lay = groups.layout
     config = _transformer_config(cfg, info, dtype, lay.tp, lay.pp, lay.vpp)
     arch, vocab = info.arch, role_padded_vocab(cfg, info.arch, role, lay.tp)
@@ -373,8 +404,6 @@ def optimizer_steps_per_training_step(cfg: Config, role: str) -> int:
 
 
 def build_actor(cfg: Config, groups, info: ModelInfo):
-    from verl_mcore.engine.actor import Actor
-
     a = cfg.actor
     steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, "actor")
     engine = build_engine(cfg, groups, info, "actor", a.dtype, optim=a.optim,
@@ -393,7 +422,6 @@ def build_reference(cfg: Config, groups, info: ModelInfo, actor=None):
     actor's own model with its adapters off (`actor` must be given): no second copy."""
     if not needs_reference(cfg):
         return None
-    from verl_mcore.engine.actor import Reference
 
     kwargs = dict(temperature=cfg.rollout.temperature or 1.0,
                   max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch,
@@ -410,7 +438,6 @@ def build_reference(cfg: Config, groups, info: ModelInfo, actor=None):
 def build_critic(cfg: Config, groups, info: ModelInfo):
     if not cfg.uses_critic:
         return None
-    from verl_mcore.engine.critic import Critic
 
     c = cfg.critic
     mini = c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size
@@ -425,15 +452,12 @@ def build_critic(cfg: Config, groups, info: ModelInfo):
 def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
     """(generation model, repartitioner or None). When the generation layout equals the training
     layout (TP_g = TP_t, PP = 1) the actor's own model serves generation: nothing is copied."""
-    from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
-
     lay = groups.layout  # the actor's set
     tp_g = lay.tp_gen
     # With LoRA the generation model holds W + (alpha/r)·B·A, so it is a model of its own even
     # in the training layout: the base weights are never merged in place.
     if not role_lora(cfg, "actor") and generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
         return unwrap(actor.engine.model[0]), None
-    from verl_mcore.engine.engine import training_device
 
     # The training model's padded vocabulary, so its vocab shards concatenate into ours; the
     # Repartitioner refuses two different sizes before any weight moves. On the training
@@ -448,9 +472,6 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
 def generation_gpt(cfg: Config, info: ModelInfo, pg_collection, tp_g: int, vocab: int, device):
     """An empty generation-layout model (TP_g, every layer) in the actor's compute dtype, its
     weights to be written by a repartition or a cross-set transfer."""
-    from verl_mcore.engine.engine import DTYPES
-    from verl_mcore.models.gpt import build_gpt_model
-
     config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
     config.perform_initialization = False  # every weight is written before use
     gen = build_gpt_model(info.arch, config, role="actor", pg_collection=pg_collection,
@@ -466,14 +487,66 @@ def lora_merge(cfg: Config, chunks) -> Optional[dict]:
     without LoRA on the actor."""
     if not role_lora(cfg, "actor"):
         return None
-    from verl_mcore.models.lora import merged_weights
 
     return merged_weights(chunks)
 
 
-def build_reward_manager(cfg: Config):
-    from verl_mcore.reward import RewardManager
+def build_generation_phase(cfg, groups, info, actor) -> GenerationPhase:
+    """The engine named by rollout.engine, over the actor's weights in the generation layout
+    (generation.py's GenerationPhase)."""
+    r = rollout_as_run(cfg)
+    model, repartitioner = build_generation_model(cfg, groups, info, actor)
+    engine = _rollout_engine(cfg, groups, info, model, repartitioner)
+    return GenerationPhase(engine, actor, groups, r, info.eos_token_ids,
+                           cfg.data.max_response_length, info.pad_token_id)
 
+
+def _rollout_engine(cfg, groups, info, model, repartitioner):
+    """The engine named by rollout.engine over `model` (the generation layout's weights, which
+    `repartitioner` fills) on `groups`' generation TP group."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return VLLMEngine.from_config(cfg, groups, info, model, repartitioner)
+
+    engine = NativeEngine(model, vocab_size=info.arch.vocab_size,
+                          tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
+                          repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
+                          max_num_seqs=r.max_num_seqs,
+                          gpu_memory_utilization=r.gpu_memory_utilization)
+    if dist.get_rank() == 0:
+        log.info("native engine: decode attention %s (%s), fused decode step %s, CUDA graphs %s",
+                 engine.attention or "reference", engine.attention_reason,
+                 engine.fused or engine.fused_decode_reason, engine.use_graphs)
+    return engine
+
+
+def build_rollout_set_phase(cfg, place, info, actor):
+    """placement.rollout's two sides: a RolloutSetPhase on the rollout set's ranks, a
+    WeightSender on the actor's, None elsewhere. Collective over the two sets (the transfer
+    agrees its catalog of tensors there, once)."""
+    r, sets = rollout_as_run(cfg), place.placement.sets
+    a = sets["actor"]
+    plan = CrossSetPlan(GroupLayout(len(a.ranks), a.tp, a.pp, a.cp, ranks=a.ranks, vpp=a.vpp),
+                        sets["rollout"].ranks, r.tensor_parallel_size)
+    cross_check = CrossSetCheck(cfg, place, info)
+    if place.runs("rollout"):
+        groups = place.groups["rollout"]
+        gen = generation_gpt(cfg, info, groups.gen, r.tensor_parallel_size,
+                             role_padded_vocab(cfg, info.arch, "rollout", r.tensor_parallel_size),
+                             training_device())
+        transfer = CrossSetTransfer(plan, place.rank, True, gen_model=gen, group=place.link)
+        return RolloutSetPhase(_rollout_engine(cfg, groups, info, gen, transfer), groups, r,
+                               info.eos_token_ids, cfg.data.max_response_length,
+                               info.pad_token_id, cross_check)
+    if place.runs("actor"):
+        chunks = [unwrap(m) for m in actor.engine.model]
+        transfer = CrossSetTransfer(plan, place.rank, True, train_chunks=chunks,
+                                    merge=lora_merge(cfg, chunks), group=place.link)
+        return WeightSender(transfer, actor, r, cross_check)
+    return None
+
+
+def build_reward_manager(cfg: Config):
     # The trainer scores its reward models itself (collectively, on the whole batch) and hands
     # the manager their scores with each batch.
     return RewardManager.from_config(cfg.reward, scored_outside=[
@@ -490,10 +563,6 @@ def reward_model_info(cfg: Config, key: str, source) -> ModelInfo:
     """The reward model's architecture, tokenizer and weights, read and checked before any model
     is built: `path` is an HF *ForSequenceClassification directory, or a dist checkpoint whose
     hf_config/ holds its config.json and tokenizer (tools/convert_hf)."""
-    from verl_mcore.models.hf_config import read_hf_arch
-    from verl_mcore.models.hf_weights import check_weight_files
-    from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR
-
     where = f"{key}.path={source.path}"
     path = local_dir(source.path, source.revision, f"{key}.path")
     if not path or not os.path.isdir(path):
@@ -539,8 +608,6 @@ def check_reward_model_tokens(cfg: Config, info: ModelInfo, key: str, rm: ModelI
     """What the reward model will be fed, checked before any model is built: the actor's ids as
     they are (the same tokenizer) within its positions, or its own re-tokenisation of a sample,
     which must give tokens (a tokenizer that loads can still turn text into nothing)."""
-    from verl_mcore.engine.reward_model import retokenize, same_tokenizer
-
     d = cfg.data
     if same_tokenizer(info.tokenizer, rm.tokenizer):
         longest = d.max_prompt_length + d.max_response_length
@@ -565,8 +632,6 @@ def build_reward_models(cfg: Config, groups, info: ModelInfo,
                         rm_infos: Optional[dict] = None) -> dict[str, Any]:
     """name -> RewardModelScorer for every reward_model source, on every rank. rm_infos: the
     sources' ModelInfo as build_inputs read and checked them (read here when not given)."""
-    from verl_mcore.engine.reward_model import RewardModelScorer, same_tokenizer
-
     out = {}
     for key, s in reward_model_sources(cfg):
         rm_info = (rm_infos or {}).get(s.name) or reward_model_info(cfg, key, s)
@@ -594,9 +659,6 @@ def build_datasets(cfg: Config, info: ModelInfo, cls: Optional[type] = None):
     data.custom_cls waiting on the network, a lock, input()) fails naming its class, its file
     and where it was, and build_inputs' agreement then stops every rank. `cls`: the dataset
     class when already loaded (data.load_dataset_class: build_inputs' user-code check)."""
-    from verl_mcore.data import RLHFDataset, load_dataset_class
-    from verl_mcore.user_code import call_with_time_limit
-
     d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
     cls = cls or load_dataset_class(d)  # imported under data.import_timeout_s first
     limit = read_time_limit(cfg)
@@ -635,16 +697,12 @@ def prompt_shard(groups) -> tuple[int, int]:
 
 def build_prompt_loader(cfg: Config, dataset, groups):
     """Training prompts for this rank's share (prompt_shard)."""
-    from verl_mcore.data import PromptLoader
-
     rank, shares = prompt_shard(groups)
     return PromptLoader(dataset, cfg.data.train_batch_size, rank=rank, world_size=shares,
                         shuffle=cfg.data.shuffle, seed=data_seed(cfg))
 
 
 def build_kl_controller(cfg: Config):
-    from verl_mcore.algo.kl import make_kl_controller
-
     k = cfg.algorithm.kl_ctrl
     return make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
 
@@ -658,11 +716,6 @@ def build_checkpointers(cfg: Config, run_dir: str, info: ModelInfo,
     checkpoint with nothing but --ckpt and --out. role_ranks:
     {"actor" / "critic": global ranks} of roles on sets of their own (checkpoints.RunCheckpoints;
     None: colocated)."""
-    from verl_mcore.checkpoints import RunCheckpoints
-    from verl_mcore.config.resume import checkpoint_files
-    from verl_mcore.engine.checkpoint import DIST_DIR
-    from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR, hf_config_copy
-
     try:
         expected = planner.checkpoint_bytes(cfg, planner.resolve_dims(info.hf_dir or cfg.model.path))
     except ConfigError as e:
@@ -716,8 +769,6 @@ def resolve_offload(cfg: Config, info: ModelInfo, world: int, gpus_per_node: int
     (ConfigError on every rank alike; train.py exits 2). An explicit true / false is taken as
     set, with a warning. The estimates are for megatron's local layer spec (what bench/RESULTS.md
     measured): with TransformerEngine installed they only warn."""
-    from verl_mcore.models.gpt import have_transformer_engine
-
     setting = cfg.trainer.offload_between_phases
     explicit = setting != "auto"
     as_set = (setting, f"trainer.offload_between_phases={str(setting).lower()}")
@@ -771,7 +822,6 @@ def build_offloaders(cfg: Config, actor, critic, offload: bool) -> dict:
     """{role: HostOffloader} for the trainable roles when `offload` (resolve_offload)."""
     if not offload:
         return {}
-    from verl_mcore.engine.offload import HostOffloader
 
     return {name: HostOffloader(role.engine.model, role.engine.optimizer)
             for name, role in (("actor", actor), ("critic", critic)) if role is not None}

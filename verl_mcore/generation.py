@@ -14,7 +14,8 @@ instead of training on another model.
 With a rollout set of its own (placement.rollout) the phase is split over two sets: the rollout
 ranks hold the engine (`RolloutSetPhase`: its weights arrive through rollout/cross_set.py), the
 actor ranks send them (`WeightSender`), and the weight-sync check runs across the two
-(rollout/sync_check.check_across_sets). Both sides call begin / end together.
+(rollout/sync_check.check_across_sets). Both sides call begin / end together. build.py picks
+the engine and builds either side (build_generation_phase, build_rollout_set_phase).
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ import torch.distributed as dist
 
 from verl_mcore.config.schema import logprob_check_bound
 from verl_mcore.config.seeds import rollout_config
+from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.rollout.base import SamplingParams
-from verl_mcore.rollout.sync_check import check_weight_sync, checked_outputs
+from verl_mcore.rollout.sync_check import check_across_sets, check_weight_sync, checked_outputs
 
 log = logging.getLogger("verl_mcore.generation")
 
@@ -192,8 +194,6 @@ class GenerationPhase:
     def actor_logprobs(self, prompts, responses, temperature):
         """The trainer side of the sync check: every replica's sequences go through the actor
         together (its roles take the global batch), and each replica gets its own rows back."""
-        from verl_mcore.engine.batch import TrainBatch
-
         lead = self.groups.gen_tp_rank == 0
         mine = list(zip(map(list, prompts), map(list, responses))) if lead else None
         group = self._set_group()
@@ -209,40 +209,7 @@ class GenerationPhase:
         return [logp[offset + i, :len(r)].cpu() for i, r in enumerate(responses)]
 
 
-def build_generation_phase(cfg, groups, info, actor) -> GenerationPhase:
-    """The engine named by rollout.engine, over the actor's weights in the generation layout."""
-    from verl_mcore.build import build_generation_model
-
-    r = rollout_as_run(cfg)
-    model, repartitioner = build_generation_model(cfg, groups, info, actor)
-    engine = _engine(cfg, groups, info, model, repartitioner)
-    return GenerationPhase(engine, actor, groups, r, info.eos_token_ids,
-                           cfg.data.max_response_length, info.pad_token_id)
-
-
-def _engine(cfg, groups, info, model, repartitioner):
-    """The engine named by rollout.engine over `model` (the generation layout's weights, which
-    `repartitioner` fills) on `groups`' generation TP group."""
-    r = cfg.rollout
-    if r.engine == "vllm":
-        from verl_mcore.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine.from_config(cfg, groups, info, model, repartitioner)
-    from verl_mcore.rollout.native import NativeEngine
-
-    engine = NativeEngine(model, vocab_size=info.arch.vocab_size,
-                          tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
-                          repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
-                          max_num_seqs=r.max_num_seqs,
-                          gpu_memory_utilization=r.gpu_memory_utilization)
-    if dist.get_rank() == 0:
-        log.info("native engine: decode attention %s (%s), fused decode step %s, CUDA graphs %s",
-                 engine.attention or "reference", engine.attention_reason,
-                 engine.fused or engine.fused_decode_reason, engine.use_graphs)
-    return engine
-
-
-class _CrossSetCheck:
+class CrossSetCheck:
     """check_across_sets' arguments that do not change from step to step."""
 
     def __init__(self, cfg, place, info):
@@ -253,8 +220,6 @@ class _CrossSetCheck:
                            vocab_size=info.arch.vocab_size, pad_token_id=info.pad_token_id)
 
     def __call__(self, engine, actor, prompts, sampling) -> dict[str, float]:
-        from verl_mcore.rollout.sync_check import check_across_sets
-
         return check_across_sets(engine, actor, prompts, sampling, self.max_abs_diff,
                                  **self.kwargs)
 
@@ -265,7 +230,7 @@ class RolloutSetPhase(GenerationPhase):
     check runs across the two sets."""
 
     def __init__(self, engine, groups, rollout_cfg, eos_token_ids, max_new_tokens, pad_token_id,
-                 cross_check: _CrossSetCheck):
+                 cross_check: CrossSetCheck):
         super().__init__(engine, None, groups, rollout_cfg, eos_token_ids, max_new_tokens,
                          pad_token_id)
         self.cross_check = cross_check
@@ -294,7 +259,7 @@ class WeightSender:
     training shards to the rollout set (rollout/cross_set.py) and, when the rollout set checks
     the weights, recomputes the checked sequences' log-probs with the actor."""
 
-    def __init__(self, transfer, actor, rollout_cfg, cross_check: _CrossSetCheck):
+    def __init__(self, transfer, actor, rollout_cfg, cross_check: CrossSetCheck):
         self.transfer, self.actor, self.cfg = transfer, actor, rollout_cfg
         self.cross_check = cross_check
 
@@ -308,35 +273,3 @@ class WeightSender:
 
     def end(self) -> None:
         pass
-
-
-def build_rollout_set_phase(cfg, place, info, actor):
-    """placement.rollout's two sides: a RolloutSetPhase on the rollout set's ranks, a
-    WeightSender on the actor's, None elsewhere. Collective over the two sets (the transfer
-    agrees its catalog of tensors there, once)."""
-    from verl_mcore.build import generation_gpt, lora_merge, role_padded_vocab
-    from verl_mcore.distributed.groups import GroupLayout
-    from verl_mcore.engine.engine import training_device
-    from verl_mcore.models.gpt import unwrap
-    from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
-
-    r, sets = rollout_as_run(cfg), place.placement.sets
-    a = sets["actor"]
-    plan = CrossSetPlan(GroupLayout(len(a.ranks), a.tp, a.pp, a.cp, ranks=a.ranks, vpp=a.vpp),
-                        sets["rollout"].ranks, r.tensor_parallel_size)
-    cross_check = _CrossSetCheck(cfg, place, info)
-    if place.runs("rollout"):
-        groups = place.groups["rollout"]
-        gen = generation_gpt(cfg, info, groups.gen, r.tensor_parallel_size,
-                             role_padded_vocab(cfg, info.arch, "rollout", r.tensor_parallel_size),
-                             training_device())
-        transfer = CrossSetTransfer(plan, place.rank, True, gen_model=gen, group=place.link)
-        return RolloutSetPhase(_engine(cfg, groups, info, gen, transfer), groups, r,
-                               info.eos_token_ids, cfg.data.max_response_length,
-                               info.pad_token_id, cross_check)
-    if place.runs("actor"):
-        chunks = [unwrap(m) for m in actor.engine.model]
-        transfer = CrossSetTransfer(plan, place.rank, True, train_chunks=chunks,
-                                    merge=lora_merge(cfg, chunks), group=place.link)
-        return WeightSender(transfer, actor, r, cross_check)
-    return None

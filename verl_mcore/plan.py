@@ -28,11 +28,17 @@ import sys
 from dataclasses import asdict, replace
 from typing import Optional
 
+from verl_mcore import plan_time
 from verl_mcore.config import Config, ConfigError, validate
-from verl_mcore.planning.memory import (USABLE_FRACTION, GiB, Knobs, ModelDims, choose_token_budgets,
-                                        lora_roles, lora_savings, lora_summary, micro_batch_json,
-                                        micro_batch_report, misfits, plan_with_offload_choice,
-                                        resolve_dims, reward_model_dims, suggest, total_params)
+from verl_mcore.config.placement import Placement, format_ranks
+from verl_mcore.distributed.groups import GroupLayout
+from verl_mcore.distributed.launch import expand_nodelist
+from verl_mcore.planning.memory import (GiB, Knobs, ModelDims, USABLE_FRACTION,
+                                        choose_token_budgets, lora_roles, lora_savings,
+                                        lora_summary, micro_batch_json, micro_batch_report, misfits,
+                                        plan_with_offload_choice, resolve_dims, reward_model_dims,
+                                        suggest, total_params)
+from verl_mcore.tiny_model import ensure_tiny_model
 
 EXIT_INVALID = 2
 EXIT_DOES_NOT_FIT = 3
@@ -56,9 +62,6 @@ def _groups_line(name: str, groups: list[list[int]], limit: int) -> str:
 
 def layout_report(cfg: Config, world: int, nodes: int, gpus_per_node: int,
                   node_names: Optional[list[str]] = None, limit: int = 8) -> str:
-    from verl_mcore.distributed.groups import GroupLayout
-    from verl_mcore.distributed.placement import Placement, format_ranks
-
     placement = Placement.resolve(cfg, world, gpus_per_node)
     if not placement.colocated:  # each set's own layout inside its ranks
         lines = [f"Layout: {world} ranks = {nodes} node(s) × {gpus_per_node} GPU(s), roles placed:"]
@@ -185,8 +188,6 @@ def rollout_split(cfg: Config, dims: ModelDims, world: int, knobs: Knobs,
     """The step-time model's layouts and recommendation (plan_time.py): {"text", "json"}. A
     recommended rollout set is checked with config.validate once the schema has
     placement.rollout."""
-    from verl_mcore import plan_time
-
     kind = args.gpu_kind or ("h200" if knobs.gpu_memory_gib > 100 else "h100")
     hw = plan_time.HARDWARE[kind]
     why = plan_time.not_modelled(cfg)
@@ -215,7 +216,6 @@ def main(argv=None) -> int:
     world = nodes * gpn
     try:
         cfg = Config.load(args.config, args.overrides)
-        from verl_mcore.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(cfg.model, local_rank=0)  # one process: the layout needs its shape
         dims = resolve_dims(cfg.model.path, cfg.model.revision)
@@ -241,8 +241,6 @@ def main(argv=None) -> int:
     else:
         names = None
         if os.environ.get("SLURM_JOB_NODELIST"):
-            from verl_mcore.distributed.launch import expand_nodelist
-
             names = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
         n_params = total_params(dims)
         print(f"Model: {cfg.model.path} ({n_params / 1e9:.2f} B parameters; {dims.num_layers} layers, "

@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 import torch
 
+from verl_mcore.rollout.gather import _cut
+
 
 # The step's phases of sampling (timed by the schedule); the others are the training's.
 GENERATING = ("sync", "gen", "wait_rollout")
@@ -191,8 +193,6 @@ def _part_tensors(part) -> dict:
 
 def _load(saved: dict, rows) -> Sampled:
     def part(d):
-        from verl_mcore.rollout.gather import _cut
-
         prompts, samples, prompt_tokens = d["sizes"].tolist()
         return _cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
                     prompt_tokens, d.get("logprobs"))

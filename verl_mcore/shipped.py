@@ -21,6 +21,8 @@ import logging
 import os
 from typing import Optional
 
+from verl_mcore.errors import ConfigError
+
 log = logging.getLogger("verl_mcore.config")
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +56,6 @@ def config_file(path: str) -> str:
     candidate = os.path.join(root, "configs", name) if root else None
     if candidate and os.path.isfile(candidate):
         return candidate
-    from verl_mcore.config.loading import ConfigError
 
     raise ConfigError(f"--config {path}: no such file here, and no shipped config of that name "
                       f"(shipped: {', '.join(shipped_configs()) or 'none found'})")

@@ -18,6 +18,9 @@ import socket
 import tempfile
 import time
 
+from verl_mcore.config import ConfigError
+from verl_mcore.models.hub import is_hub_id
+
 # The tokenizer is a byte-level BPE in Qwen2's format (Qwen2's pre-tokenizer regex), trained on the
 # quickstart's phrases: about 36 tokens. It is saved as a `Qwen2Tokenizer` because transformers 5's
 # AutoTokenizer rebuilds a qwen2 model's tokenizer through that class whatever tokenizer.json says.
@@ -115,14 +118,11 @@ def ensure_tiny_model(model, local_rank: int, timeout_s: float = 600.0,
 
     write=False checks the same and writes nothing (the preflight, while the data is wrong):
     False when the model is still to be written, else True."""
-    from verl_mcore.config import ConfigError
-
     if not model.make_tiny_if_missing:
         return True
     if not model.path:
         raise ConfigError("model.make_tiny_if_missing=true needs model.path: the directory to "
                           "write the tiny model to")
-    from verl_mcore.models.hub import is_hub_id
 
     path, config = model.path, os.path.join(model.path, "config.json")
     if os.path.isfile(config) or is_hub_id(path):  # a Hub id names a model, not a place to write

@@ -10,6 +10,11 @@ import faulthandler
 import sys
 
 from verl_mcore.config import Config, ConfigError, validate
+from verl_mcore.distributed.agree import AgreedFailure
+from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
+from verl_mcore.distributed.watchdog import process_group_timeout
+from verl_mcore.run_dir import RunDirError
+from verl_mcore.trainer import Trainer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,9 +44,6 @@ def main(argv=None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
 
-    from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
-    from verl_mcore.distributed.watchdog import process_group_timeout
-
     # A crash in native code (a user's scorer with reward.num_workers=0, an extension) then
     # prints the Python stack of every thread instead of only "Segmentation fault".
     try:
@@ -63,9 +65,6 @@ def main(argv=None) -> int:
     # per-rank report comes first (distributed/watchdog.py).
     init_distributed(info, cfg.trainer.device,
                      process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
-    from verl_mcore.distributed.agree import AgreedFailure
-    from verl_mcore.run_dir import RunDirError
-    from verl_mcore.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, launch=info)  # writes RUN_DIR/config.yaml once it holds the lock

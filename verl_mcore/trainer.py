@@ -34,22 +34,36 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from verl_mcore import build
-from verl_mcore.config import Config, ConfigError
+from verl_mcore import build, ops
+from verl_mcore.algo.advantages import compute_advantages
+from verl_mcore.algo.kl import apply_kl_penalty
+from verl_mcore.algo.policy_loss import truncated_is_weights
+from verl_mcore.config import Config, ConfigError, resume
+from verl_mcore.config.placement import Placement
 from verl_mcore.config.seeds import rollout_seed
-from verl_mcore.engine.engine import training_device
-from verl_mcore.generation import WeightSender, build_generation_phase, build_rollout_set_phase
+from verl_mcore.data import PromptLoader
+from verl_mcore.data.report import log_data_stage
+from verl_mcore.distributed.agree import all_ranks_agree
+from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
+from verl_mcore.distributed.placement import RolePlacement
+from verl_mcore.distributed.preemption import PreemptionGuard
+from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
+from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.engine.engine import DivergedStepError, training_device
+from verl_mcore.errors import NonFiniteError, RewardFailureError
+from verl_mcore.generation import WeightSender
 from verl_mcore.planning import memory as planner
-from verl_mcore.reward.manager import RewardFailureError
+from verl_mcore.reward import place_on_last_token
+from verl_mcore.rollout.base import SamplingParams
+from verl_mcore.rollout.gather import (RolloutPart, agreed_failure, decode_responses, gather_rollout,
+                                      share_rollout)
 from verl_mcore.rollouts import GENERATING, RolloutSchedule
+from verl_mcore.run_dir import RunDir
+from verl_mcore.tracking import MetricAccumulator, Tracking
 from verl_mcore.utils.device import cuda_in_use
 from verl_mcore.val_metrics import ValMetricError, ValMetrics, ValSamples
 
 log = logging.getLogger("verl_mcore.trainer")
-
-
-class NonFiniteError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -141,10 +155,6 @@ class Trainer:
     """`Trainer(cfg).fit()` under torchrun / srun / mpirun (or one plain process)."""
 
     def __init__(self, cfg: Config, launch=None):
-        from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
-        from verl_mcore.distributed.watchdog import process_group_timeout
-        from verl_mcore.run_dir import RunDir
-
         self.cfg = cfg
         self.launch = launch or detect_launch()
         if not dist.is_initialized():
@@ -172,12 +182,6 @@ class Trainer:
         self.run.close()
 
     def _build(self, cfg: Config) -> None:
-        from verl_mcore.distributed.agree import all_ranks_agree
-        from verl_mcore.distributed.placement import Placement, RolePlacement
-        from verl_mcore.distributed.preemption import PreemptionGuard
-        from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
-        from verl_mcore.tracking import Tracking
-
         # The placement is checked before any group is built (a bad one is a ConfigError
         # naming the role and the ranks, alike on every rank); then each set's groups.
         placement = Placement.resolve(cfg, self.world, self.launch.local_world_size)
@@ -221,8 +225,6 @@ class Trainer:
         self.schedule = RolloutSchedule(self, cfg.rollout.max_staleness
                                         if cfg.rollout.mode == "one_step_off" else 0)
         if self.rank == 0:  # what the data stage kept, before minutes of model building
-            from verl_mcore.data.report import log_data_stage
-
             log_data_stage(self.train_data, self.val_data, cfg.data, self.loader.batches_per_epoch)
         if self.rank == 0 and not placement.colocated:
             log.info("placement: %s", placement.describe())
@@ -254,11 +256,11 @@ class Trainer:
             # placement.rollout), the WeightSender on the actor's ranks of a rollout set.
             self.rollout, self.sender = None, None
             if self.place.generating_set == "rollout":
-                side = build_rollout_set_phase(cfg, self.place, self.info, self.actor)
+                side = build.build_rollout_set_phase(cfg, self.place, self.info, self.actor)
                 self.rollout, self.sender = ((None, side) if isinstance(side, WeightSender)
                                              else (side, None))
             elif runs("actor"):
-                self.rollout = build_generation_phase(cfg, self.groups, self.info, self.actor)
+                self.rollout = build.build_generation_phase(cfg, self.groups, self.info, self.actor)
         self.reward_model_names = list(rm_infos)
         for role in (self.actor, self.critic):
             if role is not None:
@@ -502,8 +504,6 @@ class Trainer:
         one_step_off it includes the staleness), and with rollout.tis_cap the truncated
         importance weights min(pi_old / pi_engine, cap) the actor's loss multiplies each token
         by (algo/policy_loss.truncated_is_weights). Nothing without the engine's log-probs."""
-        from verl_mcore.algo.policy_loss import truncated_is_weights
-
         if rollout.engine_log_probs is None or batch.old_log_probs is None:
             return {}
         mask = batch.response_mask
@@ -544,8 +544,6 @@ class Trainer:
         the seed depends on the batch, the offset and the replica, not on when it is sampled.
         The engine's log-probs come along where the trainer reads them (a rollout set of its
         own, rollout.tis_cap)."""
-        from verl_mcore.rollout.base import SamplingParams
-
         r = self.cfg.rollout
         greedy = temperature == 0
         index = self.step_index if batch is None else batch
@@ -572,8 +570,6 @@ class Trainer:
         are consecutive (mini-batches keep GRPO groups together) and group ids count prompts.
         The batch crosses ranks as tensors, token ids in one flat buffer (rollout/gather.py).
         """
-        from verl_mcore.rollout.gather import RolloutPart, agreed_failure, gather_rollout
-
         if self.rollout is None:
             return None, None
         vocab, groups = self.info.arch.vocab_size, self.rollout.groups
@@ -598,7 +594,7 @@ class Trainer:
 
     def share_part(self, prompts, batch, failure=None):
         """The generating set's batch on every rank (a failure there raises on every rank)."""
-        return self.place.share_rollout(batch, prompts, self.info.arch.vocab_size, failure)
+        return share_rollout(self.place, batch, prompts, self.info.arch.vocab_size, failure)
 
     def _gen_replica(self) -> int:
         """This rank's generation replica (0 where no engine runs, which samples nothing)."""
@@ -609,8 +605,6 @@ class Trainer:
         whole batch on every rank together; each rank scores a slice with the other sources,
         then all-gather. Also the metrics, and the scorers' extras of the whole batch
         ("source/key" -> [B] float or None, RewardOutput.extras) on every rank."""
-        from verl_mcore.tracking import MetricAccumulator
-
         n = len(rollout.responses)
         # Split over the training ranks (a rollout set of its own samples meanwhile).
         scorers = self.place.training_ranks
@@ -664,9 +658,6 @@ class Trainer:
         return scores.to(self.device), metrics, extras
 
     def token_rewards(self, batch, scores) -> tuple[torch.Tensor, dict[str, float]]:
-        from verl_mcore.algo.kl import apply_kl_penalty
-        from verl_mcore.reward import place_on_last_token
-
         mask = batch.response_mask
         rewards = place_on_last_token(scores, mask)
         if not self.cfg.algorithm.use_kl_in_reward:
@@ -677,8 +668,6 @@ class Trainer:
         return rewards, {"critic/kl": float(info["current_kl"]), "critic/kl_coef": float(info["kl_coef"])}
 
     def advantages(self, batch, token_rewards, scores, group_ids, baseline):
-        from verl_mcore.algo.advantages import compute_advantages
-
         a = self.cfg.algorithm
         return compute_advantages(
             a.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
@@ -715,8 +704,6 @@ class Trainer:
         (V_old, left in batch.values for the advantages). A one-step update computes V_old in its
         own forward passes; otherwise, or with critic.recompute_values=always, a forward-only
         values pass runs first (engine/critic.py)."""
-        from verl_mcore import ops
-
         a = self.cfg.algorithm
 
         def returns_of(rewards, values, mask):
@@ -739,8 +726,6 @@ class Trainer:
         return self.place.run(role, lambda: self._update(step, role, batch, *args))
 
     def _update(self, step: int, role: str, batch, *args) -> dict[str, float]:
-        from verl_mcore.engine.engine import DivergedStepError
-
         self.onload_training_state(role)
         try:
             summary, per_step = getattr(self, role).update(batch, *args)
@@ -784,8 +769,6 @@ class Trainer:
         """val/<data_source>/<metric> over the whole validation set (val_metrics.py): each
         replica generates for its share of each batch, which generate() and score() gather onto
         every rank; rank 0 keeps the samples and computes, and every rank logs its result."""
-        from verl_mcore.data import PromptLoader
-
         r = self.cfg.rollout
         rank, replicas = build.prompt_shard(self.gen_groups)
         loader = PromptLoader(self.val_data, len(self.val_data) if self.cfg.data.val_batch_size is None
@@ -827,8 +810,6 @@ class Trainer:
             self.checkpoints.save(step, self.actor, self.critic, self.trainer_state())
 
     def _resume(self) -> None:
-        from verl_mcore.config import resume
-
         changes = []
 
         def check(checkpoint: str) -> None:  # before any weight is read: refuses by key name
@@ -846,7 +827,7 @@ class Trainer:
             # Rows an earlier start logged before dying without a checkpoint are stale too.
             self.tracking.resumed_at(0)
             return
-        state = resume.apply_to_state(changes, state)
+        state = resume.apply_to_state(changes, state, PromptLoader.rebatch)
         saved_per_step = state.get("optimizer_steps_per_step") or {}  # absent: older checkpoints
         for name, role in (("actor", self.actor), ("critic", self.critic)):
             if role is not None and name in saved_per_step:
@@ -903,17 +884,12 @@ def _prompt_texts(tokenizer, batch, rows) -> list[str]:
 
 def make_rollout(samples, group_ids, info) -> Rollout:
     """samples: [(prompt ids, dataset row, response ids, finish reason)] -> Rollout."""
-    from verl_mcore.rollout.gather import RolloutPart
-
     part = RolloutPart.from_samples(samples, info.arch.vocab_size)
     return rollout_from_part(part, torch.as_tensor(group_ids, dtype=torch.int64), info)
 
 
 def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
     """A Rollout from flat samples (rollout.gather.RolloutPart) and their group ids [B]."""
-    from verl_mcore.engine.batch import TrainBatch
-    from verl_mcore.rollout.gather import decode_responses
-
     # An empty response (the engine stopped at once) gets one masked EOS token.
     pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
     train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,

@@ -32,7 +32,6 @@ failure there is broadcast too and raised on every rank alike (ValMetricError).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import json
 import logging
@@ -45,12 +44,12 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from verl_mcore.config.loading import ConfigError
+from verl_mcore.config.validate import BUILTIN_VAL_METRICS, val_metric_errors
+from verl_mcore.user_code import call_with_time_limit, check_import, load_user_object
+from verl_mcore.utils.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
-# name -> (module to import, pip package): the built-in metrics and what they need.
-BUILTIN = {"exact_match": (None, None), "rouge": ("rouge_score", "rouge-score"),
-           "bleu": ("sacrebleu", "sacrebleu")}
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
@@ -128,34 +127,6 @@ def reference_of(row: dict) -> Optional[str]:
 
 
 # ---- start-up checks --------------------------------------------------------------------------
-
-def config_errors(t) -> list[str]:
-    """trainer.val_metrics / val_metric_kwargs problems visible from the config and the installed
-    packages (validate.py; a name `evaluate` cannot load is found by ValMetrics.from_config)."""
-    errs = []
-    has_evaluate = importlib.util.find_spec("evaluate") is not None
-    for i, name in enumerate(t.val_metrics):
-        key = f"trainer.val_metrics[{i}]={name!r}"
-        if name in BUILTIN:
-            module, package = BUILTIN[name]
-            if module and importlib.util.find_spec(module) is None:
-                errs.append(f"{key} needs the {package} package, which is not installed: "
-                            f"pip install {package}")
-        elif not has_evaluate:
-            errs.append(f"{key} is not a built-in metric ({', '.join(BUILTIN)}) and the HF "
-                        f"`evaluate` library, which provides other metrics by name, is not "
-                        f"installed: pip install evaluate (plus the metric's own packages), or "
-                        f"choose a built-in one")
-    if len(set(t.val_metrics)) != len(t.val_metrics):
-        errs.append(f"trainer.val_metrics={t.val_metrics} names a metric twice")
-    for name in t.val_metric_kwargs:
-        if name not in t.val_metrics:
-            errs.append(f"trainer.val_metric_kwargs.{name}: {name!r} is not in "
-                        f"trainer.val_metrics={t.val_metrics}")
-        elif name == "exact_match":
-            errs.append("trainer.val_metric_kwargs.exact_match: exact_match takes no arguments")
-    return errs
-
 
 def check_metric_fn(fn: Any, key: str, construct: bool = False) -> str:
     """A user metric function must take (responses, references, rows). Module level: the import
@@ -239,15 +210,13 @@ class ValMetrics:
         """Check and load what the config names, before any model is built: the `evaluate`
         metrics load (a name it cannot load fails naming the key and the metrics on offer),
         the user function is imported under its time limit and its signature checked."""
-        from verl_mcore.user_code import check_import, load_user_object
-
         t = cfg.trainer
-        errs = config_errors(t)
+        errs = val_metric_errors(t)
         if errs:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
         modules = {}
         for i, name in enumerate(t.val_metrics):
-            if name not in BUILTIN:
+            if name not in BUILTIN_VAL_METRICS:
                 modules[name] = _load_evaluate(name, f"trainer.val_metrics[{i}]")
         _check_builtin_kwargs(t)
         fn = None
@@ -327,8 +296,6 @@ class ValMetrics:
         """The user's function under trainer.val_metric_fn.timeout_s: one that blocks fails the
         validation naming itself and where it was (its thread is left behind: Python cannot stop
         it) instead of every rank waiting on rank 0 forever."""
-        from verl_mcore.user_code import call_with_time_limit
-
         return call_with_time_limit(
             functools.partial(self.fn, responses, references, rows), self.fn_timeout_s,
             lambda where: (f"trainer.val_metric_fn did not return within "
@@ -381,7 +348,7 @@ def _load_evaluate(name: str, key: str):
     except Exception as e:  # noqa: BLE001 - evaluate raises many kinds for an unknown name
         cached = _cached_evaluate_modules()
         raise ConfigError(
-            f"{key}={name!r} is not a built-in metric ({', '.join(BUILTIN)}) and "
+            f"{key}={name!r} is not a built-in metric ({', '.join(BUILTIN_VAL_METRICS)}) and "
             f"evaluate.load({name!r}) failed: {type(e).__name__}: {e}. Metrics evaluate has "
             f"cached here: {cached or 'none'} (others need network once, or HF_EVALUATE_OFFLINE "
             f"unset); a metric's own packages must be installed too") from e
@@ -403,8 +370,6 @@ def _checked_user_metrics(result: Any) -> dict[str, float]:
 
 def write_generations(s: ValSamples, step: int, run_dir: str, limit: int) -> str:
     """The first `limit` samples as JSON lines in RUN_DIR/val_generations/step_<step>.jsonl."""
-    from verl_mcore.utils.files import write_text_atomic
-
     directory = os.path.join(run_dir, "val_generations")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step_{step}.jsonl")

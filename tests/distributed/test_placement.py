@@ -3,7 +3,7 @@ import pytest
 
 from verl_mcore.config import Config, ConfigError
 from verl_mcore.config.validate import validate
-from verl_mcore.distributed.placement import Placement, format_ranks, parse_ranks
+from verl_mcore.config.placement import Placement, format_ranks, parse_ranks
 
 PPO = ["algorithm.adv_estimator=gae", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
        "actor.micro_batch_size_per_gpu=1", "critic.micro_batch_size_per_gpu=1"]

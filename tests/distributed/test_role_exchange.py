@@ -11,7 +11,8 @@ from tests.multiproc import run_on_ranks
 
 
 def _placement():
-    from verl_mcore.distributed.placement import Placement, RolePlacement, RoleSet
+    from verl_mcore.config.placement import Placement, RoleSet
+    from verl_mcore.distributed.placement import RolePlacement
 
     p = Placement(3, {"actor": RoleSet((0, 1), 1, 1), "critic": RoleSet((2,), 1, 1)})
     return p, lambda rank: RolePlacement(p, {r: object() if rank in s.ranks else None
@@ -20,7 +21,7 @@ def _placement():
 
 def _exchange_body(rank, world_size):
     from verl_mcore.data.loader import PromptBatch
-    from verl_mcore.rollout.gather import RolloutPart
+    from verl_mcore.rollout.gather import RolloutPart, share_rollout
 
     _, make = _placement()
     place = make(rank)
@@ -37,7 +38,7 @@ def _exchange_body(rank, world_size):
         part = RolloutPart.from_samples([([5, 6], rows[0], [7, 8, 9], "stop"),
                                          ([4], rows[1], [], "length")], vocab_size=32)
     prompts = PromptBatch(indices=[0, 1], input_ids=[[5, 6], [4]], rows=rows)
-    got = place.share_rollout(part, prompts, vocab_size=32)
+    got = share_rollout(place, part, prompts, vocab_size=32)
     out["tokens"] = got.tokens().tolist()
     out["response_lens"] = got.response_lens.tolist()
     out["finish"] = got.finish_reasons()
@@ -64,8 +65,8 @@ def test_results_rollouts_and_metrics_cross_role_sets_as_tensors():
 
 
 def _failure_body(rank, world_size, where):
-    from verl_mcore.distributed.placement import RoleSetFailure
-    from verl_mcore.trainer import NonFiniteError
+    from verl_mcore.errors import RoleSetFailure
+    from verl_mcore.errors import NonFiniteError
 
     _, make = _placement()
     place = make(rank)

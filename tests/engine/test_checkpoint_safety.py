@@ -21,8 +21,8 @@ import torch
 
 from tests.multiproc import run_on_ranks
 from verl_mcore.engine import checkpoint as ck
-from verl_mcore.engine import manifest
-from verl_mcore.engine.safe_read import (
+from verl_mcore.utils import manifest
+from verl_mcore.utils.safe_read import (
     BadCheckpointError,
     SafeBytesPlanner,
     _megatron_reads_safely,

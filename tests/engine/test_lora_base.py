@@ -12,7 +12,7 @@ from tests.models.lora_bodies import lora_checkpoint_body, lora_resume_body
 from tests.multiproc import run_on_ranks
 from verl_mcore.config.resume import ResumeConfigError, check_lora_base
 from verl_mcore.convert_hf.verify import prompts
-from verl_mcore.engine.manifest import weights_fingerprint
+from verl_mcore.utils.manifest import weights_fingerprint
 
 TARGETS = ["q_proj", "down_proj"]
 TOKENS = prompts(hf_factory.COMMON["vocab_size"], batch=1, seq_len=4)

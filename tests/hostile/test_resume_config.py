@@ -15,6 +15,7 @@ from tests.multiproc import run_on_ranks
 from verl_mcore.config import Config
 from verl_mcore.config import resume
 from verl_mcore.config.seeds import stream_seed
+from verl_mcore.data.loader import PromptLoader
 
 
 def _saved(tmp_path, cfg, saved_arch=None):
@@ -37,7 +38,8 @@ def test_changes_are_listed_key_by_key(tmp_path):
     assert set(changes) == {"model.path", "actor.optim.lr", "critic.optim.clip_grad",
                             "algorithm.kl_ctrl.kl_coef", "parallel.tensor_model_parallel_size",
                             "reward.routes"}
-    state = resume.apply_to_state(list(changes.values()), {"kl_ctrl": {"value": 0.5}, "loader": {}})
+    state = resume.apply_to_state(list(changes.values()), {"kl_ctrl": {"value": 0.5}, "loader": {}},
+                                 PromptLoader.rebatch)
     assert state["kl_ctrl"] is None  # starts afresh at the config's coefficient
 
 
@@ -95,8 +97,6 @@ def test_a_checkpoint_without_a_record_resumes_as_before(tmp_path):
 
 
 def test_prompt_loader_keeps_its_place_when_the_batch_size_changes():
-    from verl_mcore.data.loader import PromptLoader
-
     state = {"epoch": 2, "batch_in_epoch": 3, "batch_size": 8, "seed": 1}
     assert PromptLoader.rebatch(state, 4) == dict(state, batch_in_epoch=6, batch_size=4)
     # 24 prompts done; batches of 16: batch 1 starts at prompt 16, so 8 are handed out again.
@@ -112,8 +112,10 @@ def test_a_batch_size_change_is_refused_with_batches_sampled_ahead():
                        match=r"data.train_batch_size: 8 in the checkpoint -> 4 from the config: "
                              r"the checkpoint holds 1 batch\(es\) of 8 prompts sampled ahead.*"
                              r"Set data.train_batch_size=8 again"):
-        resume.apply_to_state([change], {"loader": loader, "rollout_queue": [{"saved": 1}]})
-    state = resume.apply_to_state([change], {"loader": loader, "rollout_queue": []})  # sync
+        resume.apply_to_state([change], {"loader": loader, "rollout_queue": [{"saved": 1}]},
+                              PromptLoader.rebatch)
+    state = resume.apply_to_state([change], {"loader": loader, "rollout_queue": []},  # sync
+                                  PromptLoader.rebatch)
     assert state["loader"]["batch_size"] == 4
 
 

@@ -266,10 +266,10 @@ def _fetch_on_ranks(rank, world_size, cache):
         return download(*args, local_files_only=local_files_only, **kwargs)
 
     huggingface_hub.snapshot_download = recording
-    hub.fetch_for_run(_config("model.path=org/tiny"))
+    build.fetch_for_run(_config("model.path=org/tiny"))
     found = hub.local_dir("org/tiny")
     try:
-        hub.fetch_for_run(_config("model.path=org/absent"))
+        build.fetch_for_run(_config("model.path=org/absent"))
         failure = None
     except Exception as e:  # noqa: BLE001 - returned to the test to read
         failure = f"{type(e).__name__}: {e}"

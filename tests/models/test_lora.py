@@ -10,7 +10,7 @@ from tests.models import hf_factory
 from tests.models.lora_bodies import lora_cfg, lora_logits_body
 from tests.multiproc import run_on_ranks
 from verl_mcore.convert_hf.verify import prompts
-from verl_mcore.models import lora
+from verl_mcore.models import lora, lora_targets
 from verl_mcore.models.hf_config import read_hf_arch
 
 TOL = 1e-5
@@ -96,9 +96,9 @@ def test_logits_equal_peft(request, tp, pp, sp, targets):
 
 
 def test_targets_resolve_and_bad_names_are_named():
-    assert lora.resolve_targets("all-linear") == lora.LAYER_TARGETS
-    assert "lm_head" not in lora.LAYER_TARGETS  # as peft's all-linear: the output layer is apart
-    assert lora.resolve_targets(["lm_head", "all-linear"]) == lora.LAYER_TARGETS + ("lm_head",)
+    assert lora.resolve_targets("all-linear") == lora_targets.LAYER_TARGETS
+    assert "lm_head" not in lora_targets.LAYER_TARGETS  # as peft's all-linear: the output layer is apart
+    assert lora.resolve_targets(["lm_head", "all-linear"]) == lora_targets.LAYER_TARGETS + ("lm_head",)
     assert lora.resolve_targets(["v_proj", "q_proj"]) == ("q_proj", "v_proj")
     with pytest.raises(ValueError, match="qproj.*q_proj"):
         lora.resolve_targets(["qproj"])

@@ -4,6 +4,7 @@ Every case draws fresh random inputs. Outputs are "poisoned": the allocation the
 into is first filled with NaN bytes (through the caching allocator: a same-size block freed just
 before is handed back), so an element the kernel forgets to write shows up as NaN.
 """
+import importlib
 import random
 
 import pytest
@@ -13,6 +14,9 @@ from verl_mcore import ops
 from verl_mcore.algo import advantages as algo
 from verl_mcore.ops import reference
 from verl_mcore.ops._extension import extension, extension_status
+
+# The module ops/gae.py (the package's `gae` is its function of that name).
+gae_op_module = importlib.import_module("verl_mcore.ops.gae")
 
 pytestmark = pytest.mark.gpu
 
@@ -131,7 +135,8 @@ def test_trainer_gae_runs_the_kernel_and_equals_the_cpu_loop(ext, whiten, monkey
     values = torch.randn(64, 700, device="cuda")
     valid = torch.rand(64, 700, device="cuda") > 0.2
     mask = valid.float()
-    monkeypatch.setattr(algo, "gae", no_loop)
+    # ops/gae.py's fallback to the reference loop (gae_reference.gae, which algo exports as gae)
+    monkeypatch.setattr(gae_op_module, "_reference_gae", no_loop)
     adv, ret = algo.compute_advantages("gae", rewards, mask, values=values, gamma=0.99, lam=0.95,
                                        whiten=whiten)
     monkeypatch.undo()

@@ -60,7 +60,8 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     from verl_mcore.config import Config
     from verl_mcore.distributed import cpu_compat
     from verl_mcore.distributed.groups import build_groups
-    from verl_mcore.distributed.placement import Placement, RolePlacement
+    from verl_mcore.config.placement import Placement
+    from verl_mcore.distributed.placement import RolePlacement
     from verl_mcore.trainer import Trainer
 
     cpu_compat.install()

@@ -114,7 +114,7 @@ def _fake_vllm(monkeypatch, calls):
 
 
 def test_engine_from_config_builds_llm(monkeypatch, tmp_path):
-    """build_generation_phase's rollout.engine=vllm branch: VLLMEngine.from_config gives vLLM the
+    """build.build_generation_phase's rollout.engine=vllm branch: VLLMEngine.from_config gives vLLM the
     HF directory, prompt + response length, the actor's dtype and the rollout settings."""
     import torch.distributed as dist
 

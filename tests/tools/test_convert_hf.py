@@ -110,8 +110,8 @@ def test_refuses_to_overwrite_and_never_leaves_a_partial_output(root):
 
 
 def test_converted_checkpoint_has_a_manifest_checked_before_any_read(root):
-    from verl_mcore.engine.manifest import list_files, read_manifest
-    from verl_mcore.engine.safe_read import BadCheckpointError
+    from verl_mcore.utils.manifest import list_files, read_manifest
+    from verl_mcore.utils.safe_read import BadCheckpointError
 
     src = hf_factory.save_tiny_model("qwen2", str(root / "q2_manifest"), seed=6)
     ckpt = convert_hf_to_mcore(src, str(root / "q2_manifest.mcore"), progress=False)
@@ -296,7 +296,7 @@ def test_without_a_record_the_stored_tensors_are_checked(llama, tmp_path):
     (stacked layer count, vocabulary rows exactly the padded size, no tensor left unread);
     a matching template exports bit-exact."""
     from verl_mcore.config import ConfigError
-    from verl_mcore.engine.manifest import MANIFEST, build_manifest
+    from verl_mcore.utils.manifest import MANIFEST, build_manifest
 
     src, ckpt = llama
     bare = str(tmp_path / "bare.mcore")

@@ -32,7 +32,7 @@ from verl_mcore.convert_hf.lora_export import (
     open_checkpoint,
 )
 from verl_mcore.convert_hf.verify import prompts, transformers_logits
-from verl_mcore.engine.safe_read import BadCheckpointError
+from verl_mcore.utils.safe_read import BadCheckpointError
 from verl_mcore.models import lora
 from verl_mcore.models.hf_config import read_hf_arch
 
@@ -326,7 +326,7 @@ def test_exports_refuse_an_out_over_or_inside_what_they_read(saved, full_step, h
     """--out inside the step directory (the next resume would find files its manifest does not
     list and move the run's checkpoint aside as corrupt) or over the base the adapters name
     (--force would delete it): refused, nothing changed."""
-    from verl_mcore.engine import manifest
+    from verl_mcore.utils import manifest
 
     ck = saved("pp2_q_v")
     before = {p: sorted(os.listdir(p)) for p in (ck.path, full_step, hf_dir)}

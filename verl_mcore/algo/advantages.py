@@ -26,7 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from verl_mcore.algo.checks import same_device
+from verl_mcore import ops
+# GAE and masked whitening are the torch reference of verl_mcore.ops.gae, kept there beside the
+# kernel; exported here with the other estimators.
+from verl_mcore.ops.gae_reference import check_token_shapes, compute_dtype, gae, masked_whiten
+from verl_mcore.utils.checks import same_device
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -43,25 +47,6 @@ __all__ = [
 ]
 
 
-def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def _check_token_shapes(where: str, mask: Tensor, **tensors: Tensor) -> None:
-    same_device(where, mask=mask, **tensors)
-    if mask.dim() != 2:
-        raise ValueError(f"{where}: mask must be [batch, response_len], got shape {tuple(mask.shape)}")
-    for name, t in tensors.items():
-        if t.shape != mask.shape:
-            raise ValueError(
-                f"{where}: {name} has shape {tuple(t.shape)} but mask has {tuple(mask.shape)}; "
-                "both must be [batch, response_len]"
-            )
-
-
 def _check_per_sequence(where: str, mask: Tensor, **tensors: Tensor) -> None:
     same_device(where, mask=mask, **tensors)
     for name, t in tensors.items():
@@ -73,65 +58,8 @@ def _check_per_sequence(where: str, mask: Tensor, **tensors: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# GAE
+# Returns (GAE itself and masked_whiten: ops/gae_reference.py)
 # ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation over response tokens, skipping masked positions.
-
-    Args:
-        rewards: `[batch, T]` token rewards (e.g. the outcome score on the last valid token minus a
-            per-token KL penalty).
-        values:  `[batch, T]` critic values V_t of the state before token t.
-        mask:    `[batch, T]` non-zero at valid tokens.
-        gamma, lam: discount and GAE lambda (floats).
-
-    Returns:
-        `(advantages, returns)`, both `[batch, T]`, not whitened.
-
-    Exact definition (the CUDA kernel behind `verl_mcore.ops.gae` implements this same recurrence):
-    each row is processed independently, from t = T-1 down to 0, with a carried state
-    `(next_value, next_adv)` that starts at `(0, 0)` past the end of the row:
-
-        if mask[t]:
-            delta_t   = rewards[t] + gamma * next_value - values[t]
-            A_t       = delta_t + gamma * lam * next_adv
-            R_t       = A_t + values[t]
-            next_value, next_adv = values[t], A_t
-        else:                      # padding or a hole (tool/observation tokens)
-            A_t = 0;  R_t = 0      # state carried through unchanged
-            (rewards[t] and values[t] are not read)
-
-    So V_next and A_next are those of the next *valid* position of the row (0 after its last valid
-    token), and a hole inside a response is transparent: the tokens on either side of it are
-    chained as if it were not there, without extra discounting for its length. A row with no valid
-    token gives zeros. With gamma = lam = 1 and a single reward r on the last valid token,
-    A_t = r - V_t at every valid t.
-    """
-    _check_token_shapes("gae", mask, rewards=rewards, values=values)
-    dtype = _compute_dtype(rewards, values)
-    r = rewards.to(dtype)
-    v = values.to(dtype)
-    valid = mask.bool()
-    batch, length = r.shape
-    advantages = torch.zeros_like(r)
-    next_value = r.new_zeros(batch)
-    next_adv = r.new_zeros(batch)
-    zero = r.new_zeros(())
-    for t in range(length - 1, -1, -1):
-        m = valid[:, t]
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        adv_t = delta + (gamma * lam) * next_adv
-        # torch.where (not multiplication) so NaN/inf at masked positions cannot leak through.
-        advantages[:, t] = torch.where(m, adv_t, zero)
-        next_value = torch.where(m, v[:, t], next_value)
-        next_adv = torch.where(m, adv_t, next_adv)
-    returns = torch.where(valid, advantages + torch.where(valid, v, zero), zero)
-    return advantages, returns
 
 
 @torch.no_grad()
@@ -142,8 +70,8 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     the next valid position of the row (0 after its last one, so returns reset at every sequence
     end); masked positions get 0 and their rewards are not read.
     """
-    _check_token_shapes("discounted_returns", mask, rewards=rewards)
-    dtype = _compute_dtype(rewards)
+    check_token_shapes("discounted_returns", mask, rewards=rewards)
+    dtype = compute_dtype(rewards)
     r = rewards.to(dtype)
     valid = mask.bool()
     out = torch.zeros_like(r)
@@ -162,63 +90,7 @@ def _returns_via_ops(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     `gae` on the CPU): with values 0 and lam 1 GAE's recurrence is A_t = r_t + gamma * A_next
     over the valid positions, exactly the reward-to-go (bit for bit on the CPU). On a GPU the
     time loop above would launch ~5 kernels per token position."""
-    from verl_mcore import ops
-
     return ops.gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Whitening
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def masked_whiten(
-    x: Tensor,
-    mask: Tensor,
-    shift_mean: bool = True,
-    eps: float = 1e-8,
-    group: Optional[dist.ProcessGroup] = None,
-) -> Tensor:
-    """Normalise `x` to mean 0 and standard deviation 1 over its valid tokens.
-
-    `x, mask: [batch, T] -> [batch, T]` (any matching shapes work). mean = masked mean;
-    var = unbiased masked variance (divides by n - 1); result = (x - mean) / sqrt(var + eps), plus
-    `mean` again when `shift_mean=False` (scale only). Masked positions are 0 in the result.
-    With `group`, n, the sum and the sum of squared deviations are all-reduced over its ranks, so
-    every rank whitens with the statistics of the whole data-parallel batch.
-
-    Raises ValueError when fewer than 2 valid tokens exist (over all ranks of `group`): the
-    variance is undefined. If all valid values are equal the result is 0 there (finite).
-    """
-    same_device("masked_whiten", x=x, mask=mask)
-    if x.shape != mask.shape:
-        raise ValueError(f"masked_whiten: x has shape {tuple(x.shape)} but mask has {tuple(mask.shape)}")
-    dtype = _compute_dtype(x)
-    xv = x.to(dtype)
-    valid = mask.bool()
-    zero = xv.new_zeros(())
-    # Statistics in float64: token counts beyond 2**24 stay exact and large batches sum stably.
-    stats = torch.stack([valid.sum().double(), torch.where(valid, xv, zero).double().sum()])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    n = int(stats[0].item())
-    if n < 2:
-        where = f" over {dist.get_world_size(group)} ranks" if group is not None else ""
-        raise ValueError(
-            f"masked_whiten: needs at least 2 valid tokens to estimate a variance, found {n}{where}; "
-            "check the response mask (is every response empty?) or disable whitening"
-        )
-    mean = stats[1] / n
-    sq = torch.where(valid, (xv.double() - mean) ** 2, zero.double()).sum()
-    if group is not None:
-        dist.all_reduce(sq, group=group)
-    var = sq / (n - 1)
-    mean, inv_std = mean.to(dtype), torch.rsqrt(var + eps).to(dtype)
-    out = (xv - mean) * inv_std
-    if not shift_mean:
-        out = out + mean
-    return torch.where(valid, out, zero)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +162,7 @@ def grpo(
     its raw score; the trainer never meets one (config validation wants rollout.n >= 2).
     """
     _check_group_inputs("grpo", scores, group_ids, mask)
-    s = scores.to(_compute_dtype(scores))
+    s = scores.to(compute_dtype(scores))
     count, mean, std = _group_stats(s, group_ids)
     centered = s - mean  # exactly 0 for equal scores (see _group_stats)
     adv = centered / (std + eps) if norm_by_std else centered
@@ -308,7 +180,7 @@ def rloo(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
     the raw score instead; the trainer never meets one: rollout.n >= 2).
     """
     _check_group_inputs("rloo", scores, group_ids, mask)
-    s = scores.to(_compute_dtype(scores))
+    s = scores.to(compute_dtype(scores))
     count, mean, _ = _group_stats(s, group_ids)
     adv = count / (count - 1).clamp(min=1) * (s - mean)
     adv = torch.where(count > 1, adv, s.new_zeros(()))
@@ -319,7 +191,7 @@ def _sequence_scores(token_rewards: Tensor, mask: Tensor, scores: Optional[Tenso
     """`[batch, T] -> [batch]`: sum of the rewards at valid positions of each row. A row with no
     valid position cannot carry its outcome score in token rewards; with `scores [batch]` given,
     such a row's score is taken from there (it still counts in its group's baseline)."""
-    dtype = _compute_dtype(token_rewards)
+    dtype = compute_dtype(token_rewards)
     r = token_rewards.to(dtype)
     valid = mask.bool()
     out = torch.where(valid, r, r.new_zeros(())).sum(-1)
@@ -343,7 +215,7 @@ def reinforce_plus_plus(
     skipped); advantages = `masked_whiten(returns, mask, group=group)`. Raises if the whole batch
     (over `group`) has fewer than 2 valid tokens; all-masked rows are fine and give zeros.
     """
-    _check_token_shapes("reinforce_plus_plus", mask, token_rewards=token_rewards)
+    check_token_shapes("reinforce_plus_plus", mask, token_rewards=token_rewards)
     returns = _returns_via_ops(token_rewards, mask, gamma)
     return masked_whiten(returns, mask, group=group), returns
 
@@ -365,7 +237,7 @@ def reinforce_plus_plus_baseline(
     are whitened with `masked_whiten(..., group=group)` (raises below 2 valid tokens in total).
     `scores [batch]` (optional): outcome scores of rows without valid tokens (`_sequence_scores`).
     """
-    _check_token_shapes("reinforce_plus_plus_baseline", mask, token_rewards=token_rewards)
+    check_token_shapes("reinforce_plus_plus_baseline", mask, token_rewards=token_rewards)
     scores = _sequence_scores(token_rewards, mask, scores)
     _check_group_inputs("reinforce_plus_plus_baseline", scores, group_ids, mask)
     _, mean, _ = _group_stats(scores, group_ids)
@@ -381,7 +253,7 @@ def remax(token_rewards: Tensor, baseline_scores: Tensor, mask: Tensor) -> tuple
     -> `(advantages, returns)`, both `[batch, T]`, with returns = `discounted_returns(..., 1.0)`
     and advantages = returns - baseline at valid positions, 0 elsewhere.
     """
-    _check_token_shapes("remax", mask, token_rewards=token_rewards)
+    check_token_shapes("remax", mask, token_rewards=token_rewards)
     _check_per_sequence("remax", mask, baseline_scores=baseline_scores)
     returns = _returns_via_ops(token_rewards, mask, 1.0)
     base = baseline_scores.to(returns.dtype)
@@ -402,10 +274,8 @@ def _require(estimator: str, **inputs: Optional[Tensor]) -> None:
 def _gae_entry(token_rewards, mask, *, values, group_ids, baseline_scores, gamma, lam,
                norm_by_std, whiten, eps, group, scores):
     _require("gae", values=values)
-    # Through verl_mcore.ops: the CUDA kernel on GPU tensors, `gae` above (+ masked_whiten) on
-    # the CPU; one dispatch, the same numbers (tests/ops/test_gae.py).
-    from verl_mcore import ops
-
+    # Through verl_mcore.ops: the CUDA kernel on GPU tensors, `gae` (+ masked_whiten) on the
+    # CPU; one dispatch, the same numbers (tests/ops/test_gae.py).
     if whiten:
         return ops.gae_whitened(token_rewards, values, mask, gamma, lam, group=group)
     return ops.gae(token_rewards, values, mask, gamma, lam)

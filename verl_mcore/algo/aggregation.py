@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from verl_mcore.algo.checks import same_device
+from verl_mcore.utils.checks import same_device
 
 __all__ = ["AGG_MODES", "LossDenominators", "aggregate_loss", "global_denominators", "masked_token_mean"]
 

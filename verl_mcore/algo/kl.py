@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from verl_mcore.algo.aggregation import LossDenominators, aggregate_loss
-from verl_mcore.algo.checks import same_device
+from verl_mcore.utils.checks import same_device
 
 __all__ = [
     "AdaptiveKLController",

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from verl_mcore.algo.aggregation import AGG_MODES, LossDenominators, aggregate_loss, masked_token_mean
-from verl_mcore.algo.checks import same_device
+from verl_mcore.utils.checks import same_device
 
 __all__ = [
     "POLICY_LOSSES",

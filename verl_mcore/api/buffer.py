@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.trainer import Rollout
+
 
 @dataclass
 class Experiences:
@@ -67,9 +70,6 @@ class Experiences:
         """The samples of `parts` one after another, their group ids renumbered so that groups of
         different parts stay apart. The parts must come from one policy and one worker's
         sampling settings (the update's log-probs need one temperature and length)."""
-        from verl_mcore.engine.batch import TrainBatch
-        from verl_mcore.trainer import Rollout
-
         if not parts:
             raise ValueError("Experiences.concat: nothing to concatenate (the buffer is empty)")
         first = parts[0]

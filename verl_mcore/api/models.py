@@ -17,8 +17,18 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
+from verl_mcore import build
 from verl_mcore.api import session as sess
-from verl_mcore.config import ConfigError
+from verl_mcore.config import ConfigError, ModelShape
+from verl_mcore.convert_hf.convert import DEFAULT_MAX_SHARD_BYTES, HFDirWriter
+from verl_mcore.distributed.agree import all_ranks_agree, raised_on_every_rank
+from verl_mcore.distributed.launch import detect_launch
+from verl_mcore.engine.actor import Actor
+from verl_mcore.engine.critic import Critic as CriticRole
+from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch
+from verl_mcore.models.hf_weights import check_weight_files
+from verl_mcore.rollout.vllm_engine import hf_weight_stream
+from verl_mcore.tiny_model import ensure_tiny_model
 
 # dtype names a transformers user writes, as the config spells them.
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32",
@@ -30,8 +40,6 @@ def micro_batched(cfg, info):
     size (build.resolve_micro_batches): the planner's on a GPU, from this config's lengths and
     batch sizes, so a RolloutWorker's or an update's config gets a budget that holds its
     sequences. Collective (the job's smallest GPU): every rank calls it alike."""
-    from verl_mcore import build
-
     world = sess.current().world
     return build.resolve_micro_batches(cfg, info, world, world)[0]
 
@@ -64,14 +72,7 @@ def _read_model(cfg, who: str, session, tokenizer: Any):
     """The checks build.build_inputs makes of a model before it is built (weight headers, the
     lengths and heads against config.json, the tokenizer), on every rank, a failure on any rank
     raised on all; then its build.ModelInfo. A tokenizer object replaces the directory's."""
-    from verl_mcore import build
-    from verl_mcore.config import ModelShape
-    from verl_mcore.distributed.agree import all_ranks_agree
-    from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch
-    from verl_mcore.models.hf_weights import check_weight_files
-    from verl_mcore.models.hub import fetch_for_run
-
-    fetch_for_run(cfg)  # a Hub id: downloaded once per node, then the same snapshot everywhere
+    build.fetch_for_run(cfg)  # a Hub id: downloaded once per node, then the same snapshot everywhere
 
     def read():
         try:
@@ -100,8 +101,6 @@ def _layout_error(who: str, dp: Optional[int], tp: int, pp: int) -> None:
     """data_parallel_size is what the ranks leave: world / (TP x PP); a different one is a
     launch of another size, said before anything starts."""
     import torch.distributed as dist
-
-    from verl_mcore.distributed.launch import detect_launch
 
     world = dist.get_world_size() if dist.is_initialized() else detect_launch().world_size
     if dp is not None and dp * tp * pp != world:
@@ -142,9 +141,6 @@ class Policy:
         ("actor.optim.weight_decay=0.0", "actor.micro_batch_size_per_gpu=4", "model.checkpoint=
         DIST_CKPT", ...; session.OWNED lists them). An LR schedule other than constant decays
         over trainer.total_steps optimizer steps."""
-        from verl_mcore import build
-        from verl_mcore.tiny_model import ensure_tiny_model
-
         who = "Policy.from_pretrained"
         _layout_error(who, data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
         dtype = dtype_name(dtype, who)
@@ -173,8 +169,6 @@ class Policy:
         """The actor role of this policy's model and optimizer for `cfg` (a RolloutWorker's or
         an update's: its loss settings, mini-batches and sampling temperature), as
         build.build_actor makes it."""
-        from verl_mcore.engine.actor import Actor
-
         a = micro_batched(cfg, self.info).actor
         return Actor(self.actor.engine, a, mini_batch_size=a.ppo_mini_batch_size * cfg.rollout.n,
                      temperature=cfg.rollout.temperature or 1.0,
@@ -188,11 +182,6 @@ class Policy:
         generation layout, then each tensor all-gathered in the generation TP group and renamed
         to its HF name: rollout/vllm_engine.hf_weight_stream); rank 0 writes, one shard at a
         time, on its own filesystem. Returns the directory."""
-        from verl_mcore import build
-        from verl_mcore.convert_hf.convert import DEFAULT_MAX_SHARD_BYTES, HFDirWriter
-        from verl_mcore.distributed.agree import all_ranks_agree, raised_on_every_rank
-        from verl_mcore.rollout.vllm_engine import hf_weight_stream
-
         s, groups = self._session, self._session.groups
         out_dir = os.path.abspath(out_dir)
         writer = None
@@ -260,8 +249,6 @@ class Critic:
         lr: default 1e-5. The layout is the process's (made by the Policy): sizes given must
         match it. tokenizer: as Policy.from_pretrained's (the critic reads the policy's token
         ids: a PPOTrainer checks the two tokenizers agree)."""
-        from verl_mcore import build
-
         who = "Critic.from_pretrained"
         live = sess.current()
         layout = sess.layout_tree(live.layout) if live is not None else {}
@@ -283,8 +270,6 @@ class Critic:
     def role_for(self, cfg):
         """The critic role of this model and optimizer for an update's `cfg` (its mini-batches
         and epochs), as build.build_critic makes it."""
-        from verl_mcore.engine.critic import Critic as CriticRole
-
         cfg = micro_batched(cfg, self.info)
         c, a = cfg.critic, cfg.actor
         return CriticRole(self.critic.engine, c,
@@ -315,10 +300,6 @@ class RewardModel:
         """policy: the policy whose samples it scores (its tokenizer decides whether they are
         re-tokenised). name: the reward source's name (metrics reward/<name>/mean); the other
         arguments are those of a reward.sources entry of type reward_model."""
-        from verl_mcore import build
-        from verl_mcore.distributed.agree import all_ranks_agree
-        from verl_mcore.models.hub import fetch_for_run
-
         who = "RewardModel.from_pretrained"
         source = {k: v for k, v in dict(
             name=name, type="reward_model", path=os.fspath(path_or_hub_id), weight=weight,
@@ -327,7 +308,7 @@ class RewardModel:
             max_tokens_per_microbatch=max_tokens_per_microbatch).items() if v is not None}
         cfg = sess.config_of(policy._tree, {"reward": {"sources": [source]}})
         session = sess.session_for(cfg, who)
-        fetch_for_run(cfg)
+        build.fetch_for_run(cfg)
         key, spec = build.reward_model_sources(cfg)[0]
 
         def read():

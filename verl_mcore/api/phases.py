@@ -11,6 +11,8 @@ step. tests/api/test_api.py runs the API and `Trainer` side by side: the same me
 """
 from __future__ import annotations
 
+from verl_mcore.config.placement import ROLES, Placement, RoleSet
+from verl_mcore.distributed.placement import RolePlacement
 from verl_mcore.trainer import Trainer
 
 
@@ -43,8 +45,6 @@ def _colocated(groups):
     """The API's objects run every role on every rank: the trainer's placement of that case,
     in which each phase simply runs where it is called (distributed/placement.py)."""
     import torch.distributed as dist
-
-    from verl_mcore.distributed.placement import ROLES, Placement, RolePlacement, RoleSet
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     everywhere = RoleSet(tuple(range(world)), 1, 1)

@@ -20,11 +20,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence, Union
 
+from verl_mcore import build
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import ExperienceBuffer, Experiences
 from verl_mcore.api.models import micro_batched
 from verl_mcore.api.phases import Phases
 from verl_mcore.config import ConfigError
+from verl_mcore.config.loading import from_dict
+from verl_mcore.engine.reward_model import same_tokenizer
+from verl_mcore.trainer import StageTimer
 
 _BATCH_KEYS = ("data.train_batch_size is the experiences' prompts, rollout.n the worker's n, "
                "actor.ppo_mini_batch_size the PPOTrainer's mini_batch_size, "
@@ -48,9 +52,6 @@ class PPOTrainer:
                  loss_agg_mode: Optional[str] = None, gamma: Optional[float] = None,
                  lam: Optional[float] = None, kl_loss_coef: Optional[float] = None,
                  kl_reward_coef: Optional[float] = None, overrides: Sequence[str] = ()):
-        from verl_mcore import build
-        from verl_mcore.engine.reward_model import same_tokenizer
-
         who = "PPOTrainer"
         self.policy, self.critic, self.mini_batch_size = policy, critic, mini_batch_size
         tree = sess.settings(who, {
@@ -84,8 +85,6 @@ class PPOTrainer:
 
     def update(self, experiences: Union[ExperienceBuffer, Experiences]) -> dict[str, float]:
         """One update from all of `experiences` (module docstring); the trainer's metrics."""
-        from verl_mcore.trainer import StageTimer
-
         exp = experiences.batch() if isinstance(experiences, ExperienceBuffer) else experiences
         self._check_sampled_by_policy(exp)
         cfg = self._config_for(exp)
@@ -148,8 +147,6 @@ class PPOTrainer:
         """The update's Config: this trainer's, the sampling of the worker that made `exp`, and
         its batch sizes, checked by the trainer's rules (batches divide over mini-batches, DP
         ranks and micro-batches)."""
-        from verl_mcore.config.loading import from_dict
-
         n = exp.cfg.rollout.n
         if exp.num_samples != exp.num_prompts * n:
             raise ValueError(f"PPOTrainer.update: {exp.num_samples} samples of {exp.num_prompts} "

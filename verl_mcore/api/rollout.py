@@ -24,10 +24,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from verl_mcore import build
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import Experiences
 from verl_mcore.api.phases import Phases
-from verl_mcore.config import ConfigError
+from verl_mcore.config import ConfigError, ModelShape
+from verl_mcore.data import PromptLoader
+from verl_mcore.data.dataset import RLHFDataset
+from verl_mcore.distributed.agree import all_ranks_agree
+from verl_mcore.reward import RewardManager
+from verl_mcore.trainer import StageTimer
 
 PROMPTS_LABEL = "the prompts given to RolloutWorker.generate"
 
@@ -49,10 +55,6 @@ class RolloutWorker:
                  max_prompt_length: Optional[int] = None,
                  reward_fn: Union[None, str, Callable] = None, reward_models: Sequence[Any] = (),
                  greedy_baseline: bool = False, overrides: Sequence[str] = ()):
-        from verl_mcore.distributed.agree import all_ranks_agree
-        from verl_mcore.generation import build_generation_phase
-        from verl_mcore.reward import RewardManager
-
         who = "RolloutWorker"
         self.policy = policy
         session = policy._session
@@ -75,7 +77,7 @@ class RolloutWorker:
                 self.cfg.reward, score_fn=score_fn,
                 scored_outside=[s.name for s in self.cfg.reward.sources if s.type == "reward_model"]),
             "starting the rewards of the RolloutWorker", cleanup=lambda m: m.close())
-        phase = build_generation_phase(self.cfg, session.groups, policy.info,
+        phase = build.build_generation_phase(self.cfg, session.groups, policy.info,
                                        policy.actor_for(self.cfg))
         self._phases = Phases(cfg=self.cfg, rollout=phase, info=policy.info,
                               groups=session.groups, rank=session.rank, world=session.world,
@@ -85,8 +87,6 @@ class RolloutWorker:
     def generate(self, prompts: Sequence[Any]) -> Experiences:
         """n responses for each prompt, scored (module docstring); the same Experiences on
         every rank."""
-        from verl_mcore.trainer import StageTimer
-
         p, cfg = self._phases, self.cfg
         batch = self._prompt_batch(prompts)  # this generation replica's share
         timer, step = StageTimer(), p.step_index + 1
@@ -115,9 +115,6 @@ class RolloutWorker:
     def _prompt_batch(self, prompts: Sequence[Any]):
         """This generation replica's PromptBatch of `prompts`, through the dataset's checks,
         template and tokenisation; every replica's slice as the trainer's loader cuts it."""
-        from verl_mcore.data import PromptLoader
-        from verl_mcore.data.dataset import RLHFDataset
-
         groups = self._phases.groups
         if isinstance(prompts, (str, Mapping)) or not len(prompts):
             raise TypeError("RolloutWorker.generate takes a non-empty list of prompts")
@@ -186,8 +183,6 @@ def _reward_keys(reward_fn, reward_models) -> dict[str, Any]:
 def _check_reward_models(cfg, policy, reward_models) -> None:
     """Every reward_model source is one of `reward_models`, each fed what it can read (the
     checks build.build_inputs makes of a config's reward models, with the worker's lengths)."""
-    from verl_mcore import build
-
     given = {rm.name for rm in reward_models}
     for i, source in enumerate(cfg.reward.sources):
         if source.type == "reward_model" and source.name not in given:
@@ -202,6 +197,4 @@ def _check_reward_models(cfg, policy, reward_models) -> None:
 
 
 def _shape(policy):
-    from verl_mcore.config import ModelShape
-
     return ModelShape.from_hf_dir(policy.info.hf_dir) if policy.info.hf_dir else None

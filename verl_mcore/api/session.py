@@ -20,7 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from verl_mcore.config import Config, ConfigError
+from verl_mcore.config import Config, ConfigError, validate
+from verl_mcore.config.loading import apply_override, from_dict, parse_override
+from verl_mcore.distributed.groups import build_groups
+from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
+from verl_mcore.distributed.watchdog import process_group_timeout
+from verl_mcore.engine.engine import training_device
+from verl_mcore.trainer import _seed_everything
 
 # The keys of each object: a key ending in "." stands for its whole section. The longest match
 # decides (`actor.optim.lr` is the Policy's though `actor.` keys are the PPOTrainer's).
@@ -60,8 +66,6 @@ def _owns(prefixes: Sequence[str], key: str) -> int:
 def settings(who: str, keys: dict[str, Any], overrides: Sequence[str] = ()) -> dict:
     """The config tree of `who`'s settings: `keys` ("a.b.c" -> value; None: the config's
     default), then `overrides` ("a.b.c=value"). Every key must be one `who` owns (OWNED)."""
-    from verl_mcore.config.loading import apply_override, parse_override
-
     tree: dict = {}
     given = [(k.split("."), v, f"{k}={v!r}") for k, v in keys.items() if v is not None]
     given += [(*parse_override(text), text) for text in overrides]
@@ -91,8 +95,6 @@ def merged(*trees: dict) -> dict:
 
 def config_of(*trees: dict) -> Config:
     """The Config of `trees` merged, every key and type checked by the schema's loader."""
-    from verl_mcore.config.loading import from_dict
-
     return from_dict(Config, merged(*trees))
 
 
@@ -101,8 +103,6 @@ def check(cfg: Config, who: str, world: int, shape=None, *, lengths: bool = Fals
     """config/validate.validate without data files (prompts come with each call), with the
     data.* lengths once a RolloutWorker set them and the batch rules once an update has its
     batch; `what`, when given, says how the API's arguments map to the keys the messages name."""
-    from verl_mcore.config import validate
-
     try:
         validate(cfg, world, shape, data_files=False, lengths=lengths, batches=batches)
     except ConfigError as e:
@@ -181,12 +181,6 @@ def session_for(cfg: Config, who: str) -> Session:
     global _current
     import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from verl_mcore.distributed.groups import build_groups
-    from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
-    from verl_mcore.distributed.watchdog import process_group_timeout
-    from verl_mcore.engine.engine import training_device
-    from verl_mcore.trainer import _seed_everything
 
     live = current()
     if live is not None:

@@ -14,9 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config problem the user must fix; the message names the key(s) to change."""
+from verl_mcore.errors import ConfigError
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

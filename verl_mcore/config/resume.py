@@ -45,12 +45,13 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
 from verl_mcore.config.loading import ConfigError, to_dict
 from verl_mcore.config.seeds import resolve_saved_seeds, resolve_seeds
+from verl_mcore.utils.manifest import weights_fingerprint
 
 log = logging.getLogger("verl_mcore.config.resume")
 
@@ -123,9 +124,7 @@ def check_lora_base(checkpoint: str, base_weights: Optional[str]) -> None:
     than `base_weights` (the run's model.checkpoint or model.path directory) hold now: pointed
     at another model of the same architecture, the saved adapters would train on it silently
     (its config passes every other check). Compares meta.json's base_fingerprint with
-    engine/manifest.weights_fingerprint, reading ~0.5 MB a weight file."""
-    from verl_mcore.engine.manifest import weights_fingerprint
-
+    utils/manifest.weights_fingerprint, reading ~0.5 MB a weight file."""
     try:
         with open(os.path.join(checkpoint, "meta.json")) as f:
             meta = json.load(f)
@@ -137,7 +136,7 @@ def check_lora_base(checkpoint: str, base_weights: Optional[str]) -> None:
         raise ResumeConfigError(
             f"cannot resume from {checkpoint} with this config: its LoRA adapters were trained on "
             f"the base {meta.get('base_weights')}, and {base_weights} (model.path, or "
-            f"model.checkpoint) holds other weights (engine/manifest.weights_fingerprint "
+            f"model.checkpoint) holds other weights (utils/manifest.weights_fingerprint "
             f"differs): the adapters would train on another model. Point model.path at the base "
             f"the run started from, or start the adapters fresh in a new trainer.run_dir")
 
@@ -187,9 +186,12 @@ def _refused(changes: list[Change], saved: dict, saved_arch: dict, arch: dict, c
     return out
 
 
-def apply_to_state(changes: list[Change], state: dict) -> dict:
+def apply_to_state(changes: list[Change], state: dict,
+                   rebatch_loader: Callable[[dict, int], dict]) -> dict:
     """The checkpoint's trainer state with the config's changes applied where it holds the
-    old value (see the module docstring); logs every change."""
+    old value (see the module docstring); logs every change. `rebatch_loader(state, batch_size)`:
+    the prompt loader's saved position at another batch size (data/loader.PromptLoader.rebatch,
+    passed in: the data package reads the config, not the other way round)."""
     for change in changes:
         log.info("resume: %s", change)
     keys = {c.key: c for c in changes}
@@ -197,8 +199,6 @@ def apply_to_state(changes: list[Change], state: dict) -> dict:
     if any(k in keys for k in KL_KEYS):
         state["kl_ctrl"] = None  # the controller starts afresh from the config
     if "data.train_batch_size" in keys:
-        from verl_mcore.data.loader import PromptLoader
-
         queued = state.get("rollout_queue") or []
         if queued:
             # The resume draws the queued batches' prompts again for their dataset rows (ground
@@ -210,7 +210,7 @@ def apply_to_state(changes: list[Change], state: dict) -> dict:
                 f"whose dataset rows are found again by drawing them at that batch size. Set "
                 f"data.train_batch_size={change.saved} again for this resume (it can change "
                 f"at a resume from a checkpoint that holds no batch sampled ahead)")
-        state["loader"] = PromptLoader.rebatch(state["loader"], keys["data.train_batch_size"].current)
+        state["loader"] = rebatch_loader(state["loader"], keys["data.train_batch_size"].current)
     return state
 
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from verl_mcore import shipped
+from verl_mcore.config.loading import apply_override, from_dict, load_yaml, parse_override, to_dict
+
 Dtype = Literal["bf16", "fp16", "fp32"]
 # KL estimators (algo/kl.py KL_PENALTIES): ours and verl's names; "+" = the value of the named
 # estimator with k2's gradient (verl's straight-through form).
@@ -484,7 +487,7 @@ RoleSet = Union[RoleSetConfig, list[int], str, None]
 
 @dataclass
 class PlacementConfig:
-    """Which ranks run each role (distributed/placement.py). Left out, a role runs where the
+    """Which ranks run each role (config/placement.py). Left out, a role runs where the
     actor runs; with nothing set every role runs on every rank (colocated, time-shared). Sets
     are disjoint or identical; every rank runs some role."""
 
@@ -523,9 +526,6 @@ class Config:
         are found among the shipped ones when they are not in the current directory
         (verl_mcore/shipped.py has the rule).
         """
-        from verl_mcore import shipped
-        from verl_mcore.config.loading import apply_override, from_dict, load_yaml, parse_override
-
         tree = load_yaml(shipped.config_file(path)) if path else {}
         for text in overrides or []:
             keys, value = parse_override(text)
@@ -536,8 +536,6 @@ class Config:
 
     def to_yaml(self) -> str:
         import yaml
-
-        from verl_mcore.config.loading import to_dict
 
         return yaml.safe_dump(to_dict(self), sort_keys=False, default_flow_style=False)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import typing
@@ -17,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from verl_mcore.config.loading import ConfigError
+from verl_mcore.config.placement import Placement, placement_errors
 from verl_mcore.config.schema import Config, padded_micro_batches
+from verl_mcore.models.hub import is_hub_id, load_config_json
+from verl_mcore.models.lora_targets import HEAD, resolve_targets
+
+# trainer.val_metrics' built-in names -> (module to import, pip package): what each needs
+# (val_metrics.py computes them).
+BUILTIN_VAL_METRICS = {"exact_match": (None, None), "rouge": ("rouge_score", "rouge-score"),
+                       "bleu": ("sacrebleu", "sacrebleu")}
 
 # Every numeric config field: its valid interval (inf is never included: every value must be a
 # finite number) and what its edge values mean. `name[]` stands for each item of a list.
@@ -189,24 +196,6 @@ def range_errors(cfg: Config) -> list[str]:
     return errs
 
 
-def load_config_json(cfg_file: str) -> dict:
-    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks
-    (and, in the Hugging Face cache, how to download it again)."""
-    from verl_mcore.models.hub import cache_advice  # models/ imports config/: not at the top
-
-    try:
-        with open(cfg_file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
-        raise ConfigError(f"{cfg_file} is not valid JSON{where}: repair or replace the model "
-                          f"directory's config.json (model.path){cache_advice(cfg_file)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got "
-                          f"{type(data).__name__} (model.path){cache_advice(cfg_file)}")
-    return data
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """The few model dimensions the layout checks need (read from an HF config.json)."""
@@ -262,8 +251,6 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
     objects set the lengths and batch sizes at different times: it checks with
     data_files=False, leaving out the data.* lengths until a RolloutWorker sets them and the
     batch rules until an update has its batch."""
-    from verl_mcore.distributed.placement import Placement, placement_errors
-
     # The cross-field rules assume values in range (no zero divisors, no NaN).
     errors = range_errors(cfg)
     if not errors:
@@ -458,8 +445,6 @@ def _length_errors(cfg: Config, shape: Optional[ModelShape], data_files: bool = 
                         f"{d.max_prompt_length + d.max_response_length})")
     if cfg.model.path is None and cfg.model.checkpoint is None:
         errs.append("set model.path (a Hugging Face directory) or model.checkpoint")
-    from verl_mcore.models.hub import is_hub_id  # models/ imports config/: not at the top
-
     if cfg.model.revision is not None and not is_hub_id(cfg.model.path):
         errs.append(f"model.revision={cfg.model.revision} selects a snapshot of a Hugging Face "
                     f"Hub id, but model.path={cfg.model.path} is not one (a local directory has "
@@ -508,14 +493,38 @@ def _validation_errors(cfg: Config) -> list[str]:
                     "nothing would compute or write them. Validate (trainer.val_every > 0 or "
                     "trainer.val_before_train=true, with data.val_files), or remove them: "
                     + " ".join(f"{k}={off}" for k, _, off in unread))
-    from verl_mcore.val_metrics import config_errors
+    return errs + val_metric_errors(t)
 
-    return errs + config_errors(t)
+
+def val_metric_errors(t) -> list[str]:
+    """trainer.val_metrics / val_metric_kwargs problems visible from the config and the installed
+    packages (a name `evaluate` cannot load is found by val_metrics.ValMetrics.from_config)."""
+    errs = []
+    has_evaluate = importlib.util.find_spec("evaluate") is not None
+    for i, name in enumerate(t.val_metrics):
+        key = f"trainer.val_metrics[{i}]={name!r}"
+        if name in BUILTIN_VAL_METRICS:
+            module, package = BUILTIN_VAL_METRICS[name]
+            if module and importlib.util.find_spec(module) is None:
+                errs.append(f"{key} needs the {package} package, which is not installed: "
+                            f"pip install {package}")
+        elif not has_evaluate:
+            errs.append(f"{key} is not a built-in metric ({', '.join(BUILTIN_VAL_METRICS)}) and the HF "
+                        f"`evaluate` library, which provides other metrics by name, is not "
+                        f"installed: pip install evaluate (plus the metric's own packages), or "
+                        f"choose a built-in one")
+    if len(set(t.val_metrics)) != len(t.val_metrics):
+        errs.append(f"trainer.val_metrics={t.val_metrics} names a metric twice")
+    for name in t.val_metric_kwargs:
+        if name not in t.val_metrics:
+            errs.append(f"trainer.val_metric_kwargs.{name}: {name!r} is not in "
+                        f"trainer.val_metrics={t.val_metrics}")
+        elif name == "exact_match":
+            errs.append("trainer.val_metric_kwargs.exact_match: exact_match takes no arguments")
+    return errs
 
 
 def _reward_errors(cfg: Config) -> list[str]:
-    from verl_mcore.models.hub import is_hub_id  # models/ imports config/: not at the top
-
     r, errs = cfg.reward, []
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for i, s in enumerate(r.sources):
@@ -542,8 +551,6 @@ def _lora_errors(cfg: Config, sets: dict, shape: Optional[ModelShape]) -> list[s
     """LoRA settings that could not run: unknown target names, lm_head where the output layer
     is a value head or tied to the embedding, a peft directory that is not one, and, on the
     actor, a reference that is not the actor's own base model."""
-    from verl_mcore.models.lora import HEAD, resolve_targets
-
     errs = []
     for role in ("actor", "critic"):
         lora = getattr(cfg, role).lora

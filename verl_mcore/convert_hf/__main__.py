@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from verl_mcore.convert_hf.verify import DEFAULT_TOLERANCE
+from verl_mcore.config import ConfigError
+from verl_mcore.convert_hf import lora_export
+from verl_mcore.convert_hf.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from verl_mcore.convert_hf.verify import DEFAULT_TOLERANCE, verify
+from verl_mcore.models.hf_config import UnsupportedConfigError
+from verl_mcore.models.hub import is_hub_id, local_dir
+from verl_mcore.utils.safe_read import BadCheckpointError
 
 
 def _parse_size(text: str) -> int:
@@ -77,9 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_mcore.config import ConfigError
-    from verl_mcore.models.hub import is_hub_id, local_dir
-
     args = build_parser().parse_args(argv)
     # A Hub id becomes its snapshot directory here, before verify spawns its ranks (which would
     # otherwise each resolve it).
@@ -97,9 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.command == "hf-to-mcore":
-        from verl_mcore.convert_hf.convert import convert_hf_to_mcore
-        from verl_mcore.models.hf_config import UnsupportedConfigError
-
         try:
             out = convert_hf_to_mcore(args.hf, args.out, dtype=args.dtype, force=args.force,
                                       progress=not args.quiet, max_seq_len=args.max_seq_len)
@@ -109,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     if args.command == "mcore-to-hf":
-        from verl_mcore.engine.safe_read import BadCheckpointError
-
         try:
             out = _mcore_to_hf(args)
         # What to pass, a damaged checkpoint, an --out without --force, a --ckpt that is not
@@ -120,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"wrote {out}")
         return 0
-    from verl_mcore.convert_hf.verify import verify
 
     diff = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp)
     ok = diff["max_rel"] <= args.tolerance
@@ -133,10 +130,6 @@ def main(argv: list[str] | None = None) -> int:
 def _mcore_to_hf(args) -> str:
     """A full checkpoint -> HF directory; a LoRA one -> peft adapter directory, or with --merge
     the merged HF model."""
-    from verl_mcore.config import ConfigError
-    from verl_mcore.convert_hf import lora_export
-    from verl_mcore.convert_hf.convert import convert_mcore_to_hf
-
     reader, lora = lora_export.open_checkpoint(args.ckpt)
     if lora is None:
         if args.merge or args.base:

@@ -10,7 +10,7 @@ The dist checkpoint keeps the HF config and tokenizer files under `hf_config/`, 
 needs no template for a checkpoint made by hf-to-mcore or saved by the trainer (an actor
 checkpoint's dist/ carries the files the run started from), conversion.json (the --max-seq-len a
 sliding-window config was converted under), and a manifest.json (size and SHA-256 of every file,
-verl_mcore/engine/manifest.py) that every load checks first. mcore-to-hf checks a template
+verl_mcore/utils/manifest.py) that every load checks first. mcore-to-hf checks a template
 against the checkpoint's record of its architecture and its tensors before writing.
 
 No command writes its output over, above or inside one of its inputs (check_output_apart).
@@ -40,8 +40,8 @@ from verl_mcore.convert_hf.dist_ckpt import (
 )
 from verl_mcore.convert_hf.safetensors_stream import write_safetensors
 from verl_mcore.engine.checkpoint import DIST_DIR, META
-from verl_mcore.engine.manifest import MANIFEST, build_manifest
-from verl_mcore.engine.safe_read import read_json
+from verl_mcore.utils.manifest import MANIFEST, build_manifest
+from verl_mcore.utils.safe_read import read_json
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch, parse_dtype, read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors, check_weight_files

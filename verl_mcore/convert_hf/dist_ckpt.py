@@ -16,7 +16,7 @@ The structure is exactly what megatron writes for a TP=1, PP=1 GPTModel, so
 
 Reading checks the directory first (verl_mcore.models.checkpoint.verify_dist_checkpoint: the
 manifest convert.py writes, DCP metadata allow-listed) and reads it as data only
-(verl_mcore.engine.safe_read).
+(verl_mcore.utils.safe_read).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from verl_mcore.engine.safe_read import SafeFileSystemReader
+from verl_mcore.utils.safe_read import SafeFileSystemReader
 from verl_mcore.models.checkpoint import verify_dist_checkpoint
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,

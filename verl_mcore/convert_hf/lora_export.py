@@ -43,9 +43,9 @@ from verl_mcore.convert_hf.convert import (
     write_hf_dir,
 )
 from verl_mcore.convert_hf.dist_ckpt import DistCheckpointReader
-from verl_mcore.engine import manifest
+from verl_mcore.utils import manifest
 from verl_mcore.engine.checkpoint import META
-from verl_mcore.engine.safe_read import BadCheckpointError, read_json
+from verl_mcore.utils.safe_read import BadCheckpointError, read_json
 from verl_mcore.models import lora as lora_lib
 from verl_mcore.models.hf_config import read_hf_arch
 from verl_mcore.models.hf_weights import HFCheckpoint

@@ -15,6 +15,11 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+from verl_mcore.distributed import cpu_compat
+from verl_mcore.models.gpt import ScalarHead
+from verl_mcore.models.hf_config import read_hf_arch
+from verl_mcore.models.load import build_and_load
+
 DEFAULT_TOLERANCE = 1e-4  # max |diff| / max |hf logit|, fp32
 
 
@@ -32,8 +37,6 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from verl_mcore.models.gpt import ScalarHead
 
     device = next(model.parameters()).device
     tokens = tokens.to(device)
@@ -67,8 +70,6 @@ def transformers_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     `score` head at every position [b, s, n] of a *ForSequenceClassification model."""
     import transformers
 
-    from verl_mcore.models.hf_config import read_hf_arch
-
     seq_cls = read_hf_arch(hf_dir, max_seq_len=tokens.shape[1]).num_labels is not None
     cls = (transformers.AutoModelForSequenceClassification if seq_cls
            else transformers.AutoModelForCausalLM)
@@ -90,15 +91,10 @@ def _rank_main(rank: int, world_size: int, port: int, hf_dir: str, ckpt_dir: str
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from verl_mcore.models.hf_config import read_hf_arch
-    from verl_mcore.models.load import build_and_load
-
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         backend = "nccl"
     else:
-        from verl_mcore.distributed import cpu_compat
-
         cpu_compat.install()
         backend = "gloo"
         if results is not None:
@@ -142,8 +138,6 @@ def verify(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, batch: int = 2,
     Spawns tp * pp local ranks (gloo on CPU, NCCL on GPUs). A sliding window at least
     `seq_len` long never takes effect on these prompts, so such a config is compared too.
     """
-    from verl_mcore.models.hf_config import read_hf_arch
-
     tokens = prompts(read_hf_arch(hf_dir, max_seq_len=seq_len).vocab_size, batch, seq_len)
     world = tp * pp
     ctx = mp.get_context("spawn")

@@ -16,6 +16,9 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from verl_mcore.distributed import cpu_compat
+from verl_mcore.utils.device import set_compute_device
+
 DEFAULT_PORT = 29500
 
 
@@ -195,8 +198,6 @@ def init_distributed(info: LaunchInfo, device: str = "auto", timeout_s: float = 
     import torch
     import torch.distributed as dist
 
-    from verl_mcore.utils.device import set_compute_device
-
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     kind, backend = ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
     if dist.is_initialized():
@@ -216,8 +217,6 @@ def init_distributed(info: LaunchInfo, device: str = "auto", timeout_s: float = 
             torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         set_compute_device("cuda")
     else:
-        from verl_mcore.distributed import cpu_compat
-
         # "cpu", not "auto": under a CUDA build too, or megatron builds on the GPU under gloo.
         cpu_compat.install("cpu")
     if not dist.is_initialized():

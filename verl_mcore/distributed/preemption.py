@@ -34,6 +34,7 @@ import os
 import signal
 from typing import Iterable, Optional
 
+from verl_mcore.distributed.groups import collective_device
 from verl_mcore.utils.files import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,6 @@ class PreemptionGuard:
 
         if dist.is_available() and dist.is_initialized():
             import torch
-
-            from verl_mcore.distributed.groups import collective_device
 
             flag = torch.tensor([local], dtype=torch.int32, device=collective_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)

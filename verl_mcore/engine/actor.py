@@ -30,12 +30,13 @@ from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.engine import MegatronEngine
 from verl_mcore.engine.flops import measured_matmul_ceiling, peak_flops, sequence_flops
 from verl_mcore.engine.logprobs import response_logprobs
+from verl_mcore.engine.offload import HostOffloader
+from verl_mcore.models.gpt import unwrap
+from verl_mcore.models.lora import adapters_disabled
 from verl_mcore.utils.device import cuda_in_use
 
 
 def _model_vocab(engine: MegatronEngine) -> int:
-    from verl_mcore.models.gpt import unwrap
-
     return int(unwrap(engine.model[0]).vocab_size)
 
 
@@ -101,8 +102,6 @@ class Reference:
         self.mb_kwargs = micro_batching(max_tokens_per_microbatch, micro_batch_size)
         self.offloader = None
         if offload_params:
-            from verl_mcore.engine.offload import HostOffloader
-
             self.offloader = HostOffloader(engine.model, None, params=True, grads=False,
                                            optimizer_state=False, empty_cache=False, frozen=True)
             self.offloader.offload()
@@ -110,8 +109,6 @@ class Reference:
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         """`[B, R]` reference log-probs of the response tokens (0 outside responses)."""
         if self.adapters_off:
-            from verl_mcore.models.lora import adapters_disabled
-
             with adapters_disabled(self.engine.model):
                 return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs,
                                          False)[0]

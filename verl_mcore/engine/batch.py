@@ -33,7 +33,7 @@ the engine's outputs and moves to the training device ONCE, when scoring begins
 (`Trainer.step`: `rollout.to(device)`, and the scores are put there too). From then on every
 tensor a phase produces (log-probs, values, rewards, advantages) and every tensor handed to
 `verl_mcore.algo` or to reward placement is on that one device; the `algo` functions check it at
-their entry and name the tensors when they differ (`algo.checks.same_device`). The engine's
+their entry and name the tensors when they differ (`utils.checks.same_device`). The engine's
 roles accept a batch on either side: `MegatronEngine.micro_batches` lays micro-batches out on
 the host (one copy per call) and moves each to the device when it runs it.
 """

@@ -16,8 +16,8 @@ On disk, under one root directory shared by all ranks:
                                 KL controller, ...), written by rank 0
         rng/rank_00000.pt       each rank's RNG states (utils/rng.py)
         meta.json               step, layout, format
-        manifest.json           size and SHA-256 of every other file (manifest.py); written last,
-                                before the rename
+        manifest.json           size and SHA-256 of every other file (utils/manifest.py);
+                                written last, before the rename
       step_00000012/
       .tmp.step_00000014/       a save in progress, or one killed part-way: never loaded
       abandoned.step_00000015/  a checkpoint later than a step resumed from with load_path, or
@@ -36,7 +36,7 @@ on any rank (a full disk) raises on every rank; the `.tmp.step_N/` it leaves is 
 RunCheckpoints, and at the next start, by whoever holds the run-directory lock.
 
 Loading trusts nothing in the directory (it may be someone else's, or damaged): every file is
-read as data (safe_read.py: allow-listed unpickling of DCP's `.metadata`, weights_only for every
+read as data (utils/safe_read.py: allow-listed unpickling of DCP's `.metadata`, weights_only for every
 torch.load), and verify_checkpoint checks the manifest, in parallel across ranks, before any
 tensor is read. A resume (load_newest) sets a checkpoint that fails aside and falls back to the
 newest good one; an explicit path that fails is refused. Checkpoints saved before manifests
@@ -85,24 +85,17 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from verl_mcore.config import ConfigError
 from verl_mcore.distributed.agree import raised_on_every_rank
-from verl_mcore.engine import manifest, optim_step
-from verl_mcore.engine.safe_read import (
-    BadCheckpointError,
-    check_dist_dir,
-    dist_load,
-    read_json,
-    torch_load,
-)
+from verl_mcore.distributed.children import children_die_with_this_process, die_with_parent
+from verl_mcore.engine import optim_step
+from verl_mcore.utils import manifest
 from verl_mcore.utils.doing import doing
-from verl_mcore.utils.files import (
-    fsync_path,
-    torch_save_synced,
-    write_bytes_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from verl_mcore.utils.files import (fsync_path, torch_save_synced, write_bytes_atomic,
+                                    write_json_atomic, write_text_atomic)
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
+from verl_mcore.utils.safe_read import (BadCheckpointError, check_dist_dir, dist_load, read_json,
+                                        torch_load)
 
 logger = logging.getLogger(__name__)
 
@@ -401,7 +394,6 @@ def _newest_common_step(roots: Sequence[str]) -> Optional[int]:
         # removed, or an older verl_mcore rotated the common step away (keep_last=1, killed
         # between the roles' commits). Starting fresh would train the actor from scratch over
         # the run's checkpoints and metrics.
-        from verl_mcore.config import ConfigError
 
         missing = [(root, sorted(s)) for root, s in zip(roots[1:], steps[1:])
                    if not set(steps[0]) & set(s)]
@@ -439,7 +431,6 @@ def _on_rank(fn: Callable[[], T], src: int, what: str) -> T:
     is). Collective over the world."""
     if dist.get_world_size() == 1:
         return fn()
-    from verl_mcore.config import ConfigError
 
     box: list = [None]
     if dist.get_rank() == src:
@@ -1063,8 +1054,6 @@ def _write_results_queue():
     writer's forks inherit the fork hook."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
-
-    from verl_mcore.distributed.children import children_die_with_this_process, die_with_parent
 
     children_die_with_this_process()
     if not _WRITE_RESULTS_MANAGER:

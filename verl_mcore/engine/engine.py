@@ -45,7 +45,9 @@ import torch.distributed as dist
 
 from verl_mcore.engine import optim_step
 from verl_mcore.engine.batch import TrainBatch
-from verl_mcore.engine.packing import MicroBatch, build_micro_batch, pad_micro_batch, plan_micro_batches
+from verl_mcore.engine.packing import (MicroBatch, build_micro_batch, pad_micro_batch,
+                                       plan_micro_batches)
+from verl_mcore.models import grad_accum
 from verl_mcore.utils.device import compute_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,8 +151,6 @@ class MegatronEngine:
         # Only where DDP gives every parameter a main_grad: megatron's fused backward writes there.
         fusion = grad_accum_fusion and self.trainable
         if fusion:
-            from verl_mcore.models import grad_accum
-
             grad_accum.install()
         self.config = role_config(config, dtype, recompute_activations, grad_accum_fusion=fusion)
         self.tp_size = self.pg.tp.size()

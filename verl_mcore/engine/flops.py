@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from verl_mcore.utils.device import cuda_in_use
+
 # Dense bf16 tensor-core peak per device, FLOP/s (vendor datasheets, without sparsity).
 _PEAKS = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12))
 
@@ -56,8 +58,6 @@ def peak_flops(device_name: Optional[str] = None) -> Optional[float]:
     if device_name is None:
         import torch
 
-        from verl_mcore.utils.device import cuda_in_use
-
         if not cuda_in_use():
             return None
         device_name = torch.cuda.get_device_name()
@@ -79,8 +79,6 @@ def measured_matmul_ceiling(size: int = 512, repeats: int = 5) -> float:
     import time
 
     import torch
-
-    from verl_mcore.utils.device import cuda_in_use
 
     device = "cuda" if cuda_in_use() else "cpu"
     if device not in _MEASURED:

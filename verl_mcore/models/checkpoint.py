@@ -2,7 +2,7 @@
 
 dist_checkpointing reshards at load: the checkpoint may have been written at any TP/PP.
 The directory is checked before any tensor is read (its manifest, then the metadata files) and
-read as data only (engine/safe_read.py): it is the user's explicit choice (`model.checkpoint`),
+read as data only (utils/safe_read.py): it is the user's explicit choice (`model.checkpoint`),
 so a failed check is an error, never a fallback.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from verl_mcore.engine import manifest
-from verl_mcore.engine.safe_read import BadCheckpointError, check_dist_dir, dist_load
+from verl_mcore.utils import manifest
+from verl_mcore.utils.safe_read import BadCheckpointError, check_dist_dir, dist_load
 
 logger = logging.getLogger(__name__)
 

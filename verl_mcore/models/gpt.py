@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from verl_mcore.models.attention import SDPAttention
 from verl_mcore.models.hf_config import DEFAULT_VOCAB_DIVISIBLE_BY, HFArch
 from verl_mcore.models.rope import install_packed_rope, install_rope
 from verl_mcore.models.weight_map import ROLES
@@ -51,8 +52,6 @@ def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm,
                                                     normalization="RMSNorm")
     if core_attention == "sdpa":
-        from verl_mcore.models.attention import SDPAttention
-
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     elif core_attention != "local":
         raise ValueError(f"gpt_layer_spec: core_attention must be 'sdpa' or 'local', "

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from verl_mcore.config.validate import load_config_json
+from verl_mcore.models.hub import cache_advice, load_config_json
 from verl_mcore.utils.device import cuda_in_use
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -86,8 +86,6 @@ def padded_vocab_size(vocab_size: int, tp: int = 1,
 
 
 def load_hf_config_dict(hf_dir: str | os.PathLike) -> dict[str, Any]:
-    from verl_mcore.models.hub import cache_advice
-
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model "

@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 import torch
 from safetensors import safe_open
 
-from verl_mcore.config.loading import ConfigError
+from verl_mcore.errors import ConfigError
 from verl_mcore.models import weight_map as wm
 from verl_mcore.models.hf_config import HFArch
 from verl_mcore.models.hub import cache_advice

@@ -10,19 +10,20 @@ still fails as "no such directory".
 
 Each id is resolved once per process and kept: the run reads one snapshot from start to end
 even if a shared cache's refs/main moves on meanwhile (another job downloading a newer commit).
-In the trainer, `fetch_for_run` first downloads on local rank 0 of each node while the node's
+In the trainer, build.fetch_for_run first downloads on local rank 0 of each node while the node's
 other ranks wait, then every rank finds the same snapshot in the cache; both steps are agreed
 across ranks (distributed/agree.py), so a failed download stops every rank with its message.
 The config keeps the id (RUN_DIR/config.yaml, checkpoints), so the run stays reproducible.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from typing import Optional
 
-from verl_mcore.config.loading import ConfigError
+from verl_mcore.errors import ConfigError
 
 log = logging.getLogger("verl_mcore.models.hub")
 
@@ -117,6 +118,22 @@ def cache_advice(path: Optional[str]) -> str:
             f"as the path{offline}, which downloads it anew")
 
 
+def load_config_json(cfg_file: str) -> dict:
+    """A Hugging Face config.json as a dict; a broken file fails naming it and where it breaks
+    (and, in the Hugging Face cache, how to download it again)."""
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ConfigError(f"{cfg_file} is not valid JSON{where}: repair or replace the model "
+                          f"directory's config.json (model.path){cache_advice(cfg_file)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object (a Hugging Face config), got "
+                          f"{type(data).__name__} (model.path){cache_advice(cfg_file)}")
+    return data
+
+
 def _offline() -> bool:
     try:
         from huggingface_hub import constants
@@ -142,30 +159,3 @@ def run_sources(cfg) -> list[tuple[str, str, Optional[str]]]:
             if s.tokenizer and s.tokenizer != s.path:
                 add(f"reward.sources[{i}].tokenizer", s.tokenizer, None)
     return specs
-
-
-def fetch_for_run(cfg) -> None:
-    """Every rank: make each hub id of `cfg` a cached snapshot, downloaded once per node.
-
-    Local rank 0 downloads while the node's other ranks wait in the agreement's all_gather
-    (bounded by trainer.collective_timeout_s: download a very large model beforehand with `hf
-    download`); then every rank finds the snapshot in its node's cache without network. A
-    failure in either step raises on every rank, naming the rank and the key."""
-    from verl_mcore.distributed.agree import all_ranks_agree
-    from verl_mcore.distributed.launch import detect_launch
-
-    specs = run_sources(cfg)
-    if not specs:  # the same config on every rank: all skip both collectives alike
-        return
-    local_rank = detect_launch().local_rank  # from the launcher's environment, as the trainer's
-    names = ", ".join(f"{key}={where}" for key, where, _ in specs)
-
-    def download() -> None:
-        if local_rank == 0:
-            for key, where, revision in specs:
-                local_dir(where, revision, key)
-
-    all_ranks_agree(download, f"downloading {names} from the Hugging Face Hub")
-    all_ranks_agree(lambda: [local_dir(where, revision, key, download=False)
-                             for key, where, revision in specs],
-                    f"finding {names} in the Hugging Face cache")

@@ -46,70 +46,12 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from verl_mcore.models.gpt import unwrap
+from verl_mcore.models.lora_targets import (HEAD, HF_TARGETS, LINEARS, adapts_head, layer_targets,
+                                            part_shapes, resolve_targets, tp_shard_dim)
 from verl_mcore.models.weight_map import fuse_qkv
 
-# HF module -> (the megatron linear that holds it, the part of that linear's output rows)
-HF_TARGETS = {
-    "q_proj": ("self_attention.linear_qkv", "q"),
-    "k_proj": ("self_attention.linear_qkv", "k"),
-    "v_proj": ("self_attention.linear_qkv", "v"),
-    "o_proj": ("self_attention.linear_proj", None),
-    "gate_proj": ("mlp.linear_fc1", "gate"),
-    "up_proj": ("mlp.linear_fc1", "up"),
-    "down_proj": ("mlp.linear_fc2", None),
-    "lm_head": ("output_layer", None),
-}
-# peft's name of the output layer: a target of its own, outside "all-linear" (as in peft), held
-# by the last pipeline stage; its adapter's B has the padded vocabulary's rows (split over TP).
-HEAD = "lm_head"
-LAYER_TARGETS = tuple(t for t in HF_TARGETS if t != HEAD)
-# Each megatron linear: its parts in output-row order, and whether it is row-parallel.
-_LINEARS = {
-    "self_attention.linear_qkv": (("q_proj", "k_proj", "v_proj"), False),
-    "self_attention.linear_proj": (("o_proj",), True),
-    "mlp.linear_fc1": (("gate_proj", "up_proj"), False),
-    "mlp.linear_fc2": (("down_proj",), True),
-    "output_layer": ((HEAD,), False),
-}
 _HF_PARENT = {"self_attention": "self_attn", "mlp": "mlp"}
-
-
-def resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
-    """The HF module names to adapt, in HF_TARGETS order. "all-linear" is every linear of the
-    decoder layers; as in peft it leaves out the output layer, which "lm_head" adds."""
-    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    if "all-linear" in names:
-        others = [n for n in names if n not in ("all-linear", HEAD)]
-        if others:
-            raise ValueError(f"lora.target_modules: 'all-linear' already names every linear of "
-                             f"the layers; drop the others ({others})")
-        return LAYER_TARGETS + ((HEAD,) if HEAD in names else ())
-    unknown = [n for n in names if n not in HF_TARGETS]
-    if unknown or not names:
-        raise ValueError(f"lora.target_modules: {unknown or names} not among the adaptable "
-                         f"modules {list(HF_TARGETS)} (or 'all-linear')")
-    return tuple(t for t in HF_TARGETS if t in names)
-
-
-def layer_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
-    """The targets inside the decoder layers (resolve_targets without lm_head)."""
-    return tuple(t for t in resolve_targets(target_modules) if t != HEAD)
-
-
-def adapts_head(target_modules: str | Sequence[str]) -> bool:
-    """Whether lm_head (the output layer) is among the targets."""
-    return HEAD in resolve_targets(target_modules)
-
-
-def part_shapes(arch, target: str, vocab_rows: Optional[int] = None) -> tuple[int, int]:
-    """(out, in) of an HF module, unsharded; lm_head's out is `vocab_rows` (the padded
-    vocabulary of the megatron model) or else the HF vocabulary."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    if target == HEAD:
-        return (vocab_rows or arch.vocab_size), h
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[target]
 
 
 def hf_module(layer: Optional[int], target: str) -> str:
@@ -134,14 +76,6 @@ def checkpoint_key(layer: Optional[int], target: str, which: str) -> str:
         return f"lora_output_layer.lora_{which}.{HEAD}"
     parent, child = HF_TARGETS[target][0].split(".")
     return f"decoder.layers.{layer}.{parent}.lora_{child}.lora_{which}.{target}"
-
-
-def tp_shard_dim(target: str, which: str) -> Optional[int]:
-    """The dimension an adapter tensor is split along over TP, None when replicated."""
-    row_parallel = _LINEARS[HF_TARGETS[target][0]][1]
-    if row_parallel:
-        return 1 if which == "A" else None
-    return 0 if which == "B" else None
 
 
 def _generator(seed: int, layer: int, target: str, which: str) -> torch.Generator:
@@ -186,7 +120,7 @@ class LoRAAdapter(torch.nn.Module):
                  targets: Sequence[str], arch, *, r: int, alpha: float, dropout: float, init,
                  seed: int):
         super().__init__()
-        parts, self.row_parallel = _LINEARS[linear_name]
+        parts, self.row_parallel = LINEARS[linear_name]
         self.linear_name, self.layer = linear_name, layer  # layer: None for the output layer
         self.parts = tuple(parts)
         self.targets = tuple(t for t in parts if t in targets)
@@ -366,7 +300,6 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
     targets = layer_targets(lora.target_modules)
     if lora.r < 1:
         raise ValueError(f"lora.r must be at least 1, got {lora.r}")
-    from verl_mcore.models.gpt import unwrap
 
     model = unwrap(model)
     model.requires_grad_(False)
@@ -379,7 +312,7 @@ def attach_lora(model: torch.nn.Module, lora, arch, *, seed: int,
         if not hasattr(layer_module.mlp, "linear_fc1"):
             raise ValueError("lora: mixture-of-experts layers are not supported (layer "
                              f"{layer} has no dense mlp.linear_fc1); set lora.enable=false")
-        for linear_name, (parts, _) in _LINEARS.items():
+        for linear_name, (parts, _) in LINEARS.items():
             mine = [t for t in parts if t in targets]
             if not mine:
                 continue

@@ -41,6 +41,7 @@ def _load() -> tuple[Optional[ModuleType], str]:
     if mode != "auto":
         raise ValueError(f"VERL_MCORE_OPS={mode!r}: expected one of auto, jit, reference")
     try:
+        # Optional: the compiled CUDA extension, built by setup.py only where CUDA is.
         from verl_mcore import _C  # type: ignore[attr-defined]
     except ImportError as e:
         return None, f"verl_mcore._C not importable ({e}); using the torch reference"

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from verl_mcore.ops import triton_paged
 from verl_mcore.ops._extension import extension, extension_status
 
 
@@ -161,8 +162,6 @@ def paged_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, block_table: Te
     reference, which reads
     all `width` blocks of every row (graph-safe too: no host sync)."""
     if flash == "triton":
-        from verl_mcore.ops import triton_paged
-
         return triton_paged.paged_attention(q, cache_k, cache_v, block_table, seq_lens, scale, cascade=cascade)
     if flash == "kernel" and kernel_available(q):
         max_len = block_table.shape[1] * cache_k.shape[1]
@@ -243,8 +242,6 @@ def paged_triton_supported(device: torch.device, heads: int = 4, groups: int = 2
                            dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """`paged_flash_supported` for flash="triton" (ops/triton_paged.py): 16-token blocks out of
     order, lengths of 1, mid-table and the whole table, with one split and with three."""
-    from verl_mcore.ops import triton_paged
-
     if device.type != "cuda":
         return "not a CUDA device"
     missing = triton_paged.available()
@@ -262,8 +259,6 @@ def _cascade_matches_reference(device: torch.device, heads: int, groups: int, hd
     """The Triton kernel's cascade (the engine's with n > 1 samples a prompt): three sequences
     that share their first two 16-token blocks, in group rows of the kernel's size, against the
     reference; None when it matches, else why not."""
-    from verl_mcore.ops import triton_paged
-
     try:
         g = torch.Generator(device="cpu").manual_seed(1)
         b, block, per = 3, 16, 4

@@ -1,10 +1,10 @@
-"""Batched masked GAE: `verl_mcore.algo.advantages.gae`, with a CUDA kernel on GPUs.
+"""Batched masked GAE: `verl_mcore.ops.gae_reference.gae`, with a CUDA kernel on GPUs.
 
-The semantics are those of `verl_mcore.algo.advantages.gae` (read its docstring): that function is
-the reference and the CPU implementation, and the kernel (csrc/gae.cu) computes the same
-recurrence as a parallel chunked scan in float32. float64 inputs stay on the reference (the kernel
-accumulates in float32). `gae_whitened` adds masked whitening of the advantages
-(`algo.advantages.masked_whiten`): the kernel also emits each scan tile's (count, mean, M2) of
+The semantics are those of `gae_reference.gae` (read its docstring; `verl_mcore.algo.advantages`
+exports it as `gae`): that function is the reference and the CPU implementation, and the kernel
+(csrc/gae.cu) computes the same recurrence as a parallel chunked scan in float32. float64 inputs
+stay on the reference (the kernel accumulates in float32). `gae_whitened` adds masked whitening of
+the advantages (`gae_reference.masked_whiten`): the kernel also emits each scan tile's (count, mean, M2) of
 valid advantages, so whitening costs one more elementwise pass instead of three reductions.
 Registered as torch.library custom ops `verl_mcore::gae` and `verl_mcore::gae_whitened` (no
 autograd: advantages are targets, not functions to differentiate).
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from verl_mcore.algo import advantages as _algo
 from verl_mcore.ops import _groups
 from verl_mcore.ops._extension import extension
+from verl_mcore.ops.gae_reference import gae as _reference_gae, masked_whiten
 
 __all__ = ["gae", "gae_whitened"]
 
@@ -40,13 +40,13 @@ def _kernel_inputs(rewards: Tensor, values: Tensor, mask: Tensor):
 
 @torch.library.custom_op("verl_mcore::gae", mutates_args=())
 def _gae_op(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    return _algo.gae(rewards, values, mask, gamma, lam)
+    return _reference_gae(rewards, values, mask, gamma, lam)
 
 
 def _gae_whitened_reference(rewards, values, mask, gamma, lam, eps, group_name):
-    adv, ret = _algo.gae(rewards, values, mask, gamma, lam)
+    adv, ret = _reference_gae(rewards, values, mask, gamma, lam)
     group = _groups.lookup(group_name, "verl_mcore::gae_whitened")
-    return _algo.masked_whiten(adv, mask, eps=eps, group=group), ret
+    return masked_whiten(adv, mask, eps=eps, group=group), ret
 
 
 @torch.library.custom_op("verl_mcore::gae_whitened", mutates_args=())
@@ -107,7 +107,7 @@ def _whiten_from_tile_stats(adv: Tensor, mask: Tensor, tile_stats: Tensor, eps: 
 def _gae_cuda(rewards, values, mask, gamma, lam):
     inputs = _kernel_inputs(rewards, values, mask)
     if inputs is None or rewards.dim() != 2:
-        return _algo.gae(rewards, values, mask, gamma, lam)
+        return _reference_gae(rewards, values, mask, gamma, lam)
     stream = torch.cuda.current_stream(rewards.device).cuda_stream
     adv, ret, _ = extension().gae(*inputs, float(gamma), float(lam), stream, -1, False)
     return adv, ret
@@ -158,7 +158,7 @@ def _check_shapes(where: str, rewards: Tensor, values: Tensor, mask: Tensor) -> 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """`rewards, values, mask: [batch, T]` -> `(advantages, returns)`, each `[batch, T]`.
 
-    Exactly `verl_mcore.algo.advantages.gae` (masked positions skipped and set to 0; see there),
+    Exactly `gae_reference.gae` (masked positions skipped and set to 0; see there),
     computed by the CUDA kernel for float32/bf16/fp16 GPU tensors when the extension is loaded.
     """
     _check_shapes("gae", rewards, values, mask)
@@ -179,7 +179,7 @@ def gae_whitened(
 ) -> tuple[Tensor, Tensor]:
     """`gae`, then `masked_whiten` of the advantages: `(whitened advantages, returns)`, `[batch, T]`.
 
-    Same result as `algo.advantages.masked_whiten(gae(...)[0], mask, eps=eps, group=group)`: mean
+    Same result as `gae_reference.masked_whiten(gae(...)[0], mask, eps=eps, group=group)`: mean
     and unbiased variance over the valid tokens (of all ranks of `group`), masked positions 0.
     Raises ValueError below 2 valid tokens.
     """

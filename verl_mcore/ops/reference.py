@@ -2,7 +2,7 @@
 
 This is the CPU implementation of `verl_mcore.ops.logprob_entropy` and the oracle the CUDA kernels
 (csrc/logprob_entropy.cu) are tested against; both compute exactly these quantities. (The GAE
-reference is `verl_mcore.algo.advantages.gae` itself.)
+reference is gae_reference.py.)
 
 Per token i of a shard holding vocabulary ids [vocab_start, vocab_start + V_local), with
 z = logits * inv_temp, the local statistics are

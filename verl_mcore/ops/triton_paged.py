@@ -49,6 +49,7 @@ def splits_for(batch: int, groups: int, max_len: int, sms: int) -> int:
 
 
 def _kernels():
+    # Optional heavy dependency: the kernels' module imports triton at its top.
     from verl_mcore.ops import _triton_paged_kernels as k
 
     return k.partial, k.prefix_partial, k.combine

@@ -98,9 +98,12 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from verl_mcore.config import Config, ConfigError, ModelShape, data_parallel_size, validate
+from verl_mcore.config.placement import Placement
 from verl_mcore.config.schema import padded_micro_batches, planner_micro_batches
-from verl_mcore.config.validate import load_config_json, rollout_batch_bytes
-from verl_mcore.models.hub import local_dir
+from verl_mcore.config.validate import rollout_batch_bytes
+from verl_mcore.models.hub import load_config_json, local_dir
+from verl_mcore.models.lora_targets import (HF_TARGETS, adapts_head, layer_targets, part_shapes,
+                                            resolve_targets, tp_shard_dim)
 
 GiB = 1024 ** 3
 RUNTIME_OVERHEAD_GIB = 2.0
@@ -269,8 +272,6 @@ def lora_layer_params(dims: ModelDims, lora, tp: int) -> int:
     """LoRA adapter parameters of one decoder layer on one TP rank: A [r, in] and B [out, r] of
     each targeted HF module, the one models/lora.tp_shard_dim names split over TP (B of a
     column-parallel module, A of a row-parallel one), the other whole on every rank."""
-    from verl_mcore.models.lora import layer_targets, part_shapes, tp_shard_dim
-
     n = 0
     for target in layer_targets(lora.target_modules):  # lm_head's: lora_head_params
         out, inp = part_shapes(dims, target)
@@ -283,8 +284,6 @@ def lora_head_params(dims: ModelDims, lora, tp: int, divisible_by: Optional[int]
     """The output layer's adapter (lora.target_modules lm_head) on one TP rank of the last
     stage: A [r, h] whole, B [V/t, r] split, V padded as the model's (`divisible_by`; None:
     the HF vocabulary, as peft's)."""
-    from verl_mcore.models.lora import adapts_head
-
     if not adapts_head(lora.target_modules):
         return 0
     vocab = padded_vocab(dims, tp, divisible_by) if divisible_by else dims.vocab_size
@@ -331,8 +330,6 @@ def trainable_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int
 
 def lora_summary(cfg: Config, dims: ModelDims, role: str) -> str:
     """One line on the role's LoRA: what trains, of how much, and its settings."""
-    from verl_mcore.models.lora import resolve_targets
-
     lora = getattr(cfg, role).lora
     n, of = lora_trainable_params(dims, lora, role), model_params(dims, role)
     head = " (with the value head)" if role == "critic" else ""
@@ -379,8 +376,6 @@ def lora_activation_bytes_per_token_layer(dims: ModelDims, lora, tp: int, sequen
     rank's sequence shard for a row-parallel one under sequence parallelism); with lora.dropout
     the dropped input and its 1-byte mask; under sequence parallelism a column-parallel
     adapter's gathered input, which megatron's own linear does not keep."""
-    from verl_mcore.models.lora import HF_TARGETS, layer_targets, part_shapes, tp_shard_dim
-
     b, s = dtype_bytes, tp if sequence_parallel else 1
     linears: dict[str, list[str]] = {}
     # lm_head's x·Aᵀ is not a layer's: training_bytes adds it to the last stage's logits
@@ -473,8 +468,6 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     out = {"parameters": b * n, "gradients": 4 * trained, "optimizer": optimizer,
            "activations": activations}
     if role == "actor" and stage == pp - 1:
-        from verl_mcore.models.lora import adapts_head
-
         vocab_l = padded_vocab(dims, tp, cfg.model.make_vocab_size_divisible_by) // tp
         out["logits"] = 2 * 2 * tokens * vocab_l
         if role in lora_roles(cfg) and adapts_head(getattr(cfg, role).lora.target_modules):
@@ -711,8 +704,6 @@ def plan_memory_by_set(cfg: Config, dims: ModelDims, world: int, knobs: Knobs,
     """plan_memory for each role set of placement.* ({"actor+reference": plan, "critic": ...}):
     each set at its own layout and size, counting only its roles' models and phases. Colocated:
     one entry, "all", the plan of every role on every GPU."""
-    from verl_mcore.distributed.placement import Placement
-
     placement = Placement.resolve(cfg, world, gpus_per_node)
     if placement.colocated:
         return {"all": plan_memory(cfg, dims, world, knobs)}

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
+from verl_mcore.errors import RewardFailureError
 from verl_mcore.reward import custom
 from verl_mcore.reward.builtin import SCORERS, unknown_source_hint
 from verl_mcore.reward.pool import ScoringPool
@@ -86,10 +87,6 @@ logger = logging.getLogger(__name__)
 # on a loaded node); the probe import has already kept the file itself within the limit.
 _WORKER_START_MARGIN_S = 30.0
 _CRASHES_LOGGED = 5  # dead workers named one by one per batch; the rest are counted
-
-
-class RewardFailureError(RuntimeError):
-    """More than reward.max_failed_fraction of a batch failed to score: the run stops."""
 
 
 class ExitCalled(Exception):

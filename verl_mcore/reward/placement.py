@@ -5,7 +5,7 @@ from typing import Sequence, Union
 
 import torch
 
-from verl_mcore.algo.checks import same_device
+from verl_mcore.utils.checks import same_device
 
 
 def place_on_last_token(scores: Union[torch.Tensor, Sequence[float]],

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from verl_mcore.config.placement import format_ranks
 from verl_mcore.distributed.groups import collective_device
 from verl_mcore.engine.batch import flatten_token_ids
+from verl_mcore.errors import RoleSetFailure, failure_class
 from verl_mcore.rollout.base import FinishReason, SampleOutput
 
 FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)  # code = index
@@ -253,7 +255,7 @@ def agreed_failure(failure: Optional[BaseException], group, what: str
                    ) -> Optional[BaseException]:
     """One all-reduce over `group`: None when no rank failed, else on each rank its own error,
     or the last failed rank's error class and message (GenerationFailure where the trainer has
-    no class of its own for it, placement._failure_class), naming that rank and `what` (where
+    no class of its own for it, errors.failure_class), naming that rank and `what` (where
     they met). Every rank of the group must call it, failed or not, so that none waits in a
     collective the failed rank never joins."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -270,10 +272,8 @@ def agreed_failure(failure: Optional[BaseException], group, what: str
     dist.broadcast_object_list(box, src=src, group=group)
     if failure is not None:
         return failure
-    from verl_mcore.distributed.placement import RoleSetFailure, _failure_class
-
     kind, text = box[0]
-    cls = _failure_class(kind)
+    cls = failure_class(kind)
     return (GenerationFailure if cls is RoleSetFailure else cls)(
         f"rank {src} failed before {what}: {kind}: {text}")
 
@@ -325,3 +325,25 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
                            f"loader {len(rows)}")
     return _cut(integers, tokens, list(rows[:prompts_n]), prompts_n, samples, prompt_tokens,
                 logprobs)
+
+
+def share_rollout(place, part: Optional[RolloutPart], prompts, vocab_size: int,
+                  failure: Optional[BaseException] = None) -> RolloutPart:
+    """The generating set's gathered rollout batch (`part`; the rollout set's with
+    placement.rollout, else the actor's) on every rank of `place` (distributed/placement.py
+    RolePlacement), broadcast as tensors from that set's first rank (broadcast_part); the dataset
+    rows are not sent, each rank takes them from its own copy of the batch's prompts (`prompts`,
+    the global batch on ranks outside the generating set: their loader hands out all of it).
+
+    `failure`: what stopped this generating rank's work; the first rank's is agreed in the
+    broadcast's header, so every rank raises instead of waiting for a batch that will not
+    come."""
+    generating = place.placement.ranks(place.generating_set)
+    if len(generating) == place.placement.world:
+        if failure is not None:
+            raise failure
+        return part
+    src = generating[0]
+    rows = None if place.rank in generating else prompts.rows
+    return broadcast_part(part, src, None, vocab_size, rows, failure=failure,
+                          who=f"the {place.generating_set} set ({format_ranks(generating)})")

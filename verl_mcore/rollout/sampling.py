@@ -12,6 +12,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from verl_mcore.ops._extension import extension
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -48,8 +50,6 @@ def uniforms_device(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     it can run inside a captured CUDA graph. On a GPU with the csrc/ extension: one kernel in
     uint64 arithmetic (the torch ops below are ~60 small kernels, ~0.1 ms a decoding step)."""
     if keys.is_cuda:
-        from verl_mcore.ops._extension import extension
-
         ext = extension()
         if ext is not None and hasattr(ext, "uniforms"):
             return ext.uniforms(keys.contiguous(), steps.contiguous(),
@@ -119,8 +119,6 @@ def sample_with_logprobs(logits: torch.Tensor, temperature: float, top_p: float,
     whole = temperature == 0.0 or (not 0 < top_k < vocab and top_p >= 1.0)
     if whole and logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and \
             logits.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        from verl_mcore.ops._extension import extension
-
         ext = extension()
         if ext is not None and hasattr(ext, "sample"):
             tokens, logp = ext.sample(logits, vocab, float(temperature),

@@ -22,18 +22,17 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore.distributed.groups import collective_device
+from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.engine.logprobs import mask_padded_vocab
+from verl_mcore.errors import WeightSyncError
 from verl_mcore.ops import logprob_entropy
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
+from verl_mcore.rollout.gather import RolloutPart, agreed_failure, broadcast_part, gather_rollout
 
 logger = logging.getLogger(__name__)
 
 TrainerLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]], float],
                            Sequence[torch.Tensor]]
-
-
-class WeightSyncError(RuntimeError):
-    """The engine's log-probs disagree with the trainer's beyond the configured bound."""
 
 
 def model_logprobs_fn(model: torch.nn.Module, vocab_size: int, tp_group=None) -> TrainerLogprobs:
@@ -159,10 +158,6 @@ def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling:
     rollout set: every rank of both sets returns the same metrics or raises WeightSyncError.
 
     Rollout ranks pass `engine` (and `prompts`), actor ranks `actor`; both call it together."""
-    from verl_mcore.engine.batch import TrainBatch
-    from verl_mcore.rollout.gather import (RolloutPart, agreed_failure, broadcast_part,
-                                           gather_rollout)
-
     class _Prompts:  # what RolloutPart.from_outputs reads of a PromptBatch
         def __init__(self, ids):
             self.input_ids, self.rows = ids, [None] * len(ids)

@@ -207,7 +207,7 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg, groups, info, gen_model: torch.nn.Module, repartitioner=None
                     ) -> "VLLMEngine":
-        """The engine of rollout.engine=vllm (generation.build_generation_phase): the HF directory
+        """The engine of rollout.engine=vllm (build.build_generation_phase): the HF directory
         gives vLLM its config and tokenizer, sequences are at most prompt + response long, and
         vLLM computes in the actor's dtype (the weights it receives)."""
         if not info.hf_dir:

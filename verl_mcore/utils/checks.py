@@ -1,9 +1,10 @@
-"""Input checks shared by the algo functions.
+"""Input checks shared by the algo functions, the ops' torch references and reward placement.
 
-Every tensor a function of `verl_mcore.algo` (and reward placement) reads must be on one device:
-the step's rule (engine/batch.py) puts the whole rollout batch on the training device once, so a
-tensor elsewhere is a bug in the caller. torch would say only "Expected all tensors to be on the
-same device" from deep inside an expression; this names the function and each tensor.
+Every tensor a function of `verl_mcore.algo` (and `verl_mcore.ops`, reward placement) reads must
+be on one device: the step's rule (engine/batch.py) puts the whole rollout batch on the training
+device once, so a tensor elsewhere is a bug in the caller. torch would say only "Expected all
+tensors to be on the same device" from deep inside an expression; this names the function and
+each tensor.
 """
 from __future__ import annotations
 

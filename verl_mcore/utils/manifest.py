@@ -30,7 +30,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from verl_mcore.engine.safe_read import BadCheckpointError, read_json
+from verl_mcore.utils.safe_read import BadCheckpointError, read_json
 
 MANIFEST = "manifest.json"
 FORMAT = 1
