@@ -42,7 +42,9 @@ EXTRAS = {
              # (verl_mcore/real_model.py).
              "gguf>=0.10",
              # math-verify: the math_verify backend's tests (tests/reward/test_verl_parity.py).
-             "math-verify>=0.9"],
+             "math-verify>=0.9",
+             # import-linter: the package's layer contracts (pyproject.toml, tests/test_layers.py).
+             "import-linter>=2.16"],
 }
 
 
