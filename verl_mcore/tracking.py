@@ -202,6 +202,7 @@ class TensorBoardTracker:
         self.writer = self._open()
 
     def _open(self, purge_step: Optional[int] = None):
+        # Optional: the tensorboard package, only for trainer.logger=[..., tensorboard].
         from torch.utils.tensorboard import SummaryWriter
 
         return SummaryWriter(self.log_dir, purge_step=purge_step)
@@ -234,7 +235,7 @@ class WandbTracker:
     ID_FILE = "wandb_run_id"
 
     def __init__(self, run_dir: str, project: str, name: str, config: dict):
-        import wandb  # fail at start, not at the first log
+        import wandb  # optional (trainer.logger wandb); here: fail at start, not at the first log
 
         self._wandb = wandb
         self.run_dir, self.project, self.name, self.config = run_dir, project, name, config

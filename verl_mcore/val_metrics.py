@@ -67,7 +67,7 @@ def exact_match(responses: list[str], references: list[str]) -> float:
 def rouge(responses: list[str], references: list[str], **kwargs) -> dict[str, float]:
     """Mean F1 over the samples of rouge1, rouge2 and rougeL (rouge-score; `kwargs` to its
     RougeScorer, e.g. use_stemmer=True)."""
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer  # optional: only trainer.val_metrics=[rouge] needs it
 
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), **kwargs)
     sums = dict.fromkeys(ROUGE_TYPES, 0.0)
@@ -80,7 +80,7 @@ def rouge(responses: list[str], references: list[str], **kwargs) -> dict[str, fl
 def bleu(responses: list[str], references: list[str], **kwargs) -> float:
     """sacrebleu's corpus BLEU (0-100) with one reference per sample (`kwargs` to corpus_bleu,
     e.g. lowercase=True, tokenize="char")."""
-    import sacrebleu
+    import sacrebleu  # optional: only trainer.val_metrics=[bleu] needs it
 
     return float(sacrebleu.corpus_bleu(responses, [references], **kwargs).score)
 
@@ -147,7 +147,7 @@ def check_metric_fn(fn: Any, key: str, construct: bool = False) -> str:
 
 def _cached_evaluate_modules() -> list[str]:
     """The metric modules `evaluate` has cached on this machine (it loads those offline)."""
-    try:
+    try:  # optional: the HF `evaluate` library, for metrics named by it
         from evaluate.config import HF_MODULES_CACHE
     except Exception:  # noqa: BLE001 - a broken evaluate install: nothing to name
         return []
@@ -341,7 +341,7 @@ def _check_writable_dir(directory: str, key: str) -> None:
 
 
 def _load_evaluate(name: str, key: str):
-    import evaluate
+    import evaluate  # optional: only metrics that are not built in need it
 
     try:
         return evaluate.load(name)

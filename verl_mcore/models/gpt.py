@@ -33,7 +33,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 def have_transformer_engine() -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  (optional: fused layers where installed)
     except ImportError:
         return False
     return True

@@ -42,7 +42,7 @@ def require_vllm():
     if not vllm_available():
         raise ImportError("rollout.engine=vllm needs the `vllm` package (pip install vllm, matching "
                           "your torch build); or set rollout.engine=native")
-    import vllm
+    import vllm  # optional heavy dependency: only rollout.engine=vllm imports it
 
     return vllm
 
@@ -247,7 +247,7 @@ class VLLMEngine(RolloutEngine):
         self.sleeping = False
 
     def _check_groups(self) -> None:
-        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.distributed.parallel_state import get_tp_group  # optional: vllm
 
         theirs = list(get_tp_group().ranks)
         ours = dist.get_process_group_ranks(self.groups.gen_tp) if dist.get_world_size(
