@@ -36,8 +36,8 @@ on any rank (a full disk) raises on every rank; the `.tmp.step_N/` it leaves is 
 RunCheckpoints, and at the next start, by whoever holds the run-directory lock.
 
 Loading trusts nothing in the directory (it may be someone else's, or damaged): every file is
-read as data (utils/safe_read.py: allow-listed unpickling of DCP's `.metadata`, weights_only for every
-torch.load), and verify_checkpoint checks the manifest, in parallel across ranks, before any
+read as data (utils/safe_read.py: allow-listed unpickling of DCP's `.metadata`, weights_only for
+every torch.load), and verify_checkpoint checks the manifest, in parallel across ranks, before any
 tensor is read. A resume (load_newest) sets a checkpoint that fails aside and falls back to the
 newest good one; an explicit path that fails is refused. Checkpoints saved before manifests
 existed load with a warning: the checks that need no manifest (meta and DCP metadata readable
@@ -91,11 +91,21 @@ from verl_mcore.distributed.children import children_die_with_this_process, die_
 from verl_mcore.engine import optim_step
 from verl_mcore.utils import manifest
 from verl_mcore.utils.doing import doing
-from verl_mcore.utils.files import (fsync_path, torch_save_synced, write_bytes_atomic,
-                                    write_json_atomic, write_text_atomic)
+from verl_mcore.utils.files import (
+    fsync_path,
+    torch_save_synced,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from verl_mcore.utils.rng import capture_rng_state, restore_rng_state
-from verl_mcore.utils.safe_read import (BadCheckpointError, check_dist_dir, dist_load, read_json,
-                                        torch_load)
+from verl_mcore.utils.safe_read import (
+    BadCheckpointError,
+    check_dist_dir,
+    dist_load,
+    read_json,
+    torch_load,
+)
 
 logger = logging.getLogger(__name__)
 
