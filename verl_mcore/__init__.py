@@ -13,7 +13,8 @@ _API = ("Critic", "ExperienceBuffer", "Experiences", "Flow", "PPOTrainer", "Poli
 
 
 def __getattr__(name):
-    # Lazy: `import verl_mcore` stays free of torch and megatron-core (the planner, the CLI).
+    # Lazy: `import verl_mcore`, which every import of a submodule runs first, stays free of
+    # torch and megatron-core (the scoring workers, the user-code probe).
     if name in _API:
         from verl_mcore import api
 
