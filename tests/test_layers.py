@@ -8,6 +8,7 @@ expect the same contracts to fail naming it.
 """
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -71,6 +72,47 @@ def test_a_planted_import_fails_the_check(tmp_path, module, line, broken):
     assert run.returncode != 0, run.stdout[-4000:]
     for text in broken:
         assert text in run.stdout, run.stdout[-4000:]
+
+
+# The package's own modules imported inside a function, each for a reason its comment gives:
+# something optional, or a lazy package attribute that keeps an import light.
+FUNCTION_LEVEL = {
+    ("verl_mcore/__init__.py", "verl_mcore"),  # `from verl_mcore import api`: the lazy API names
+    ("verl_mcore/ops/_extension.py", "verl_mcore"),  # `_C`: the optional compiled extension
+    ("verl_mcore/ops/triton_paged.py", "verl_mcore.ops"),  # the Triton kernels (triton optional)
+    ("verl_mcore/reward/__init__.py", "verl_mcore.reward.placement"),  # torch-free workers
+}
+
+
+def _function_level_imports() -> set[tuple[str, str, bool]]:
+    """(file, module, commented) of every import of verl_mcore.* inside a function; commented:
+    a comment on its line or the two above."""
+    found = set()
+    for path in sorted((ROOT / "verl_mcore").rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("verl_mcore"):
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names if a.name.startswith("verl_mcore")]
+                else:
+                    continue
+                commented = any("#" in line for line in lines[node.lineno - 3:node.lineno])
+                found |= {(str(path.relative_to(ROOT)), name, commented) for name in names}
+    return found
+
+
+def test_the_package_imports_its_modules_at_the_top():
+    """Between the package's modules an import sits at a module's top; the few inside a
+    function are listed above and say why in a comment (import-linter checks where imports
+    go, not where they sit)."""
+    found = _function_level_imports()
+    assert {(f, m) for f, m, _ in found} == FUNCTION_LEVEL
+    assert all(commented for _, _, commented in found), sorted(found)
 
 
 def test_config_and_the_scoring_workers_stay_free_of_torch():

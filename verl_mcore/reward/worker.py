@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional
 
+from verl_mcore.distributed.children import die_with_parent
 from verl_mcore.reward.custom import BatchScorer, RewardBatch
 from verl_mcore.reward.scorers import InvalidScore, check_result
 
@@ -106,7 +107,6 @@ def serve(conn: Connection) -> None:
     # killed by the kernel when the trainer dies (distributed/children.py).
     for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    from verl_mcore.distributed.children import die_with_parent
 
     die_with_parent()
     try:
