@@ -231,14 +231,26 @@ def _read_models(cfg: Config, world: int, gpus_per_node: Optional[int]):
     """(ModelInfo, {reward source name: its ModelInfo}): the run's model directories read and
     checked against the config (the model stage of build_inputs' preflight)."""
     from verl_mcore.config import ModelShape, validate
-    from verl_mcore.models.hf_weights import check_weight_files
+    from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors, check_weight_files
 
     hf_dir = model_dir(cfg)
     shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
     validate(cfg, world, shape, gpus_per_node)  # the config passed alone: only the shape's rules
-    if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
+    weights = cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir)
+    if weights:
         check_weight_files(hf_dir)
     info = load_model_info(cfg)
+    if weights:  # every tensor the policy reads, by name and shape, from the headers
+        try:
+            check_tensors(HFCheckpoint(hf_dir), info.arch)
+        except KeyError as e:  # e.g. a reward model's directory: `score`, no `lm_head`
+            reward_model = (" (config.json names a *ForSequenceClassification: a reward model)"
+                            if info.arch.num_labels is not None else "")
+            raise ConfigError(f"{e.args[0]} (model.path): these are not the weights of the causal "
+                              f"LM config.json describes{reward_model}; point model.path at the "
+                              "policy's *ForCausalLM directory") from None
+        except ConfigError as e:  # a tensor of another shape
+            raise ConfigError(f"{e} (model.path)") from None
     reward_models = {}
     for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
         reward_models[source.name] = reward_model_info(cfg, key, source)
