@@ -69,6 +69,24 @@ def test_an_import_that_exits_or_crashes_is_named(tmp_path, body, problem):
     assert path in str(e.value) and problem in str(e.value)
 
 
+def test_an_import_that_exits_only_in_the_trainer_is_named(tmp_path):
+    """With reward.num_workers=0 the file is imported again in the trainer after its probe: an
+    os._exit that only the trainer meets (code that exits where RANK is set, say) must fail there
+    naming the file, not end the trainer without a word. Run in a child: unguarded, it would end
+    pytest."""
+    path = _file(tmp_path, "import os\nif os.environ.get('TRAINER_PID') == str(os.getpid()):\n"
+                           "    os._exit(3)")
+    script = ("import os, sys\nos.environ['TRAINER_PID'] = str(os.getpid())\n"
+              "from tests.hostile.test_user_code import _manager\n"
+              "try:\n    _manager(sys.argv[1])\n"
+              "except Exception as e:\n    print(f'raised {type(e).__name__}: {e}')\n")
+    run = subprocess.run([sys.executable, "-c", script, path], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "raised ValueError" in run.stdout and path in run.stdout, run.stdout
+    assert "os._exit(3)" in run.stdout, run.stdout
+
+
 def test_a_custom_source_and_a_missing_name(tmp_path):
     path = _file(tmp_path, "import time\ntime.sleep(3600)")
     cfg = RewardConfig(sources=[RewardSourceConfig(name="judge", type="custom", path=path,

@@ -207,9 +207,13 @@ class RewardManager:
                              for name, (s, key) in keyed.items() if s.type == "reward_model"})
         self._files = {key: spec.path for key, spec in specs.items() if spec.path}
         # Then only the processes that score import them: this one with num_workers=0, else
-        # the workers (a bad path or name fails there too, before training starts).
-        self._fns = ({key: spec.load() for key, spec in specs.items()}
-                     if cfg.num_workers == 0 else {})
+        # the workers (a bad path or name fails there too, before training starts). Here an
+        # os._exit that the probe did not meet (a file that exits where RANK is set) fails the
+        # import, naming the file, instead of ending the trainer without a word.
+        self._fns = {}
+        if cfg.num_workers == 0:
+            with _exit_raises_in_this_thread():
+                self._fns = {key: spec.load() for key, spec in specs.items()}
         self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s,
                                   startup_timeout_s=cfg.import_timeout_s + _WORKER_START_MARGIN_S,
                                   max_memory_mb=cfg.max_memory_mb)
