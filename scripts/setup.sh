@@ -44,9 +44,16 @@ has_gpu() { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep
 
 # 1. the environment
 torch_site=""
-if [ -x "$VENV/bin/python" ]; then
+venv_clear=""
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c '' 2>/dev/null; then
   say "environment $VENV exists: reused"
 else
+  if [ -f "$VENV/pyvenv.cfg" ]; then
+    # A venv whose python no longer runs (the base Python it was made from was upgraded or
+    # removed): `python -m venv` over it keeps the dangling links, so it is made anew.
+    say "environment $VENV is broken (its python does not run): made anew"
+    venv_clear="--clear"
+  fi
   if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
     echo "setup: $PYTHON is not Python 3.10 or newer; set PYTHON=/path/to/python3.11" >&2
     exit 1
@@ -59,7 +66,7 @@ else
   if has_gpu; then
     torch_site="$("$PYTHON" -c 'import os, torch; assert torch.version.cuda; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)" || torch_site=""
   fi
-  run "$PYTHON" -m venv "$VENV"
+  run "$PYTHON" -m venv $venv_clear "$VENV"  # unquoted: empty is no argument
   if [ -n "$torch_site" ]; then
     say "the base Python has a CUDA build of torch in $torch_site: the environment reads it there"
     if [ "$DRY_RUN" = 0 ]; then

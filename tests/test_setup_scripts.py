@@ -65,3 +65,15 @@ def test_a_gpu_machine_keeps_the_base_pythons_cuda_torch(tmp_path, monkeypatch):
     assert (f"the base Python has a CUDA build of torch in {tmp_path / 'site'}: the environment "
             "reads it there") in out
     assert "the base Python's CUDA torch would be kept" in out and "pip install torch" not in out
+
+
+def test_an_environment_whose_python_no_longer_runs_is_made_anew(tmp_path):
+    # The base Python it was made from was upgraded or removed: bin/python dangles. A plain
+    # `python -m venv` over it keeps the dangling link and the install then fails.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(tmp_path / "gone" / "python3.9")
+    (venv / "pyvenv.cfg").write_text(f"home = {tmp_path}/gone\n")
+    out = _dry_run(tmp_path, venv, gpu=False)
+    assert f"environment {venv} is broken (its python does not run): made anew" in out
+    assert f"would run: python3 -m venv --clear {venv}" in out
