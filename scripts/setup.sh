@@ -101,13 +101,25 @@ fi
 # 3. verl_mcore, editable, with its dependencies; skipped when this checkout's setup.py and
 # pyproject.toml are what the last install used and the package imports.
 stamp="$VENV/.verl_mcore_installed"
+imports=0
 want="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $ROOT [$EXTRAS]"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
     && "$PY" -c 'import verl_mcore, megatron.core' 2>/dev/null; then
   say "verl_mcore [$EXTRAS] is installed from $ROOT: kept"
+  imports=1
 else
   say "installing verl_mcore [$EXTRAS] from $ROOT (editable; minutes the first time)"
   run "$PY" -m pip install -q -e "${ROOT}[${EXTRAS}]"
   if [ "$DRY_RUN" = 0 ]; then echo "$want" > "$stamp"; fi
+fi
+# 4. what the commands import, imported after an install: pip calls a damaged package (a torch
+# without its __init__.py) installed and skips it, so a damaged environment said "ready".
+if [ "$DRY_RUN" = 0 ] && [ "$imports" = 0 ] \
+    && ! err="$("$PY" -c 'import torch, verl_mcore, megatron.core' 2>&1)"; then
+  rm -f "$stamp"
+  echo "setup: $VENV is set up but does not import: ${err##*$'\n'}" >&2
+  echo "setup: a package there is damaged: remove the environment (rm -rf $VENV) and run" \
+       "scripts/setup.sh again" >&2
+  exit 1
 fi
 say "ready: . $VENV/bin/activate"
