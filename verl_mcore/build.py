@@ -231,7 +231,7 @@ def _read_models(cfg: Config, world: int, gpus_per_node: Optional[int]):
     """(ModelInfo, {reward source name: its ModelInfo}): the run's model directories read and
     checked against the config (the model stage of build_inputs' preflight)."""
     from verl_mcore.config import ModelShape, validate
-    from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors, check_weight_files
+    from verl_mcore.models.hf_weights import check_weight_files
 
     hf_dir = model_dir(cfg)
     shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
@@ -240,22 +240,31 @@ def _read_models(cfg: Config, world: int, gpus_per_node: Optional[int]):
     if weights:
         check_weight_files(hf_dir)
     info = load_model_info(cfg)
-    if weights:  # every tensor the policy reads, by name and shape, from the headers
-        try:
-            check_tensors(HFCheckpoint(hf_dir), info.arch)
-        except KeyError as e:  # e.g. a reward model's directory: `score`, no `lm_head`
-            reward_model = (" (config.json names a *ForSequenceClassification: a reward model)"
-                            if info.arch.num_labels is not None else "")
-            raise ConfigError(f"{e.args[0]} (model.path): these are not the weights of the causal "
-                              f"LM config.json describes{reward_model}; point model.path at the "
-                              "policy's *ForCausalLM directory") from None
-        except ConfigError as e:  # a tensor of another shape
-            raise ConfigError(f"{e} (model.path)") from None
+    if weights:
+        check_model_tensors(hf_dir, info.arch)
     reward_models = {}
     for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
         reward_models[source.name] = reward_model_info(cfg, key, source)
         check_reward_model_tokens(cfg, info, key, reward_models[source.name])
     return info, reward_models
+
+
+def check_model_tensors(hf_dir: str, arch, role: str = "actor") -> None:
+    """Every tensor the `role`'s model reads from model.path is in its safetensors with the shape
+    config.json implies, from the headers alone: checked before any model is built, or a
+    reward model's directory given as the policy's fails in the weight load after the build."""
+    from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors
+
+    try:
+        check_tensors(HFCheckpoint(hf_dir), arch, role)
+    except KeyError as e:  # e.g. a reward model's directory: `score`, no `lm_head`
+        reward_model = (" (config.json names a *ForSequenceClassification: a reward model)"
+                        if arch.num_labels is not None else "")
+        raise ConfigError(f"{e.args[0]} (model.path): these are not the weights of the causal LM "
+                          f"config.json describes{reward_model}; point model.path at the "
+                          "policy's *ForCausalLM directory") from None
+    except ConfigError as e:  # a tensor of another shape
+        raise ConfigError(f"{e} (model.path)") from None
 
 
 def _weight_loader(info: ModelInfo, role: str, lora=None, seed: int = 0):
