@@ -251,6 +251,30 @@ def test_a_worker_that_dies_is_reported_with_sample_and_exit_code(crashy, caplog
     assert out.first_failure[0] == 41
 
 
+def test_scoring_in_workers_is_noted_with_the_users_file_and_function(tmp_path):
+    """What a watchdog prints when the reward phase outlasts trainer.collective_timeout_s (a
+    scorer that blocks on every sample, each cut at reward.timeout_s): the user's file and
+    function, not only the pool's item count."""
+    import threading
+
+    from verl_mcore.utils.doing import notes
+
+    path = tmp_path / "slow.py"
+    path.write_text("import time\n\ndef score(*args):\n    time.sleep(3600)\n")
+    seen = []
+    with _manager(str(path), workers=1, timeout_s=1.0) as m:
+        scoring = threading.Thread(target=m.score, args=(["a"], [ROW]), daemon=True)
+        scoring.start()
+        for _ in range(50):
+            seen = [str(n) for _, stack in notes() for n in stack]
+            if seen:
+                break
+            time.sleep(0.02)
+        scoring.join(timeout=30)
+    assert f"running reward.custom_fn {path}:score" in seen, seen
+    assert any(n.startswith("scoring 1 reward items in 1 workers") for n in seen), seen
+
+
 def test_in_process_exit_costs_only_its_sample(crashy, caplog):
     # reward.num_workers=0: the scorer runs in this process; os._exit / sys.exit must not end it.
     with _manager(crashy, workers=0, fallback_score=-1.0) as m, \

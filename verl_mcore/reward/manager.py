@@ -353,8 +353,9 @@ class RewardManager:
                                   [rows[i] for i in idx])
 
     def _run(self, calls: list[tuple[str, tuple]], sizes: list[int]) -> list:
-        if self._pool is not None:
-            return self._pool.map(calls, sizes)
+        if self._pool is not None:  # a watchdog's stop names the user's code, not only the pool
+            with doing(f"running {', '.join(sorted({self._labels[key] for key, _ in calls}))}"):
+                return self._pool.map(calls, sizes)
         results = []
         with _exit_raises_in_this_thread():
             for key, args in calls:  # with no time limit here, a scorer that blocks is named
