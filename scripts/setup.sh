@@ -44,9 +44,16 @@ has_gpu() { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep
 
 # 1. the environment
 torch_site=""
-if [ -x "$VENV/bin/python" ]; then
+venv_clear=""
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c '' 2>/dev/null; then
   say "environment $VENV exists: reused"
 else
+  if [ -f "$VENV/pyvenv.cfg" ]; then
+    # A venv whose python no longer runs (the base Python it was made from was upgraded or
+    # removed): `python -m venv` over it keeps the dangling links, so it is made anew.
+    say "environment $VENV is broken (its python does not run): made anew"
+    venv_clear="--clear"
+  fi
   if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
     echo "setup: $PYTHON is not Python 3.10 or newer; set PYTHON=/path/to/python3.11" >&2
     exit 1
@@ -59,7 +66,7 @@ else
   if has_gpu; then
     torch_site="$("$PYTHON" -c 'import os, torch; assert torch.version.cuda; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)" || torch_site=""
   fi
-  run "$PYTHON" -m venv "$VENV"
+  run "$PYTHON" -m venv $venv_clear "$VENV"  # unquoted: empty is no argument
   if [ -n "$torch_site" ]; then
     say "the base Python has a CUDA build of torch in $torch_site: the environment reads it there"
     if [ "$DRY_RUN" = 0 ]; then
@@ -94,13 +101,25 @@ fi
 # 3. verl_mcore, editable, with its dependencies; skipped when this checkout's setup.py and
 # pyproject.toml are what the last install used and the package imports.
 stamp="$VENV/.verl_mcore_installed"
+imports=0
 want="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $ROOT [$EXTRAS]"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
     && "$PY" -c 'import verl_mcore, megatron.core' 2>/dev/null; then
   say "verl_mcore [$EXTRAS] is installed from $ROOT: kept"
+  imports=1
 else
   say "installing verl_mcore [$EXTRAS] from $ROOT (editable; minutes the first time)"
   run "$PY" -m pip install -q -e "${ROOT}[${EXTRAS}]"
   if [ "$DRY_RUN" = 0 ]; then echo "$want" > "$stamp"; fi
+fi
+# 4. what the commands import, imported after an install: pip calls a damaged package (a torch
+# without its __init__.py) installed and skips it, so a damaged environment said "ready".
+if [ "$DRY_RUN" = 0 ] && [ "$imports" = 0 ] \
+    && ! err="$("$PY" -c 'import torch, verl_mcore, megatron.core' 2>&1)"; then
+  rm -f "$stamp"
+  echo "setup: $VENV is set up but does not import: ${err##*$'\n'}" >&2
+  echo "setup: a package there is damaged: remove the environment (rm -rf $VENV) and run" \
+       "scripts/setup.sh again" >&2
+  exit 1
 fi
 say "ready: . $VENV/bin/activate"

@@ -65,3 +65,45 @@ def test_a_gpu_machine_keeps_the_base_pythons_cuda_torch(tmp_path, monkeypatch):
     assert (f"the base Python has a CUDA build of torch in {tmp_path / 'site'}: the environment "
             "reads it there") in out
     assert "the base Python's CUDA torch would be kept" in out and "pip install torch" not in out
+
+
+def test_an_environment_whose_python_no_longer_runs_is_made_anew(tmp_path):
+    # The base Python it was made from was upgraded or removed: bin/python dangles. A plain
+    # `python -m venv` over it keeps the dangling link and the install then fails.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(tmp_path / "gone" / "python3.9")
+    (venv / "pyvenv.cfg").write_text(f"home = {tmp_path}/gone\n")
+    out = _dry_run(tmp_path, venv, gpu=False)
+    assert f"environment {venv} is broken (its python does not run): made anew" in out
+    assert f"would run: python3 -m venv --clear {venv}" in out
+
+
+def test_an_environment_with_a_damaged_package_is_not_called_ready(tmp_path):
+    # pip calls a damaged torch (its files partly gone) installed and skips it: the set-up must
+    # say so and fail, not print "ready". The environment's python here sees a stand-in torch
+    # that fails to import and a pip that installs nothing (as pip does for a damaged package).
+    shims = tmp_path / "shims"
+    (shims / "torch").mkdir(parents=True)
+    (shims / "torch" / "__init__.py").write_text("raise ImportError('torch is damaged')\n")
+    (shims / "pip").mkdir()
+    (shims / "pip" / "__init__.py").write_text("")
+    (shims / "pip" / "__main__.py").write_text("")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={shims} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               VERL_MCORE_VENV=str(venv))
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "ready" not in run.stdout, run.stdout + run.stderr
+    assert (f"setup: {venv} is set up but does not import: ImportError: torch is damaged\n"
+            f"setup: a package there is damaged: remove the environment (rm -rf {venv})"
+            in run.stderr), run.stderr
+    assert not (venv / ".verl_mcore_installed").exists()  # the next run installs again

@@ -277,14 +277,35 @@ def _read_models(cfg: Config, world: int, gpus_per_node: Optional[int]):
     hf_dir = model_dir(cfg)
     shape = ModelShape.from_hf_dir(hf_dir) if hf_dir else None
     validate(cfg, world, shape, gpus_per_node)  # the config passed alone: only the shape's rules
-    if cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir):
+    weights = cfg.model.checkpoint is None and hf_dir and os.path.isdir(hf_dir)
+    if weights:
         check_weight_files(hf_dir)
     info = load_model_info(cfg)
+    if weights:
+        check_model_tensors(hf_dir, info.arch)
     reward_models = {}
     for key, source in reward_model_sources(cfg):  # config, weights headers, tokenizer
         reward_models[source.name] = reward_model_info(cfg, key, source)
         check_reward_model_tokens(cfg, info, key, reward_models[source.name])
     return info, reward_models
+
+
+def check_model_tensors(hf_dir: str, arch, role: str = "actor") -> None:
+    """Every tensor the `role`'s model reads from model.path is in its safetensors with the shape
+    config.json implies, from the headers alone: checked before any model is built, or a
+    reward model's directory given as the policy's fails in the weight load after the build."""
+    from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors
+
+    try:
+        check_tensors(HFCheckpoint(hf_dir), arch, role)
+    except KeyError as e:  # e.g. a reward model's directory: `score`, no `lm_head`
+        reward_model = (" (config.json names a *ForSequenceClassification: a reward model)"
+                        if arch.num_labels is not None else "")
+        raise ConfigError(f"{e.args[0]} (model.path): these are not the weights of the causal LM "
+                          f"config.json describes{reward_model}; point model.path at the "
+                          "policy's *ForCausalLM directory") from None
+    except ConfigError as e:  # a tensor of another shape
+        raise ConfigError(f"{e} (model.path)") from None
 
 
 def _weight_loader(info: ModelInfo, role: str, lora=None, seed: int = 0):

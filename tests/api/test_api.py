@@ -207,6 +207,7 @@ def _parts(rank, world_size, model, reward_model):
     for name, call in [
             ("stale", lambda: trainer.update(buffer)),
             ("layout", lambda: Critic.from_pretrained(model, tensor_parallel_size=2)),
+            ("rm_as_policy", lambda: Policy.from_pretrained(reward_model, dtype="fp32")),
             ("no_critic", lambda: PPOTrainer(policy, algorithm="gae")),
             ("owner", lambda: PPOTrainer(policy, overrides=["actor.optim.lr=1.0"])),
             ("prompt", lambda: worker.generate([42, 43])),
@@ -234,6 +235,8 @@ def test_reward_models_buffers_and_errors(tiny_model, tmp_path):
     assert "tensor_parallel_size=2" in out["layout"] and "Policy.from_pretrained" in out["layout"]
     assert "tensor_parallel_size=1" in out["layout"]
     assert "pass critic=Critic.from_pretrained" in out["no_critic"]
+    assert "'lm_head.weight' is not in the checkpoint" in out["rm_as_policy"]  # before a build
+    assert "config.json names a *ForSequenceClassification" in out["rm_as_policy"]
     assert "actor.optim.lr=1.0 is a setting of Policy.from_pretrained" in out["owner"]
     assert out["prompt"].startswith("TypeError") and "prompt 0 is a int" in out["prompt"]
     assert "greedy_baseline=True" in out["remax"]

@@ -69,6 +69,24 @@ def test_an_import_that_exits_or_crashes_is_named(tmp_path, body, problem):
     assert path in str(e.value) and problem in str(e.value)
 
 
+def test_an_import_that_exits_only_in_the_trainer_is_named(tmp_path):
+    """With reward.num_workers=0 the file is imported again in the trainer after its probe: an
+    os._exit that only the trainer meets (code that exits where RANK is set, say) must fail there
+    naming the file, not end the trainer without a word. Run in a child: unguarded, it would end
+    pytest."""
+    path = _file(tmp_path, "import os\nif os.environ.get('TRAINER_PID') == str(os.getpid()):\n"
+                           "    os._exit(3)")
+    script = ("import os, sys\nos.environ['TRAINER_PID'] = str(os.getpid())\n"
+              "from tests.hostile.test_user_code import _manager\n"
+              "try:\n    _manager(sys.argv[1])\n"
+              "except Exception as e:\n    print(f'raised {type(e).__name__}: {e}')\n")
+    run = subprocess.run([sys.executable, "-c", script, path], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "raised ValueError" in run.stdout and path in run.stdout, run.stdout
+    assert "os._exit(3)" in run.stdout, run.stdout
+
+
 def test_a_custom_source_and_a_missing_name(tmp_path):
     path = _file(tmp_path, "import time\ntime.sleep(3600)")
     cfg = RewardConfig(sources=[RewardSourceConfig(name="judge", type="custom", path=path,
@@ -231,6 +249,30 @@ def test_a_worker_that_dies_is_reported_with_sample_and_exit_code(crashy, caplog
     assert "sample 43 (data_source='my/data')" in caplog.text
     assert "the process exited with code 3" in caplog.text
     assert out.first_failure[0] == 41
+
+
+def test_scoring_in_workers_is_noted_with_the_users_file_and_function(tmp_path):
+    """What a watchdog prints when the reward phase outlasts trainer.collective_timeout_s (a
+    scorer that blocks on every sample, each cut at reward.timeout_s): the user's file and
+    function, not only the pool's item count."""
+    import threading
+
+    from verl_mcore.utils.doing import notes
+
+    path = tmp_path / "slow.py"
+    path.write_text("import time\n\ndef score(*args):\n    time.sleep(3600)\n")
+    seen = []
+    with _manager(str(path), workers=1, timeout_s=1.0) as m:
+        scoring = threading.Thread(target=m.score, args=(["a"], [ROW]), daemon=True)
+        scoring.start()
+        for _ in range(50):
+            seen = [str(n) for _, stack in notes() for n in stack]
+            if seen:
+                break
+            time.sleep(0.02)
+        scoring.join(timeout=30)
+    assert f"running reward.custom_fn {path}:score" in seen, seen
+    assert any(n.startswith("scoring 1 reward items in 1 workers") for n in seen), seen
 
 
 def test_in_process_exit_costs_only_its_sample(crashy, caplog):

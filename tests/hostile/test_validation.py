@@ -263,6 +263,20 @@ def _cut_header(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:20])  # the 8-byte length and 12 bytes of the header
 
 
+def _reward_model_weights(d: Path) -> None:
+    """The directory holds a reward model (score, no lm_head), as when model.path names the
+    reward model's directory by mistake."""
+    from verl_mcore.tiny_model import make_tiny_model
+
+    make_tiny_model(str(d), reward_model=True)
+
+
+def _narrower_mlp_in_config(d: Path) -> None:
+    hf = json.loads((d / "config.json").read_text())
+    hf["intermediate_size"] //= 2  # config.json no longer describes the weights
+    (d / "config.json").write_text(json.dumps(hf))
+
+
 BROKEN = {  # how a model directory breaks -> what the message says
     "no config.json": (lambda d: (d / "config.json").unlink(), "holds no config.json"),
     "a cut safetensors header": (lambda d: _cut_header(d / "model.safetensors"),
@@ -270,6 +284,9 @@ BROKEN = {  # how a model directory breaks -> what the message says
     # transformers then builds a tokenizer from config.json alone, which encodes text to nothing
     "no tokenizer files": (lambda d: [p.unlink() for p in d.glob("tokenizer*")],
                            "the tokenizer of this directory turns text into no tokens"),
+    "a reward model's weights": (_reward_model_weights,
+                                 "are not the weights of the causal LM config.json describes"),
+    "weights of another shape": (_narrower_mlp_in_config, "tensors do not match config.json"),
 }
 
 

@@ -80,6 +80,8 @@ def _read_model(cfg, who: str, session, tokenizer: Any):
             sess.check(cfg, who, session.world, ModelShape.from_hf_dir(hf_dir))
             if cfg.model.checkpoint is None:
                 check_weight_files(hf_dir)
+                build.check_model_tensors(hf_dir, read_hf_arch(hf_dir),
+                                          "critic" if who.startswith("Critic") else "actor")
             if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
                 return build.load_model_info(cfg)
             arch = read_hf_arch(hf_dir)

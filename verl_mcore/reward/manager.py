@@ -204,9 +204,13 @@ class RewardManager:
                              for name, (s, key) in keyed.items() if s.type == "reward_model"})
         self._files = {key: spec.path for key, spec in specs.items() if spec.path}
         # Then only the processes that score import them: this one with num_workers=0, else
-        # the workers (a bad path or name fails there too, before training starts).
-        self._fns = ({key: spec.load() for key, spec in specs.items()}
-                     if cfg.num_workers == 0 else {})
+        # the workers (a bad path or name fails there too, before training starts). Here an
+        # os._exit that the probe did not meet (a file that exits where RANK is set) fails the
+        # import, naming the file, instead of ending the trainer without a word.
+        self._fns = {}
+        if cfg.num_workers == 0:
+            with _exit_raises_in_this_thread():
+                self._fns = {key: spec.load() for key, spec in specs.items()}
         self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s,
                                   startup_timeout_s=cfg.import_timeout_s + _WORKER_START_MARGIN_S,
                                   max_memory_mb=cfg.max_memory_mb)
@@ -346,8 +350,9 @@ class RewardManager:
                                   [rows[i] for i in idx])
 
     def _run(self, calls: list[tuple[str, tuple]], sizes: list[int]) -> list:
-        if self._pool is not None:
-            return self._pool.map(calls, sizes)
+        if self._pool is not None:  # a watchdog's stop names the user's code, not only the pool
+            with doing(f"running {', '.join(sorted({self._labels[key] for key, _ in calls}))}"):
+                return self._pool.map(calls, sizes)
         results = []
         with _exit_raises_in_this_thread():
             for key, args in calls:  # with no time limit here, a scorer that blocks is named

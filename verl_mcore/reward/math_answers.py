@@ -26,6 +26,8 @@ Where lenient differs from verl (each is a case of tests/reward/verl_cases.json)
   `\\frac12`, `033` / `33`, `000` / `0`, `-0` / `0`, `\\$1.50` / `\\$1.5`; verl equates only
   `0.5` with `\\frac12`.
 - period: a trailing period is dropped (`5.` is 5).
+- math-dollar: a bare `$` is dropped, so math mode inside the box (`\\boxed{$5$}`) is 5; verl drops
+  only `\\$`.
 - braces: braces around the whole answer are dropped (`{5}` is 5).
 - short-frac: `\\frac{10}3` and `\\frac{\\pi}2` are `\\frac{10}{3}` and `\\frac{\\pi}{2}`; verl expands
   only a first argument without braces (`\\frac12`, `\\frac1{x}`).
