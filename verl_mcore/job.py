@@ -41,7 +41,7 @@ def run(cfg: Config) -> int:
                      process_group_timeout(cfg.trainer.collective_timeout_s).total_seconds())
 
     try:
-        trainer = Trainer(cfg, launch=info)  # writes RUN_DIR/config.yaml once it holds the lock
+        trainer = Trainer(cfg, launch=info)  # writes RUN_DIR/config.yaml once the inputs passed
     except (RunDirError, ConfigError, AgreedFailure) as e:
         # Raised on every rank alike, before any model is built: the run directory's lock, and
         # the checks of build.build_inputs (config, data, model directory, reward code) and

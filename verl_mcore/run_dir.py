@@ -2,6 +2,7 @@
 
     run = RunDir.open(cfg, run_dir, local_rank, local_world_size)   # collective, first thing
     ...                                                             # (nothing written before)
+    run.record_start(cfg)                    # collective, once the run's inputs passed checks
     run.close()                                                     # Trainer.finish
 
     RUN_DIR/.lock                 flock-ed by the run using the directory; names its holder
@@ -81,7 +82,8 @@ class RunDir:
 
     @classmethod
     def open(cls, cfg, path: str, local_rank: int, local_world_size: int) -> "RunDir":
-        """Lock, check, clean and record the run directory (see the module docstring).
+        """Lock, check and clean the run directory (see the module docstring); `record_start`
+        writes this start's config once the inputs passed their checks.
         Collective; raises RunDirError (or DiskFullError) on every rank when it cannot be used."""
         rank, world = dist.get_rank(), dist.get_world_size()
         fd, token, start = None, None, None
@@ -102,8 +104,6 @@ class RunDir:
             with raised_on_every_rank(f"preparing trainer.run_dir={path}", RunDirError):
                 if fd is not None or (rank == 0 and token is None):  # locked, or no flock here
                     _remove_debris(path)
-                if rank == 0:
-                    start = _record_start(cfg, path)
         except BaseException:
             _unlock(fd)
             raise
@@ -113,6 +113,16 @@ class RunDir:
                         "alone, so this run cannot be resumed; use a directory all nodes share",
                         path)
         return cls(path, fd, start)
+
+    def record_start(self, cfg) -> None:
+        """This start's resolved config to configs/start_N.yaml and config.yaml, once the run's
+        inputs passed their checks: a start refused for its data, model or code leaves the
+        record of the run in the directory as it was. Collective; raises RunDirError (or
+        DiskFullError) on every rank when it cannot be written."""
+        with raised_on_every_rank(f"recording this start in trainer.run_dir={self.path}",
+                                  RunDirError):
+            if dist.get_rank() == 0:
+                self.start = _record_start(cfg, self.path)
 
     def close(self) -> None:
         """Release the lock (emptying the holder's text first: text left in .lock means its

@@ -219,6 +219,7 @@ class Trainer:
             # function) stops every rank.
             self.val_metrics = all_ranks_agree(lambda: ValMetrics.from_config(cfg, self.rank),
                                                "checking the validation metrics")
+        self.run.record_start(cfg)  # inputs checked: a refused start leaves the record alone
         self.info, self.train_data, self.val_data = inputs.info, inputs.train_data, inputs.val_data
         rm_infos = inputs.reward_models
         self.loader = build.build_prompt_loader(cfg, self.train_data, self.gen_groups)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,8 @@ from tests.engine.test_checkpoint import _fake_checkpoint
 from tests.multiproc import run_on_ranks
 from verl_mcore import run_dir as rd
 from verl_mcore.engine import checkpoint as ck
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(**checkpoint):
@@ -42,6 +45,7 @@ def _open(rank, world_size, paths, cfg, local_world_size=None):
     try:
         run = rd.RunDir.open(cfg, paths[rank], local_rank=0 if local_world_size == 1 else rank,
                              local_world_size=local_world_size or world_size)
+        run.record_start(cfg)  # as the Trainer does once the inputs passed their checks
     except rd.RunDirError as e:
         return {"error": str(e), "warnings": warnings}
     finally:
@@ -219,3 +223,34 @@ def test_a_run_dir_that_is_a_file_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(rd.RunDirError, match=r"trainer.run_dir=.*afile cannot be used .*File exists"):
         rd._lock(str(afile))
     assert afile.read_text() == "x"
+
+
+def _start_with_missing_data(rank, world_size, run_dir, model):
+    """A Trainer whose train file does not exist, in `run_dir`: its error text."""
+    from verl_mcore.config import Config, ConfigError
+    from verl_mcore.trainer import Trainer
+
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), [
+        f"model.path={model}", f"trainer.run_dir={run_dir}",
+        f"data.train_files=[{run_dir}/no_such.parquet]"])
+    try:
+        Trainer(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_start_refused_for_its_inputs_leaves_the_run_record_alone(tmp_path):
+    """A mistyped data path on an existing run must not overwrite its config.yaml (nor add a
+    start record): the record of the run that is there stays what it was."""
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    run_dir = tmp_path / "run"
+    (run_dir / "configs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("# start 1: the earlier run\n")
+    (run_dir / "configs" / "start_0001.yaml").write_text("# start 1: the earlier run\n")
+    [error] = run_on_ranks(_start_with_missing_data, 1, args=(str(run_dir), model))
+    assert error is not None and "no_such.parquet" in error
+    assert (run_dir / "config.yaml").read_text() == "# start 1: the earlier run\n"
+    assert sorted(p.name for p in (run_dir / "configs").iterdir()) == ["start_0001.yaml"]
