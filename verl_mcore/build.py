@@ -45,7 +45,8 @@ from verl_mcore.generation import (CrossSetCheck, GenerationPhase, RolloutSetPha
 from verl_mcore.models.checkpoint import load_dist_checkpoint
 from verl_mcore.models.gpt import build_gpt_model, have_transformer_engine, unwrap
 from verl_mcore.models.hf_config import generation_eos_ids, read_hf_arch, transformer_config
-from verl_mcore.models.hf_weights import check_weight_files, load_hf_weights
+from verl_mcore.models.hf_weights import (HFCheckpoint, check_tensors, check_weight_files,
+                                          load_hf_weights)
 from verl_mcore.models.hub import cache_advice, local_dir, run_sources
 from verl_mcore.models.load import CKPT_HF_CONFIG_SUBDIR, hf_config_copy
 from verl_mcore.models.lora import attach_lora, load_peft_dir, merged_weights
@@ -294,8 +295,6 @@ def check_model_tensors(hf_dir: str, arch, role: str = "actor") -> None:
     """Every tensor the `role`'s model reads from model.path is in its safetensors with the shape
     config.json implies, from the headers alone: checked before any model is built, or a
     reward model's directory given as the policy's fails in the weight load after the build."""
-    from verl_mcore.models.hf_weights import HFCheckpoint, check_tensors
-
     try:
         check_tensors(HFCheckpoint(hf_dir), arch, role)
     except KeyError as e:  # e.g. a reward model's directory: `score`, no `lm_head`

@@ -25,6 +25,7 @@ stuck and the key to raise, instead of every rank waiting forever. The thread is
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -121,6 +122,34 @@ def child_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+
+class ExitCalled(Exception):
+    """User code running in the trainer's own process called os._exit
+    (exit_raises_in_this_thread)."""
+
+
+@contextlib.contextmanager
+def exit_raises_in_this_thread(rule: tuple[str, str]):
+    """User code run in the trainer's process (a scorer with reward.num_workers=0, a dataset
+    class's import) would end the trainer with no word if it called `os._exit` (no exception,
+    no atexit, no log). While the block runs, `os._exit` called from this thread of this process
+    raises ExitCalled instead, saying "<who> called os._exit(<code>); <why>" (`rule`: who, why).
+    Other threads (the watchdog's deliberate exit) and forked children (a sandbox's) still get
+    the real one. A segfault cannot be caught here."""
+    who, why = rule
+    real, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def guarded(code: int) -> None:
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise ExitCalled(f"{who} called os._exit({code}); {why}")
+        real(code)
+
+    os._exit = guarded
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 class UserCodeError(ValueError):

@@ -3,6 +3,9 @@ under data.on_bad_row=skip bad rows are skipped, counted and reported."""
 import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -280,3 +283,34 @@ def test_chat_template_errors_are_bad_rows(tmp_path, template, problem):
         assert e.row == 2
         ds = RLHFDataset(path, tok, DataConfig(on_bad_row="skip"))
         assert len(ds) == 3 and ds.stats.bad_rows_skipped == 1
+
+
+_EXITS_ONLY_IN_THE_TRAINER = """import os, sys
+if os.environ.get("TRAINER_PID") == str(os.getpid()):
+    {exit}
+from verl_mcore.data import RLHFDataset
+class Mine(RLHFDataset):
+    pass
+"""
+
+
+@pytest.mark.parametrize("exit_call, said", [("os._exit(4)", "os._exit(4)"),
+                                             ("sys.exit(5)", "SystemExit: 5")])
+def test_a_dataset_file_that_exits_only_in_the_trainer_is_named(tmp_path, exit_call, said):
+    """data.custom_cls's probe imports the file in a process of its own; the trainer imports it
+    again, where an exit met only there ended the run without a word (exit code 4, no message).
+    Run in a child: unguarded, it would end pytest."""
+    path = tmp_path / "mine.py"
+    path.write_text(_EXITS_ONLY_IN_THE_TRAINER.format(exit=exit_call))
+    script = ("import os\nos.environ['TRAINER_PID'] = str(os.getpid())\n"
+              "from verl_mcore.config.schema import DataConfig, CustomClassConfig\n"
+              "from verl_mcore.data.dataset import load_dataset_class\n"
+              f"cfg = DataConfig(custom_cls=CustomClassConfig(path={str(path)!r}, name='Mine'))\n"
+              "try:\n    load_dataset_class(cfg)\n"
+              "except ValueError as e:\n    print(f'raised: {e}')\n")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "raised: data.custom_cls" in run.stdout and str(path) in run.stdout, run.stdout
+    assert said in run.stdout, run.stdout

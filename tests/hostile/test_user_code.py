@@ -443,7 +443,7 @@ FAILURES = {  # response -> what the message says after the scorer's name
 }
 
 
-EXITED = {0: "error: verl_mcore.reward.manager.ExitCalled: the scorer called os._exit(3)",
+EXITED = {0: "error: verl_mcore.user_code.ExitCalled: the scorer called os._exit(3)",
           # with workers: the pool's word for a worker that died, with the exit code
           1: "error: the reward worker died while scoring this sample: the process exited with "
              "code 3 (the scorer ended its process: os._exit"}

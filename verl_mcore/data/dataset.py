@@ -42,7 +42,8 @@ from verl_mcore.data.loader import PromptBatch
 from verl_mcore.data.readers import (DEFAULT_EXTENSIONS, FileRows, kind_mismatches,
                                      mismatch_problem, plain_types, read_file_rows,
                                      resolve_files)
-from verl_mcore.user_code import check_import, load_user_object
+from verl_mcore.user_code import (ExitCalled, check_import, exit_raises_in_this_thread,
+                                  load_user_object)
 
 logger = logging.getLogger(__name__)
 
@@ -553,7 +554,15 @@ def load_dataset_class(config: DataConfig) -> type:
         return RLHFDataset
     check_import(custom.path, custom.name, "data.custom_cls", config.import_timeout_s,
                  "data.import_timeout_s")  # blocking or exiting at import fails here, named
-    cls = load_user_object(custom.path, custom.name, "data.custom_cls")
+    # The probe above imported the file in a process of its own; this import runs in the
+    # trainer, where an exit would end the run with no word (a file that exits only here).
+    rule = (f"data.custom_cls ({custom.path}, importing it in the trainer)",
+            "the trainer would have ended without a word: a dataset file must not exit at import")
+    try:
+        with exit_raises_in_this_thread(rule):
+            cls = load_user_object(custom.path, custom.name, "data.custom_cls")
+    except ExitCalled as e:  # (sys.exit is a SystemExit, which load_user_object names)
+        raise ValueError(str(e)) from None
     if not (isinstance(cls, type) and issubclass(cls, RLHFDataset)):
         raise ValueError(f"data.custom_cls: {custom.name} in {custom.path} must be a subclass of "
                          f"verl_mcore.data.RLHFDataset (override read_file or "

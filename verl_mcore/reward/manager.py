@@ -62,12 +62,10 @@ batch failed.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import logging
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -78,7 +76,7 @@ from verl_mcore.reward.builtin import SCORERS, unknown_source_hint
 from verl_mcore.reward.pool import ScoringPool
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome, checked, run_item
-from verl_mcore.user_code import check_import
+from verl_mcore.user_code import check_import, exit_raises_in_this_thread
 from verl_mcore.utils.doing import doing
 
 logger = logging.getLogger(__name__)
@@ -87,10 +85,10 @@ logger = logging.getLogger(__name__)
 # on a loaded node); the probe import has already kept the file itself within the limit.
 _WORKER_START_MARGIN_S = 30.0
 _CRASHES_LOGGED = 5  # dead workers named one by one per batch; the rest are counted
+# What an os._exit of a scorer running in the trainer (reward.num_workers=0) is told instead.
+_SCORER_EXIT = ("the scorer", "with reward.num_workers=0 it runs in the trainer, which this would "
+                "have ended: return a score, or use reward.num_workers >= 1 for code that may exit")
 
-
-class ExitCalled(Exception):
-    """A scorer running in the trainer process (reward.num_workers=0) called os._exit."""
 
 _ROW_FIELDS = ("data_source", "reward_model", "extra_info")
 
@@ -209,7 +207,7 @@ class RewardManager:
         # import, naming the file, instead of ending the trainer without a word.
         self._fns = {}
         if cfg.num_workers == 0:
-            with _exit_raises_in_this_thread():
+            with exit_raises_in_this_thread(_SCORER_EXIT):
                 self._fns = {key: spec.load() for key, spec in specs.items()}
         self._pool = (ScoringPool(specs, cfg.num_workers, cfg.timeout_s,
                                   startup_timeout_s=cfg.import_timeout_s + _WORKER_START_MARGIN_S,
@@ -354,7 +352,7 @@ class RewardManager:
             with doing(f"running {', '.join(sorted({self._labels[key] for key, _ in calls}))}"):
                 return self._pool.map(calls, sizes)
         results = []
-        with _exit_raises_in_this_thread():
+        with exit_raises_in_this_thread(_SCORER_EXIT):
             for key, args in calls:  # with no time limit here, a scorer that blocks is named
                 with doing(f"running {self._labels[key]} in this process (reward.num_workers=0: "
                            "no reward.timeout_s)"):
@@ -547,26 +545,3 @@ def _raised_at(error: str, path: Optional[str]) -> str:
         return ""
     line, fn = mine[-1]
     return f" (raised at line {line} of {os.path.basename(path)}, in {fn})"
-
-
-@contextlib.contextmanager
-def _exit_raises_in_this_thread():
-    """With reward.num_workers=0 the scorers run in the trainer, where an `os._exit` would end the
-    trainer with no word (no exception, no atexit, no log). While they run, `os._exit` called
-    from this thread of this process raises ExitCalled instead, which fails that sample with its
-    traceback. Other threads (the watchdog's deliberate exit) and forked children (a sandbox's)
-    still get the real one. A segfault cannot be caught here: use num_workers >= 1."""
-    real, pid, thread = os._exit, os.getpid(), threading.get_ident()
-
-    def guarded(code: int) -> None:
-        if os.getpid() == pid and threading.get_ident() == thread:
-            raise ExitCalled(f"the scorer called os._exit({code}); with reward.num_workers=0 it "
-                             "runs in the trainer, which this would have ended: return a score, "
-                             "or use reward.num_workers >= 1 for code that may exit")
-        real(code)
-
-    os._exit = guarded
-    try:
-        yield
-    finally:
-        os._exit = real
