@@ -15,14 +15,12 @@ ranks still sees exactly the prompts it would have seen.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
-
-    from verl_mcore.data.dataset import RLHFDataset
 
 
 @dataclass
@@ -66,6 +64,15 @@ class PromptBatch:
         return out, lengths
 
 
+class BatchSource(Protocol):
+    """What the loader reads of its dataset (data.dataset.RLHFDataset): its size and a batch of
+    given rows."""
+
+    def __len__(self) -> int: ...
+
+    def get_batch(self, indices: Sequence[int]) -> PromptBatch: ...
+
+
 class PromptLoader:
     """Iterates this rank's share of global prompt batches; see the module docstring for order.
 
@@ -75,7 +82,7 @@ class PromptLoader:
     num_epochs=None repeats forever (the trainer counts steps); an int stops after that many.
     """
 
-    def __init__(self, dataset: "RLHFDataset", batch_size: int, *, rank: int = 0,
+    def __init__(self, dataset: "BatchSource", batch_size: int, *, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, seed: int = 1,
                  drop_last: bool = True, num_epochs: Optional[int] = None):
         n = len(dataset)

@@ -32,10 +32,24 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from verl_mcore.reward.scorers import ScorerSpec
+
+class CustomSpec(Protocol):
+    """What this module reads of a custom scorer's description (reward.scorers.ScorerSpec)."""
+
+    key: str
+    path: Optional[str]
+    function: Optional[str]
+    kwargs: dict
+    accepts: str
+
+    @property
+    def name_field(self) -> str: ...
+
+    @property
+    def kwargs_key(self) -> str: ...
+
 
 SAMPLE_PARAMS = "data_source, response, ground_truth, extra_info"
 _SAMPLE_ARGS = ("data_source", "response", "ground_truth", {})  # placeholders, for binding only
@@ -64,12 +78,12 @@ class BatchScorer:
     compute_reward: Callable[[RewardBatch], Any]
 
 
-def describe(spec: "ScorerSpec") -> str:
+def describe(spec: CustomSpec) -> str:
     """`reward.sources[1].function='Judge' in /path/judge.py`: what error messages start with."""
     return f"{spec.key}.{spec.name_field}={spec.function!r} in {spec.path}"
 
 
-def interface_of(obj: Any, spec: "ScorerSpec") -> str:
+def interface_of(obj: Any, spec: CustomSpec) -> str:
     """'function' | 'sample' (a class with score or __call__) | 'batch' (with compute_reward)."""
     what = describe(spec)
     if not callable(obj):
@@ -93,7 +107,7 @@ def interface_of(obj: Any, spec: "ScorerSpec") -> str:
     return kind
 
 
-def check(obj: Any, spec: "ScorerSpec", construct: bool = False) -> str:
+def check(obj: Any, spec: CustomSpec, construct: bool = False) -> str:
     """The interface of `obj` (interface_of), after checking that it can be called the way it will
     be: every signature bound to placeholder arguments, and with `construct`, the class built
     once (user_code.check_import calls this in its probe with construct=True; in the trainer
@@ -118,7 +132,7 @@ def check(obj: Any, spec: "ScorerSpec", construct: bool = False) -> str:
     return kind
 
 
-def load(obj: Any, spec: "ScorerSpec") -> Callable:
+def load(obj: Any, spec: CustomSpec) -> Callable:
     """The scorer to call, made once per process: fn(data_source, response, ground_truth,
     extra_info) per sample, or a BatchScorer."""
     kind = check(obj, spec)
@@ -131,7 +145,7 @@ def load(obj: Any, spec: "ScorerSpec") -> Callable:
     return bound
 
 
-def instantiate(cls: type, spec: "ScorerSpec") -> Any:
+def instantiate(cls: type, spec: CustomSpec) -> Any:
     try:
         return cls(**spec.kwargs)
     except (Exception, SystemExit) as e:
