@@ -152,7 +152,7 @@ def bench_gae(table: Table, quick: bool):
             table.add("GAE+whiten", "ops.gae_whitened (fused stats), eager", shape,
                       time_ms(fused, sets, reps=20, warmup=3), min_bytes, base_ms, peak_extra_gb(fused, sets[0]))
             # What the trainer's adv phase runs for PPO: the registry entry, whitening on, a float32
-            # response mask (TrainBatch.response_mask), as Trainer.advantages calls it.
+            # response mask (TrainBatch.response_mask), as Learner.advantages calls it.
             float_sets = [(r, v, m.float()) for r, v, m in sets]
 
             def trainer_gae(r, v, m):

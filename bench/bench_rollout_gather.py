@@ -1,4 +1,4 @@
-"""The rollout gather of Trainer.generate on gloo ranks: the object gather of Python lists it
+"""The rollout gather of Sampler.generate on gloo ranks: the object gather of Python lists it
 replaced (old) against the tensor gather (new, verl_mcore/rollout/gather.py), per rank.
 
     python bench/bench_rollout_gather.py --path new --samples 16384 --prompt-len 1024 \

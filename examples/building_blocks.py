@@ -18,7 +18,7 @@ from verl_mcore.distributed.groups import build_groups
 from verl_mcore.distributed.launch import detect_launch, init_distributed
 from verl_mcore.reward import place_on_last_token
 from verl_mcore.rollout.base import SamplingParams
-from verl_mcore.trainer import make_rollout
+from verl_mcore.rollout.batch import make_rollout
 
 
 def score(response: str, digit: str) -> float:

@@ -1,9 +1,9 @@
-"""StageTimer (verl_mcore/trainer.py): per-phase peak memory with torch.cuda's peak counters
+"""StageTimer (verl_mcore/stage_timer.py): per-phase peak memory with torch.cuda's peak counters
 replaced by a fake allocator, so the CUDA branch runs on the CPU machine."""
 import pytest
 import torch
 
-from verl_mcore.trainer import StageTimer
+from verl_mcore.stage_timer import StageTimer
 
 GiB = 2**30
 

@@ -16,7 +16,7 @@ one_step_off.
                   own log-probs.
 
 Every rank runs the same program: the ranks that hold the engine sample (`make`), the others
-receive in the same order (Trainer.generate shares each batch as tensors from the generating
+receive in the same order (Sampler.share_part shares each batch as tensors from the generating
 set's first rank), so the exchanges meet without any rank waiting for a batch nobody sends. The
 rollout set's ranks never join a training phase: their step is `take` and the metrics.
 
@@ -33,11 +33,8 @@ from typing import Any, Optional
 
 import torch
 
+from verl_mcore.rollout.batch import Rollout, rollout_from_part
 from verl_mcore.rollout.gather import _cut
-
-
-# The step's phases of sampling (timed by the schedule); the others are the training's.
-GENERATING = ("sync", "gen", "wait_rollout")
 
 
 @dataclass
@@ -50,13 +47,24 @@ class Sampled:
     part: Any
     baseline: Any = None
 
+    def rollouts(self, info) -> tuple[Rollout, Optional[Rollout]]:
+        """The batch and its ReMax baseline (None without one) as Rollouts, on the host; `info`:
+        the actor's ModelInfo (its tokenizer decodes the responses)."""
+        baseline = None
+        if self.baseline is not None:
+            baseline = rollout_from_part(self.baseline, self.baseline.prompt_of, info)
+        return rollout_from_part(self.part, self.part.prompt_of, info), baseline
 
-class RolloutSchedule:
-    """The step's rollout batch for `owner`, a Trainer (its loader, its generation phase, its
-    generate / begin_generation / end_generation, which every rank calls alike)."""
 
-    def __init__(self, owner, ahead: int):
-        self.owner = owner
+class Producer:
+    """The step's rollout batch: samples with `sampler` (sampler.py) the prompt batches `loader`
+    draws, `ahead` of the batch trained on (rollout.max_staleness in one_step_off, else 0).
+    `make_room()` frees the training state's memory for generation (the learner's offload).
+    Every rank calls it alike."""
+
+    def __init__(self, sampler, loader, place, cfg, make_room, ahead: int):
+        self.sampler, self.loader, self.place, self.cfg = sampler, loader, place, cfg
+        self.make_room = make_room
         self.ahead = ahead  # k: batches sampled ahead of the one trained on
         self.queue: deque[Sampled] = deque()  # training ranks: sampled, not yet trained on
         self.count = 0  # batches sampled (generating ranks) or received (the others) so far
@@ -72,20 +80,20 @@ class RolloutSchedule:
         """The batch step `step` trains on (None on the rollout set's ranks, which train nothing)
         after this rank's part of sampling: the weights of step - 1 to the engine, then every
         batch up to `step` (+ k ahead on the generating ranks)."""
-        o = self.owner
-        metrics = dict(o.offload_training_state())  # colocated: generation gets the memory
-        generates = o.rollout is not None
-        if generates or o.sends_weights:
+        s = self.sampler
+        metrics = dict(self.make_room())  # colocated: generation gets the memory
+        generates = s.generates
+        if generates or s.sends_weights:
             with phase("sync"):  # weights + the weight-sync check on the next batch's prompts
                 first = self._peek_prompts() if generates else True
                 try:
-                    metrics.update(o.begin_generation(step, first))
+                    metrics.update(s.begin(step, first))
                 except Exception as e:  # noqa: BLE001 - every rank raises it at the hand-over
                     self.failure = e
         self._advance(step + (self.ahead if generates else 0), step, phase)
-        o.end_generation()  # release the KV cache (and the weight buffer) before training
-        metrics.update(o.generation_stats())
-        if not o.place.trains:
+        s.end()  # release the KV cache (and the weight buffer) before training
+        metrics.update(s.stats())
+        if not self.place.trains:
             return None, metrics
         sampled = self.queue.popleft()
         self.loader_before.popleft()
@@ -107,47 +115,47 @@ class RolloutSchedule:
         engine holds now, the version step - 1. Phases: `gen` is the engine's sampling;
         `wait_rollout` the time a rank waits for another set's batch (not busy time: the
         per-set utilisation leaves it out, RolePlacement.gather_metrics)."""
-        o = self.owner
+        s = self.sampler
         # Handing the batch over is waiting on a rollout set of its own (its receivers are busy
         # training) and on every rank that receives; on the training ranks that sampled it, part
         # of generating.
-        hand_over = "gen" if o.rollout is not None and o.place.trains else "wait_rollout"
+        hand_over = "gen" if s.generates and self.place.trains else "wait_rollout"
         while self.count < until:
             before, prompts = self._next_prompts()
             index = self.count + 1
             parts = []
             for sampling in self._samplings(index):
                 batch, failure, self.failure = None, self.failure, None
-                if o.rollout is not None:  # after an earlier failure it only agrees it
+                if s.generates:  # after an earlier failure it only agrees it
                     with phase("gen"):
-                        batch, failure = o.sample_part(prompts, sampling, failure)
+                        batch, failure = s.sample_part(prompts, sampling, failure)
                 with phase(hand_over):
-                    parts.append(o.share_part(prompts, batch, failure))
+                    parts.append(s.share_part(prompts, batch, failure))
             self.count = index
-            if o.place.trains:
+            if self.place.trains:
                 self.queue.append(Sampled(index, step - 1, *parts))
                 self.loader_before.append(before)
 
     def _samplings(self, index: int) -> list:
         """How batch `index` is sampled: its rollout.n responses per prompt, and ReMax's greedy
         baseline (one per prompt) where the algorithm has one."""
-        o, r = self.owner, self.owner.cfg.rollout
-        out = [o.sampling(r.n, r.temperature, batch=index - 1)]
-        if o.cfg.algorithm.adv_estimator == "remax":
-            out.append(o.sampling(1, 0.0, batch=index - 1, seed_offset=1))
+        s, r = self.sampler, self.cfg.rollout
+        out = [s.sampling(r.n, r.temperature, index - 1)]
+        if self.cfg.algorithm.adv_estimator == "remax":
+            out.append(s.sampling(1, 0.0, index - 1, seed_offset=1))
         return out
 
     def _next_prompts(self):
         if self.prompts:
             return self.prompts.popleft()
-        before = self.owner.loader.state_dict()
-        return before, next(self.owner.loader)
+        before = self.loader.state_dict()
+        return before, next(self.loader)
 
     def _peek_prompts(self):
         """The next batch's prompt ids, drawn now (the weight-sync check samples from them)."""
         if not self.prompts:
-            before = self.owner.loader.state_dict()
-            self.prompts.append((before, next(self.owner.loader)))
+            before = self.loader.state_dict()
+            self.prompts.append((before, next(self.loader)))
         return self.prompts[0][1].input_ids
 
     # ------------------------------------------------------------------ checkpoints
@@ -155,20 +163,19 @@ class RolloutSchedule:
     def state_dict(self) -> dict:
         """The loader's position before the first batch not yet trained on, and the batches
         sampled ahead (training ranks; the actor set's first rank writes it)."""
-        loader = self.loader_before[0] if self.loader_before else self.owner.loader.state_dict()
+        loader = self.loader_before[0] if self.loader_before else self.loader.state_dict()
         return {"loader": loader, "queue": [_save(s) for s in self.queue]}
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """Continue after step `step`: the loader where the checkpoint had it, then the saved
         batches back in the queue with their prompts' rows drawn again (every rank draws them,
         the rollout set's to keep its loader in step)."""
-        o = self.owner
-        o.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(state["loader"])
         self.queue.clear(), self.loader_before.clear(), self.prompts.clear()
         for saved in state.get("queue", []):
-            before = o.loader.state_dict()
-            prompts = o.loader.next_global()  # the whole batch, whoever sampled which share
-            if o.place.trains:
+            before = self.loader.state_dict()
+            prompts = self.loader.next_global()  # the whole batch, whoever sampled which share
+            if self.place.trains:
                 self.queue.append(_load(saved, prompts.rows))
                 self.loader_before.append(before)
         self.count = step + len(state.get("queue", []))

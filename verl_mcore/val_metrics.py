@@ -24,7 +24,7 @@ Per data source (the row's `data_source`), as `val/<data_source>/<metric>`:
 With rollout.val_n > 1 each of the n responses counts as one sample against its reference.
 
 Where it runs: validate() generates on every replica and gathers each batch's rollout and scores
-onto every rank (Trainer.generate, Trainer.score); rank 0 keeps the samples (`ValSamples`),
+onto every rank (Sampler.generate, Scorer.score); rank 0 keeps the samples (`ValSamples`),
 computes once over the whole set, writes trainer.log_val_generations rows, and broadcasts the
 metrics, so every rank logs the same values and a user metric runs once, not once per rank. A
 failure there is broadcast too and raised on every rank alike (ValMetricError).

@@ -10,7 +10,7 @@ from verl_mcore.api import ExperienceBuffer, Experiences
 from verl_mcore.build import ModelInfo
 from verl_mcore.config import Config
 from verl_mcore.tiny_model import build_tokenizer
-from verl_mcore.trainer import make_rollout
+from verl_mcore.rollout.batch import make_rollout
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_select_groups_and_errors(policy):
 def test_selected_groups_keep_their_engine_log_probs(policy):
     """RolloutWorker.generate hands out the engine's log-probs (the weight-sync check asks for
     them): a mini-batch or a sample must carry its own rows of them, which the update compares
-    with the old log-probs (Trainer.off_policy; rollout.tis_cap weighs by them)."""
+    with the old log-probs (Learner.off_policy; rollout.tis_cap weighs by them)."""
     import dataclasses
 
     exp = _experiences(policy, 0, 3)

@@ -113,22 +113,23 @@ def generation_body(rank, world_size, cfg_overrides: list[str], score: bool, sam
                                       world_size=replicas, shuffle=False, drop_last=False,
                                       num_epochs=1))
         out = {}
-        trainer.begin_generation(0)
-        greedy = trainer.generate(prompts, trainer.sampling(1, 0.0))
+        sampler = trainer.sampler
+        sampler.begin(0)
+        greedy = sampler.generate(prompts, sampler.sampling(1, 0.0, 0))
         t1 = None
         if sampled:
-            t1 = trainer.generate(prompts, dataclasses.replace(trainer.sampling(1, 1.0),
+            t1 = sampler.generate(prompts, dataclasses.replace(sampler.sampling(1, 1.0, 0),
                                                                logprobs=True))
-        trainer.end_generation()
+        sampler.end()
         b = greedy.train
         ids, plen, slen = b.input_ids.tolist(), b.prompt_lens.tolist(), b.seq_lens.tolist()
         out["prompt_ids"] = [row[:p] for row, p in zip(ids, plen)]
         out["response_ids"] = [row[p:s] for row, p, s in zip(ids, plen, slen)]
         out["finish"], out["responses"] = greedy.finish, greedy.responses
         if score:
-            out["scores"] = trainer.score(greedy)[0].tolist()
+            out["scores"] = trainer.scorer.score(greedy)[0].tolist()
         if t1 is not None:
-            logp, _ = trainer.old_log_probs(t1.train)
+            logp, _ = trainer.learner.old_log_probs(t1.train)
             out["t1"] = {"engine": t1.engine_log_probs, "actor": logp.cpu(),
                          "mask": t1.train.response_mask.cpu(), "finish": t1.finish}
         return out if rank == 0 else None

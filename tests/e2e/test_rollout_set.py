@@ -83,16 +83,22 @@ def _lagged(base, lag: int):
             for p, w in zip(self.actor.engine.model[0].parameters(), weights):
                 p.data.copy_(w)
 
-        def begin_generation(self, step, prompt_ids=None):
-            if not hasattr(self, "versions"):
-                self.versions = [self._weights()]  # v_0
-            self.current = self._weights()
-            self._load(self.versions[max(step - 1 - lag, 0)])
-            return super().begin_generation(step, prompt_ids)
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            begin, end = self.sampler.begin, self.sampler.end
 
-        def end_generation(self):
-            super().end_generation()
-            self._load(self.current)
+            def lagged_begin(step, prompt_ids=None):  # the weights of step max(s - 1 - lag, 0)
+                if not hasattr(self, "versions"):
+                    self.versions = [self._weights()]  # v_0
+                self.current = self._weights()
+                self._load(self.versions[max(step - 1 - lag, 0)])
+                return begin(step, prompt_ids)
+
+            def restoring_end():
+                end()
+                self._load(self.current)
+
+            self.sampler.begin, self.sampler.end = lagged_begin, restoring_end
 
         def step(self, step):
             metrics = super().step(step)

@@ -43,11 +43,12 @@ def _run(rank, world_size, overrides, corrupt_at):
     from tests.e2e.test_rollout_set import _train
     from verl_mcore.rollout.native import NativeEngine
     from verl_mcore.rollout.repartition import Repartitioner
+    from verl_mcore.learner import Learner
     from verl_mcore.trainer import Trainer
 
     calls, updated, step_now = {}, [], [0]
     original_generate, original_run, original_update = (NativeEngine.generate, Repartitioner.run,
-                                                        Trainer.update)
+                                                        Learner.update)
 
     def generate(self, prompt_ids, sampling):
         calls[step_now[0]] = calls.get(step_now[0], 0) + 1
@@ -72,7 +73,7 @@ def _run(rank, world_size, overrides, corrupt_at):
         return original_step(self, s)
 
     NativeEngine.generate, Repartitioner.run = generate, run
-    Trainer.update, Trainer.step = update, step
+    Learner.update, Trainer.step = update, step
     try:
         _train(rank, world_size, overrides, 0)
         outcome = "ok"
@@ -80,7 +81,7 @@ def _run(rank, world_size, overrides, corrupt_at):
         outcome = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     finally:
         NativeEngine.generate, Repartitioner.run = original_generate, original_run
-        Trainer.update, Trainer.step = original_update, original_step
+        Learner.update, Trainer.step = original_update, original_step
     return outcome, calls, updated
 
 

@@ -126,7 +126,7 @@ def test_gae_whitened_refuses_fewer_than_two_valid_tokens(ext, valid_tokens):
 
 @pytest.mark.parametrize("whiten", [True, False])
 def test_trainer_gae_runs_the_kernel_and_equals_the_cpu_loop(ext, whiten, monkeypatch):
-    """compute_advantages("gae") as Trainer.advantages calls it (float32 mask, CUDA tensors)
+    """compute_advantages("gae") as Learner.advantages calls it (float32 mask, CUDA tensors)
     takes the kernel, never the Python loop, and gives the loop's numbers."""
     def no_loop(*args, **kwargs):
         raise AssertionError("the trainer's GAE ran the Python loop on CUDA tensors")

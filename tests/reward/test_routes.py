@@ -1,5 +1,5 @@
 """Routing metrics: reward/route/<value>/mean and /count over the whole batch, exact however the
-batch was split over ranks (Trainer.score gathers the per-sample route values and totals)."""
+batch was split over ranks (Scorer.score gathers the per-sample route values and totals)."""
 from types import SimpleNamespace
 
 import pytest
@@ -47,7 +47,7 @@ def test_route_metrics_from_uneven_slices_equal_the_whole_batch(tmp_path):
     prompts = ["p" * k for k in PROMPT_LENS]
     with RewardManager.from_config(_config(fns, classes)) as m:
         whole = m.score(RESPONSES, _rows(), prompts=prompts)
-        # ranks of uneven slices, gathered per sample as Trainer.score does
+        # ranks of uneven slices, gathered per sample as Scorer.score does
         parts = [m.score(RESPONSES[a:b], _rows()[a:b], prompts=prompts[a:b]) for a, b in
                  ((0, 5), (5, 7))]
     assert whole.routes == ["math", "chat", "math", None, "C++", "math", "chat"]
@@ -73,7 +73,7 @@ class _CharTokenizer:
 
 
 def _trainer_score_body(rank, world_size, fns, classes):
-    from verl_mcore.trainer import Trainer
+    from verl_mcore.scoring import Scorer
 
     # input_ids [B, S]: prompt tokens then padding (9), as TrainBatch lays them out
     input_ids = torch.full((len(RESPONSES), 6), 9, dtype=torch.int64)
@@ -82,14 +82,10 @@ def _trainer_score_body(rank, world_size, fns, classes):
     rollout = SimpleNamespace(responses=RESPONSES, rows=_rows(), train=SimpleNamespace(
         input_ids=input_ids, prompt_lens=torch.tensor(PROMPT_LENS)))
     with RewardManager.from_config(_config(fns, classes)) as manager:
-        trainer = SimpleNamespace(rank=rank, world=world_size, rewards=manager, reward_models={},
-                                  reward_model_names=[],
-                                  # every rank scores (no rollout set of its own)
-                                  place=SimpleNamespace(training_ranks=tuple(range(world_size)),
-                                                        training=None),
-                                  device=torch.device("cpu"),
-                                  info=SimpleNamespace(tokenizer=_CharTokenizer()))
-        scores, metrics, extras = Trainer.score(trainer, rollout)
+        # every rank scores (no rollout set of its own)
+        place = SimpleNamespace(training_ranks=tuple(range(world_size)), training=None)
+        scorer = Scorer(manager, {}, [], place, _CharTokenizer(), torch.device("cpu"), rank)
+        scores, metrics, extras = scorer.score(rollout)
     return scores.tolist(), metrics, extras
 
 

@@ -1,4 +1,4 @@
-"""The rollout gather before the tensor one (Trainer.generate and TrainBatch.from_sequences at
+"""The rollout gather before the tensor one (Sampler.generate and TrainBatch.from_sequences at
 commit c1ad090): the oracle of tests/rollout/test_gather.py and the baseline of
 bench/bench_rollout_gather.py."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ def old_from_sequences(prompts, responses, pad_token_id):
 
 
 def object_gather(groups, world, prompts, outputs):
-    """Trainer.generate's gather: all_gather_object of Python lists from TP_g rank 0 of each
+    """Sampler.generate's gather: all_gather_object of Python lists from TP_g rank 0 of each
     replica -> ([(prompt ids, row, response ids, finish reason)] in global order, group ids)."""
     import torch.distributed as dist
 

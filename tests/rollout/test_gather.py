@@ -1,4 +1,4 @@
-"""The rollout gather (rollout/gather.py, Trainer.generate) against the object gather it
+"""The rollout gather (rollout/gather.py, Sampler.generate) against the object gather it
 replaced (tests/rollout/object_gather.py, the oracle): the same TrainBatch tensors, rows, group
 ids, finish reasons and texts, on 1 rank, 2 ranks (DP_g = 2) and 4 ranks with generation TP = 2
 (2 replicas), with uneven replicas, an empty replica and empty responses."""
@@ -62,7 +62,7 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     from verl_mcore.distributed.groups import build_groups
     from verl_mcore.config.placement import Placement
     from verl_mcore.distributed.placement import RolePlacement
-    from verl_mcore.trainer import Trainer
+    from verl_mcore.sampler import Sampler
 
     cpu_compat.install()
     cfg = Config.load(None, [f"parallel.tensor_model_parallel_size={tp_gen}",
@@ -72,12 +72,9 @@ def _compare_body(rank, world_size, tp_gen, prompts_per_replica, n):
     old = _old_generate(groups, world_size, prompts, outputs, INFO)
     # Colocated: the actor set is the world, so sharing the batch with other sets is a no-op.
     place = RolePlacement(Placement.resolve(cfg, world_size), {"actor": groups}, rank)
-    fake = SimpleNamespace(groups=groups, info=INFO, world=world_size, place=place,
-                           rollout=SimpleNamespace(generate=lambda ids, sampling: outputs,
-                                                   check_samples=dict, groups=groups))
-    for name in ("sample_part", "share_part"):  # the methods generate calls
-        setattr(fake, name, getattr(Trainer, name).__get__(fake))
-    new = Trainer.generate(fake, prompts, sampling=None)
+    engine = SimpleNamespace(generate=lambda ids, sampling: outputs, check_samples=dict,
+                             groups=groups)
+    new = Sampler(cfg, INFO, place, engine).generate(prompts, sampling=None)
     shared = [new.rows[i] is new.rows[j] for i in range(len(new.rows)) for j in range(i)
               if new.group_ids[i] == new.group_ids[j]]
     return dict(old=old, new=new, shared=shared)

@@ -13,8 +13,8 @@
     policy.save_pretrained("out/hf")             # transformers loads it
 
 `Flow([worker, buffer, trainer]).step(prompts)` is that loop's body. Thin objects over the
-builders the trainer uses (verl_mcore/build.py), running the trainer's own phases
-(phases.py): each object builds a Config from its arguments, checked as a config file's is
+builders the trainer uses (verl_mcore/build.py), running the trainer's own sampler, scorer
+and learner (sampler.py, scoring.py, learner.py): each object builds a Config from its arguments, checked as a config file's is
 (session.py). Under torchrun / srun every rank makes the same calls (SPMD); alone, it runs in
 one process. `Critic.from_pretrained` (PPO: algorithm="gae") and `RewardModel.from_pretrained`
 (a learned reward, given to the worker) complete the set. examples/python_api.py is a whole run.

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from verl_mcore.engine.batch import TrainBatch
-from verl_mcore.trainer import Rollout
+from verl_mcore.rollout.batch import Rollout
 
 
 @dataclass

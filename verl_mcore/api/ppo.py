@@ -3,7 +3,7 @@
     trainer = PPOTrainer(policy, algorithm="grpo", kl_loss_coef=0.001)
     metrics = trainer.update(buffer)       # or update(experiences)
 
-By the trainer's own phases (phases.py), in its order: old log-probs (unless the update is one
+By the trainer's own learner (learner.py), in its order: old log-probs (unless the update is one
 on-policy optimizer step), reference log-probs (with a KL term), token rewards (scores on each
 response's last token, minus the in-reward KL), the critic's update on its GAE returns (gae),
 the advantages (algorithm: a name of algo/advantages.ADV_ESTIMATORS: grpo, gae, rloo,
@@ -24,11 +24,12 @@ from verl_mcore import build
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import ExperienceBuffer, Experiences
 from verl_mcore.api.models import micro_batched
-from verl_mcore.api.phases import Phases
 from verl_mcore.config import ConfigError
 from verl_mcore.config.loading import from_dict
+from verl_mcore.distributed.placement import RolePlacement
 from verl_mcore.engine.reward_model import same_tokenizer
-from verl_mcore.trainer import StageTimer
+from verl_mcore.learner import Learner
+from verl_mcore.stage_timer import StageTimer
 
 _BATCH_KEYS = ("data.train_batch_size is the experiences' prompts, rollout.n the worker's n, "
                "actor.ppo_mini_batch_size the PPOTrainer's mini_batch_size, "
@@ -80,7 +81,12 @@ class PPOTrainer:
         with build.role_seed(self.cfg.trainer.seed, "reference"):  # as the Trainer builds it
             self.reference = build.build_reference(micro_batched(self.cfg, policy.info),
                                                   policy._session.groups, policy.info, policy.actor)
-        self._phases = Phases(reference=self.reference, kl_ctrl=self.kl_ctrl)
+        roles = ("actor",) + (("reference",) if self.reference is not None else ()) + (
+            ("critic",) if critic is not None else ())
+        self._learner = Learner(self.cfg, RolePlacement.everywhere(policy._session.groups, roles),
+                                policy._session.device, None, self.reference,
+                                kl_ctrl=self.kl_ctrl)
+        self.skipped_updates = 0
         self.updates = 0
 
     def update(self, experiences: Union[ExperienceBuffer, Experiences]) -> dict[str, float]:
@@ -88,45 +94,26 @@ class PPOTrainer:
         exp = experiences.batch() if isinstance(experiences, ExperienceBuffer) else experiences
         self._check_sampled_by_policy(exp)
         cfg = self._config_for(exp)
-        p, timer, step = self._phases, StageTimer(), self.updates + 1
-        p.cfg, p.actor = cfg, self.policy.actor_for(cfg)
-        p.critic = self.critic.role_for(cfg) if self.critic is not None else None
+        learner, timer, step = self._learner, StageTimer(), self.updates + 1
+        learner.cfg, learner.actor = cfg, self.policy.actor_for(cfg)
+        learner.critic = self.critic.role_for(cfg) if self.critic is not None else None
         if self.reference is not None:  # its log-probs at the temperature the samples were drawn
-            self.reference.temperature = p.actor.temperature
+            self.reference.temperature = learner.actor.temperature
         # The update writes log-probs, values and advantages into a batch of its own: the
         # caller's experiences stay as generate made them.
         rollout = dataclasses.replace(exp.rollout, train=dataclasses.replace(exp.rollout.train))
-        batch, scores = rollout.train, exp.scores
-        entropy = None
-        if p.needs_old_log_probs(batch):
-            with timer("old_logp"):
-                batch.old_log_probs, entropy = p.actor.compute_log_prob(batch, compute_entropy=True)
-        if self.reference is not None:
-            with timer("ref"):
-                batch.ref_log_probs = self.reference.compute_ref_log_prob(batch)
-        with timer("adv"):
-            token_rewards, kl_metrics = p.token_rewards(batch, scores)
-            metrics: dict[str, float] = dict(p.off_policy(rollout, batch))  # rollout.tis_cap
-        if p.critic is not None:  # leaves the values before its update in batch.values
-            metrics.update(p.fit_critic(step, batch, token_rewards, timer))
-        with timer("adv"):
-            batch.advantages, batch.returns = p.advantages(batch, token_rewards, scores,
-                                                           rollout.group_ids, exp.baseline)
-        if step > cfg.critic.warmup_steps or p.critic is None:
-            with timer("actor"):
-                metrics.update(p.update(step, "actor", batch))
-        # check_finite counts this step's skipped optimizer steps per role (Trainer.step too)
-        p.skipped_updates += sum(p.skipped_now.values())
-        p.skipped_now = {}
-        if step > cfg.critic.warmup_steps or p.critic is None:
-            metrics["train/skipped_updates"] = float(p.skipped_updates)
+        metrics, _ = learner.train(step, rollout, timer, lambda: (exp.scores, {}, exp.baseline))
+        # The optimizer steps skipped for a non-finite gradient (on_nonfinite=skip), as
+        # Trainer.step counts them.
+        self.skipped_updates += sum(learner.skipped_now.values())
+        learner.skipped_now = {}
+        if learner.actor_learns(step):
+            metrics["train/skipped_updates"] = float(self.skipped_updates)
             self.policy.version += 1
-        metrics.update(kl_metrics)
-        metrics.update(p.data_metrics(rollout, scores, token_rewards, entropy))
         metrics.update(timer.metrics())
         if "actor/mfu" in metrics:
             metrics["perf/mfu/actor"] = metrics.pop("actor/mfu")
-        self.updates = p.step_index = p.last_good_step = step
+        self.updates = learner.last_good_step = step
         return {k: float(v) for k, v in metrics.items() if v is not None}
 
     def _check_sampled_by_policy(self, exp: Experiences) -> None:

@@ -3,8 +3,8 @@
     worker = RolloutWorker(policy, max_new_tokens=256, temperature=1.0, n=8, reward_fn=score)
     experiences = worker.generate(["What is 2 + 3?", ...])      # or chat messages, or rows
 
-What one call does is the first half of `Trainer.step`, by the trainer's own phases
-(phases.py): bring the policy's weights into the generation layout and check them, sample n
+What one call does is the first half of `Trainer.step`, by the trainer's own sampler and
+scorer (sampler.py, scoring.py): bring the policy's weights into the generation layout and check them, sample n
 responses per prompt (each generation replica its share of the prompts), gather every replica's
 samples on every rank, score them. Every rank calls it with the same prompts (SPMD).
 
@@ -27,13 +27,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from verl_mcore import build
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import Experiences
-from verl_mcore.api.phases import Phases
 from verl_mcore.config import ConfigError, ModelShape
 from verl_mcore.data import PromptLoader
 from verl_mcore.data.dataset import RLHFDataset
 from verl_mcore.distributed.agree import all_ranks_agree
+from verl_mcore.distributed.placement import RolePlacement
 from verl_mcore.reward import RewardManager
-from verl_mcore.trainer import StageTimer
+from verl_mcore.sampler import Sampler
+from verl_mcore.scoring import Scorer
+from verl_mcore.stage_timer import StageTimer
 
 PROMPTS_LABEL = "the prompts given to RolloutWorker.generate"
 
@@ -78,35 +80,40 @@ class RolloutWorker:
                 scored_outside=[s.name for s in self.cfg.reward.sources if s.type == "reward_model"]),
             "starting the rewards of the RolloutWorker", cleanup=lambda m: m.close())
         phase = build.build_generation_phase(self.cfg, session.groups, policy.info,
-                                       policy.actor_for(self.cfg))
-        self._phases = Phases(cfg=self.cfg, rollout=phase, info=policy.info,
-                              groups=session.groups, rank=session.rank, world=session.world,
-                              device=session.device, rewards=self.rewards,
-                              reward_models={rm.name: rm.scorer for rm in reward_models})
+                                             policy.actor_for(self.cfg))
+        place = RolePlacement.everywhere(session.groups, ("actor", "reward_model"))
+        self._sampler = Sampler(self.cfg, policy.info, place, phase)
+        self._scorer = Scorer(self.rewards, {rm.name: rm.scorer for rm in reward_models},
+                              [rm.name for rm in reward_models], place, policy.info.tokenizer,
+                              session.device, session.rank)
+        self._calls = 0  # generate calls so far: each samples with the next batch's seeds
 
     def generate(self, prompts: Sequence[Any]) -> Experiences:
         """n responses for each prompt, scored (module docstring); the same Experiences on
         every rank."""
-        p, cfg = self._phases, self.cfg
+        sampler, cfg = self._sampler, self.cfg
         batch = self._prompt_batch(prompts)  # this generation replica's share
-        timer, step = StageTimer(), p.step_index + 1
+        timer, step = StageTimer(), self._calls + 1
         try:
             with timer("sync"):
-                sync_metrics = p.rollout.begin(step, batch.input_ids)  # weights + sync check
+                sync_metrics = sampler.begin(step, batch.input_ids)  # weights + sync check
             with timer("gen"):
-                rollout = p.generate(batch, p.sampling(cfg.rollout.n, cfg.rollout.temperature))
+                rollout = sampler.generate(batch, sampler.sampling(cfg.rollout.n,
+                                                                   cfg.rollout.temperature,
+                                                                   self._calls))
                 baseline = None
                 if self.greedy_baseline:
-                    baseline = p.generate(batch, p.sampling(1, 0.0, seed_offset=1))
+                    baseline = sampler.generate(batch, sampler.sampling(1, 0.0, self._calls,
+                                                                        seed_offset=1))
         finally:
-            p.rollout.end()  # the KV cache (and weight buffer) go back before training
-        engine_metrics = p.generation_stats()  # preemptions, peak live sequences, occupancy
-        rollout = rollout.to(p.device)
+            sampler.end()  # the KV cache (and weight buffer) go back before training
+        engine_metrics = sampler.stats()  # preemptions, peak live sequences, occupancy
+        rollout = rollout.to(self._scorer.device)
         with timer("reward"):
-            scores, reward_metrics, extras = p.score(rollout)
+            scores, reward_metrics, extras = self._scorer.score(rollout)
             if baseline is not None:
-                baseline = p.score(baseline)[0].repeat_interleave(cfg.rollout.n)
-        p.step_index += 1  # the next call samples with the next seeds, as the trainer's next step
+                baseline = self._scorer.score(baseline)[0].repeat_interleave(cfg.rollout.n)
+        self._calls += 1  # the next call samples with the next seeds, as the trainer's next step
         return Experiences(rollout, scores, baseline, extras,
                            {**sync_metrics, **engine_metrics, **reward_metrics, **timer.metrics()}, cfg,
                            self.policy,
@@ -115,7 +122,7 @@ class RolloutWorker:
     def _prompt_batch(self, prompts: Sequence[Any]):
         """This generation replica's PromptBatch of `prompts`, through the dataset's checks,
         template and tokenisation; every replica's slice as the trainer's loader cuts it."""
-        groups = self._phases.groups
+        groups = self.policy._session.groups
         if isinstance(prompts, (str, Mapping)) or not len(prompts):
             raise TypeError("RolloutWorker.generate takes a non-empty list of prompts")
         key = self.cfg.data.prompt_key

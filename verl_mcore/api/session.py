@@ -26,7 +26,7 @@ from verl_mcore.distributed.groups import build_groups
 from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
 from verl_mcore.distributed.watchdog import process_group_timeout
 from verl_mcore.engine.engine import training_device
-from verl_mcore.trainer import _seed_everything
+from verl_mcore.utils.rng import seed_everything
 
 # The keys of each object: a key ending in "." stands for its whole section. The longest match
 # decides (`actor.optim.lr` is the Policy's though `actor.` keys are the PPOTrainer's).
@@ -200,7 +200,7 @@ def session_for(cfg: Config, who: str) -> Session:
     world, rank = dist.get_world_size(), dist.get_rank()
     check(cfg, who, world)  # the layout fits this world, before megatron asserts it does not
     groups = build_groups(cfg, int(timeout // 60) + 1)
-    _seed_everything(cfg.trainer.seed, rank)  # as the trainer, before any model is built
+    seed_everything(cfg.trainer.seed, rank)  # as the trainer, before any model is built
     _current = Session(layout_of(cfg), who, groups, rank, world, training_device(),
                        launch.local_rank)
     return _current

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from verl_mcore.config.placement import Placement, format_ranks
+from verl_mcore.config.placement import ROLES, Placement, RoleSet, format_ranks
 from verl_mcore.distributed.groups import GroupLayout, build_set_groups, collective_device
 from verl_mcore.errors import RoleSetFailure, failure_class
 from verl_mcore.utils.device import compute_device
@@ -75,6 +75,17 @@ class RolePlacement:
             link = dist.new_group(sorted(set(placement.ranks("actor")) | rollout), timeout=timeout)
         return cls(placement, {role: by_set[s] for role, s in placement.sets.items()},
                    dist.get_rank(), training, link)
+
+    @classmethod
+    def everywhere(cls, groups, roles=ROLES) -> "RolePlacement":
+        """Every role of `roles` on every rank, over `groups` (the ParallelGroups of all of them;
+        None without torch.distributed set up): the placement in which each phase simply runs
+        where it is called (the Python API's objects)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        every = RoleSet(tuple(range(world)), 1, 1)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(Placement(world, {role: every for role in roles}),
+                   {role: groups if groups is not None else True for role in roles}, rank)
 
     @property
     def colocated(self) -> bool:

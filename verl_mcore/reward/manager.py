@@ -33,7 +33,7 @@ Routing (`reward.route_by: category`, `reward.routes: {math: lighteval/MATH, cod
 names — a built-in data_source name or the name of another source. A source that is a route
 target scores only the samples routed to it and is not added to the total on its own.
 `RewardOutput.routes` holds each sample's column value; `route_metrics` of the whole batch's
-values and totals (Trainer.score gathers them from every rank) gives reward/route/<value>/mean
+values and totals (Scorer.score gathers them from every rank) gives reward/route/<value>/mean
 (the mean total score of those samples) and reward/route/<value>/count. A sample without a value
 counts under `<none>`; a value that is not 1-64 of [A-Za-z0-9_.-] is named by its first 48
 characters, the others replaced by "_", and 8 hex digits of its SHA-1 ("C++" -> "C__-fc2b4216").

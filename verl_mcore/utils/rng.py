@@ -11,6 +11,7 @@ can be written with `torch.save` and read back with `torch.load(weights_only=Tru
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -93,3 +94,15 @@ def _as_python_state(saved: Any) -> tuple:
     """random.setstate needs (version, tuple of 625 ints, gauss_next) with a tuple inside."""
     version, internal, gauss_next = saved
     return (version, tuple(internal), gauss_next)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Python's and numpy's RNGs per rank; torch's the same on all ranks (identical fresh heads,
+    replicated init); megatron's model-parallel tracker once its state exists."""
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed)
+    with contextlib.suppress(Exception):  # parallel state not initialised yet: seeded again later
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,84 @@
+"""One step's rollout batch as the learner reads it (`Rollout`), built from flat samples.
+
+    part = gather_rollout(...)                       # rollout/gather.py: flat, over the wire
+    rollout = rollout_from_part(part, part.prompt_of, info)   # TrainBatch + rows + texts
+    rollout = make_rollout(samples, group_ids, info)          # from Python lists (tests, API)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.rollout.gather import RolloutPart, decode_responses
+
+
+@dataclass
+class Rollout:
+    """One step's global rollout batch, identical on every rank.
+
+    train       engine.batch.TrainBatch: prompt+response ids, lengths, response mask [B, R]
+    rows        [B] the dataset rows of each sample's prompt (reward functions read them)
+    group_ids   [B] int64, one id per prompt: samples of the same prompt share it (GRPO, RLOO)
+    responses   [B] decoded response texts
+    finish      [B] "stop" | "length"
+    engine_log_probs  [B, R] the engine's log-prob of each response token (0 elsewhere), or
+                None when it was not asked for (Sampler.sampling)
+    """
+
+    train: Any
+    rows: list
+    group_ids: torch.Tensor
+    responses: list
+    finish: list
+    engine_log_probs: Optional[torch.Tensor] = None
+
+    def to(self, device) -> "Rollout":
+        """The rollout with its tensors on `device` (the step's rule: engine/batch.py)."""
+        lp = self.engine_log_probs
+        return dataclasses.replace(self, train=self.train.to(device),
+                                   group_ids=self.group_ids.to(device),
+                                   engine_log_probs=None if lp is None else lp.to(device))
+
+
+
+def token_ids(batch, rows) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) of `rows` of a TrainBatch, as lists (reward-model objects
+    handed in from Python take them); an empty response is [] again, not its masked pad."""
+    ids, prompt, seq = batch.input_ids.cpu(), batch.prompt_lens.tolist(), batch.seq_lens.tolist()
+    empty = (batch.response_mask.sum(dim=1) == 0).tolist()
+    prompts = [ids[i, :prompt[i]].tolist() for i in rows]
+    responses = [[] if empty[i] and seq[i] - prompt[i] == 1 else ids[i, prompt[i]:seq[i]].tolist()
+                 for i in rows]
+    return prompts, responses
+
+
+def prompt_texts(tokenizer, batch, rows) -> list[str]:
+    """The decoded prompts of `rows` of a TrainBatch, as the model saw them (chat template
+    included, special tokens left out)."""
+    ids, lens = batch.input_ids[list(rows)].tolist(), batch.prompt_lens[list(rows)].tolist()
+    return tokenizer.batch_decode([p[:k] for p, k in zip(ids, lens)], skip_special_tokens=True)
+
+
+def make_rollout(samples, group_ids, info) -> Rollout:
+    """samples: [(prompt ids, dataset row, response ids, finish reason)] -> Rollout."""
+    part = RolloutPart.from_samples(samples, info.arch.vocab_size)
+    return rollout_from_part(part, torch.as_tensor(group_ids, dtype=torch.int64), info)
+
+
+def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
+    """A Rollout from flat samples (rollout.gather.RolloutPart) and their group ids [B]."""
+    # An empty response (the engine stopped at once) gets one masked EOS token.
+    pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
+    train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
+                                 part.response_lens, pad, prompt_of=part.prompt_of)
+    engine_log_probs = None
+    if part.logprobs is not None:  # response-aligned like the trainer's own log-probs
+        engine_log_probs = torch.zeros(train.response_mask.shape, dtype=torch.float32)
+        engine_log_probs[train.response_mask.bool()] = part.logprobs
+    return Rollout(train=train, rows=part.sample_rows(), group_ids=group_ids.to(torch.int64),
+                   responses=decode_responses(info.tokenizer, part), finish=part.finish_reasons(),
+                   engine_log_probs=engine_log_probs)

@@ -1,0 +1,99 @@
+"""Scoring a rollout batch: rule, custom and reward-model scores of every sample, on every rank.
+
+The reward models score the whole batch on their set (every rank of it together); the rule and
+custom scorers split the batch over the training ranks, each a slice, then all-gather, so every
+rank holds the same [B] scores, the scorers' extras and the metrics. A rollout set of its own
+(placement.rollout) scores nothing: it samples the next batch meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_mcore.rollout.batch import Rollout, prompt_texts, token_ids
+from verl_mcore.tracking import MetricAccumulator
+
+log = logging.getLogger("verl_mcore.scoring")
+
+
+class Scorer:
+    """rewards: the RewardManager (rule / custom sources); reward_models: name -> the reward
+    model built on this rank (empty where the reward models' set does not run); names: every
+    reward model's name, on every rank (the exchanges of their scores); place: the run's
+    RolePlacement; tokenizer: decodes the prompts a batch reward class reads."""
+
+    def __init__(self, rewards, reward_models: dict, names: list, place, tokenizer, device,
+                 rank: int):
+        self.rewards, self.reward_models, self.names = rewards, reward_models, names
+        self.place, self.tokenizer, self.device, self.rank = place, tokenizer, device, rank
+
+    def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
+        """Rule / custom / model scores [B] on the training device: the reward models score the
+        whole batch on every rank together; each rank scores a slice with the other sources,
+        then all-gather. Also the metrics, and the scorers' extras of the whole batch
+        ("source/key" -> [B] float or None, RewardOutput.extras) on every rank."""
+        n = len(rollout.responses)
+        # Split over the training ranks (a rollout set of its own samples meanwhile).
+        scorers = self.place.training_ranks
+        mine = list(range(scorers.index(self.rank), n, len(scorers)))
+        model_scores = {  # on the reward models' set, then on every rank
+            name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
+                rollout.train, rollout.rows, rollout.responses), [n]).cpu()
+            for name in self.names}
+        token_ids = token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
+        prompts = None
+        if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
+            prompts = prompt_texts(self.tokenizer, rollout.train, mine)
+        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
+                                 *token_ids, indices=mine, prompts=prompts,
+                                 model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
+        part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
+                out.extras)
+        gathered: list = [None] * len(scorers)
+        dist.all_gather_object(gathered, part, group=self.place.training)
+        scores = torch.zeros(n)
+        per_source: dict[str, torch.Tensor] = {}
+        failed, firsts, routes, extras = 0, [], [None] * n, {}
+        for idx, s, sources, f, first, r, extra in gathered:
+            scores[idx] = torch.tensor(s, dtype=torch.float32)
+            for i, value in zip(idx, r):
+                routes[i] = value
+            for name, values in extra.items():
+                for i, value in zip(idx, values):
+                    extras.setdefault(name, [None] * n)[i] = value
+            for name, values in sources.items():
+                per_source.setdefault(name, torch.zeros(n))[idx] = torch.tensor(values, dtype=torch.float32)
+            failed += sum(f)
+            firsts += [first] if first else []
+        # The whole batch's count on every rank: all stop together (reward.max_failed_fraction).
+        self.rewards.check_failures(failed, n, min(firsts, default=None))
+        acc = MetricAccumulator()
+        for name, values in out.metrics.items():
+            acc.add_mean(name, values, weight=max(1, len(mine)))
+        metrics = dict(acc.reduce(group=self.place.training))
+        for name, values in per_source.items():
+            metrics[f"reward/{name}/mean"] = float(values.mean())
+        for name, values in model_scores.items():  # the whole batch's, on every rank
+            stats = {"mean": values.mean(), "std": values.std(unbiased=False), "min": values.min(),
+                     "max": values.max()}
+            metrics.update({f"reward/{name}/{k}": float(v) for k, v in stats.items()})
+            if self.rank == 0:
+                log.info("reward model %s: %s", name, " ".join(f"{k} {float(v):.4g}" for k, v in stats.items()))
+        metrics["reward/failed"] = float(failed)
+        # From the gathered per-sample values: exact over the whole batch, however it was split.
+        metrics.update(self.rewards.route_metrics(routes, scores.tolist()))
+        return scores.to(self.device), metrics, extras
+
+    def scores_of(self, rollout: Rollout, baseline: Optional[Rollout] = None, n: int = 1):
+        """The learner's `score` of `rollout`: () -> (scores [B], metrics, ReMax baselines [B] or
+        None): the greedy `baseline` response of each prompt scored and repeated for its n
+        samples."""
+        def score():
+            scores, metrics, _ = self.score(rollout)
+            if baseline is None:
+                return scores, metrics, None
+            return scores, metrics, self.score(baseline)[0].repeat_interleave(n)
+        return score
