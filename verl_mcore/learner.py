@@ -55,7 +55,6 @@ class Learner:
         """The step's training on `rollout` (its tensors on the training device): log-probs,
         scores (`score()`, after the log-prob passes), advantages, the critic's and the actor's
         updates; `phase(name)` times each. (metrics, tokens of the batch)."""
-        cfg = self.cfg
         batch = rollout.train
         # The log-prob passes first: placed, the actor set runs them while the reward set scores.
         entropy = None

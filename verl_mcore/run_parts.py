@@ -64,6 +64,13 @@ class RunParts:
     checkpoints: Any
     tracking: Tracking
 
+    def stop(self) -> None:
+        """Stop what runs beside the loop: the watchdog's thread, the signal handlers, the
+        scoring workers."""
+        self.watchdog.stop()
+        self.guard.uninstall()
+        self.rewards.close()
+
 
 def build_run(cfg: Config, launch, run, run_dir: str) -> RunParts:
     """Every part of a run on this rank (module docstring); `run` is the opened RunDir of

@@ -43,12 +43,12 @@ class Scorer:
             name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
                 rollout.train, rollout.rows, rollout.responses), [n]).cpu()
             for name in self.names}
-        token_ids = token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
+        ids = token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
             prompts = prompt_texts(self.tokenizer, rollout.train, mine)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
-                                 *token_ids, indices=mine, prompts=prompts,
+                                 *ids, indices=mine, prompts=prompts,
                                  model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
                 out.extras)

@@ -26,7 +26,6 @@ import resource
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from verl_mcore import build
@@ -78,7 +77,12 @@ class Trainer:
         self.step_index = 0  # steps completed
         self.skipped_updates = 0
         self.memory_peak_bytes = 0  # CUDA: carried from step to step (StageTimer resets peaks)
-        self._resume()
+        try:
+            self._resume()
+        except BaseException:  # a refused resume leaves no thread, handler or worker behind
+            p.stop()
+            self.run.close()
+            raise
 
     def fit(self) -> int:
         """Run to trainer.total_steps; returns the process exit code."""

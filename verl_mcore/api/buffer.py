@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.rollout.batch import Rollout
 
 
@@ -29,7 +28,7 @@ class Experiences:
     """Scored samples of one or more RolloutWorker.generate calls, B samples of P prompts; the n
     samples of a prompt are consecutive and share a group id.
 
-    rollout         trainer.Rollout: .train (engine/batch.TrainBatch: ids, lengths, masks),
+    rollout         rollout.batch.Rollout: .train (engine/batch.TrainBatch: ids, lengths, masks),
                     .rows [B] dataset rows, .group_ids [B], .responses [B] texts, .finish [B]
     scores          [B] float32 rewards (the weighted reward sources), on the training device
     baseline        [B] or None: ReMax's greedy-baseline scores (RolloutWorker(greedy_baseline=True))
@@ -85,23 +84,9 @@ class Experiences:
             return first
         if len({p.baseline is None for p in parts}) > 1:
             raise ValueError("Experiences.concat: some parts have greedy baselines and some not")
-        ids, offset = [], 0
-        for p in parts:  # each part's ids made distinct from the parts' before it
-            local = torch.as_tensor(p.groups, device=p.rollout.group_ids.device)
-            ids.append(torch.searchsorted(local.sort().values, p.rollout.group_ids) + offset)
-            offset += len(local)
         info = first.policy.info
         pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
-        train = TrainBatch.concat([p.rollout.train for p in parts], pad)
-        engine = [p.rollout.engine_log_probs for p in parts]
-        if all(e is not None for e in engine):  # rollout.tis_cap: widened like the batch
-            engine = torch.cat([torch.nn.functional.pad(e, (0, train.response_width - e.shape[1]))
-                                for e in engine])
-        rollout = Rollout(train=train,
-                          rows=[r for p in parts for r in p.rollout.rows], group_ids=torch.cat(ids),
-                          responses=[r for p in parts for r in p.rollout.responses],
-                          finish=[f for p in parts for f in p.rollout.finish],
-                          engine_log_probs=None if isinstance(engine, list) else engine)
+        rollout = Rollout.concat([p.rollout for p in parts], pad)
         names = list(dict.fromkeys(k for p in parts for k in p.extras))
         extras = {k: [v for p in parts for v in p.extras.get(k, [None] * p.num_samples)]
                   for k in names}
@@ -116,15 +101,8 @@ class Experiences:
         if not rows:
             raise ValueError(f"Experiences.select_groups: none of the groups {list(groups)[:8]} "
                              f"is here (the groups are {self.groups[:8]}...)")
-        r = self.rollout
         idx = torch.as_tensor(rows, dtype=torch.long)
-        engine = r.engine_log_probs  # [B, R]: the weight-sync check's, rollout.tis_cap's
-        rollout = dataclasses.replace(r, train=r.train.select(idx), rows=[r.rows[i] for i in rows],
-                                      group_ids=r.group_ids[idx.to(r.group_ids.device)],
-                                      responses=[r.responses[i] for i in rows],
-                                      finish=[r.finish[i] for i in rows],
-                                      engine_log_probs=None if engine is None
-                                      else engine[idx.to(engine.device)])
+        rollout = self.rollout.select(idx)
         on = idx.to(self.scores.device)
         return dataclasses.replace(
             self, rollout=rollout, scores=self.scores[on],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -35,6 +35,42 @@ class Rollout:
     responses: list
     finish: list
     engine_log_probs: Optional[torch.Tensor] = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.responses)
+
+    def select(self, rows) -> "Rollout":
+        """The samples at `rows` (in that order; whole groups keep GRPO's statistics)."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        rows = idx.tolist()
+        lp = self.engine_log_probs  # [B, R]: the weight-sync check's, rollout.tis_cap's
+        return dataclasses.replace(self, train=self.train.select(idx),
+                                   rows=[self.rows[i] for i in rows],
+                                   group_ids=self.group_ids[idx.to(self.group_ids.device)],
+                                   responses=[self.responses[i] for i in rows],
+                                   finish=[self.finish[i] for i in rows],
+                                   engine_log_probs=None if lp is None else lp[idx.to(lp.device)])
+
+    @classmethod
+    def concat(cls, parts: Sequence["Rollout"], pad_token_id: int) -> "Rollout":
+        """The samples of `parts` one after another, their group ids renumbered 0.. in order of
+        first appearance per part, so that groups of different parts stay apart. The tensors are
+        widened as TrainBatch.concat widens them (`pad_token_id` in input_ids)."""
+        ids, offset = [], 0
+        for p in parts:  # each part's ids made distinct from the parts' before it
+            local = torch.unique(p.group_ids)  # sorted
+            ids.append(torch.searchsorted(local, p.group_ids) + offset)
+            offset += len(local)
+        train = TrainBatch.concat([p.train for p in parts], pad_token_id)
+        engine = [p.engine_log_probs for p in parts]
+        widened = None
+        if all(e is not None for e in engine):  # widened like the batch
+            widened = torch.cat([torch.nn.functional.pad(e, (0, train.response_width - e.shape[1]))
+                                 for e in engine])
+        return cls(train=train, rows=[r for p in parts for r in p.rows], group_ids=torch.cat(ids),
+                   responses=[r for p in parts for r in p.responses],
+                   finish=[f for p in parts for f in p.finish], engine_log_probs=widened)
 
     def to(self, device) -> "Rollout":
         """The rollout with its tensors on `device` (the step's rule: engine/batch.py)."""
