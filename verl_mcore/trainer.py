@@ -37,6 +37,7 @@ import torch.distributed as dist
 from verl_mcore import build, ops
 from verl_mcore.algo.advantages import compute_advantages
 from verl_mcore.algo.kl import apply_kl_penalty
+from verl_mcore.algo.overlong import actor_batch, overlong_scores
 from verl_mcore.algo.policy_loss import truncated_is_weights
 from verl_mcore.config import Config, ConfigError, resume
 from verl_mcore.config.placement import Placement
@@ -372,8 +373,11 @@ class Trainer:
                 batch.ref_log_probs = self.ref_log_probs(batch)
         with phase("reward"):
             scores, reward_metrics, _ = self.score(rollout)
+            scores, overlong_metrics = overlong_scores(cfg, rollout, scores)  # overlong_buffer
+            reward_metrics.update(overlong_metrics)
             if baseline is not None:  # ReMax: the greedy response's score, for each sample
-                baseline = self.score(baseline)[0].repeat_interleave(cfg.rollout.n)
+                baseline = overlong_scores(cfg, baseline, self.score(baseline)[0])[0]
+                baseline = baseline.repeat_interleave(cfg.rollout.n)
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
             metrics: dict[str, float] = dict(self.off_policy(rollout, batch))
@@ -383,9 +387,12 @@ class Trainer:
             batch.advantages, batch.returns = self.advantages(batch, token_rewards, scores,
                                                               rollout.group_ids, baseline)
         if step > cfg.critic.warmup_steps or not self.place.has("critic"):
+            # actor.mask_truncated_samples: its own batch, truncated samples out of the loss
+            trained, mask_metrics = actor_batch(cfg, rollout)
             with phase("actor"):  # placed, alongside the critic set's update
-                actor_metrics = self.update(step, "actor", batch)
+                actor_metrics = self.update(step, "actor", trained)
             metrics.update(actor_metrics)
+            metrics.update(mask_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
         metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))

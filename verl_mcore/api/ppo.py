@@ -21,6 +21,7 @@ import dataclasses
 from typing import Optional, Sequence, Union
 
 from verl_mcore import build
+from verl_mcore.algo.overlong import actor_batch
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import ExperienceBuffer, Experiences
 from verl_mcore.api.models import micro_batched
@@ -113,8 +114,10 @@ class PPOTrainer:
             batch.advantages, batch.returns = p.advantages(batch, token_rewards, scores,
                                                            rollout.group_ids, exp.baseline)
         if step > cfg.critic.warmup_steps or p.critic is None:
+            trained, mask_metrics = actor_batch(cfg, rollout)  # actor.mask_truncated_samples
             with timer("actor"):
-                metrics.update(p.update(step, "actor", batch))
+                metrics.update(p.update(step, "actor", trained))
+            metrics.update(mask_metrics)
         # check_finite counts this step's skipped optimizer steps per role (Trainer.step too)
         p.skipped_updates += sum(p.skipped_now.values())
         p.skipped_now = {}

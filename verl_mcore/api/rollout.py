@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from verl_mcore import build
+from verl_mcore.algo.overlong import overlong_scores
 from verl_mcore.api import session as sess
 from verl_mcore.api.buffer import Experiences
 from verl_mcore.api.phases import Phases
@@ -104,8 +105,11 @@ class RolloutWorker:
         rollout = rollout.to(p.device)
         with timer("reward"):
             scores, reward_metrics, extras = p.score(rollout)
+            scores, overlong_metrics = overlong_scores(cfg, rollout, scores)  # as Trainer.train_on
+            reward_metrics.update(overlong_metrics)
             if baseline is not None:
-                baseline = p.score(baseline)[0].repeat_interleave(cfg.rollout.n)
+                baseline = overlong_scores(cfg, baseline, p.score(baseline)[0])[0]
+                baseline = baseline.repeat_interleave(cfg.rollout.n)
         p.step_index += 1  # the next call samples with the next seeds, as the trainer's next step
         return Experiences(rollout, scores, baseline, extras,
                            {**sync_metrics, **engine_metrics, **reward_metrics, **timer.metrics()}, cfg,
