@@ -179,6 +179,12 @@ def _cases() -> list[Case]:
         Case("rollout-tis-cap", ("rollout.tis_cap=2.0",),
              expect=("rollout/tis_weight_mean", "rollout/tis_clip_fraction",
                      "rollout/engine_vs_trainer_logp_diff")),
+        # DAPO's overlong handling (algo/overlong.py): the soft penalty on the training scores
+        # (data.max_response_length=8: past 4 tokens), truncated samples out of the actor's loss.
+        Case("overlong-dapo", ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
+                               "actor.mask_truncated_samples=true"),
+             expect=("reward/overlong/penalty_mean", "reward/overlong/fraction",
+                     "actor/masked_truncated_fraction")),
         # The reference's weights in host memory between its passes.
         Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
              expect=("actor/kl_loss",)),

@@ -23,6 +23,7 @@ import torch
 from verl_mcore import ops
 from verl_mcore.algo.advantages import compute_advantages
 from verl_mcore.algo.kl import apply_kl_penalty
+from verl_mcore.algo.overlong import actor_batch
 from verl_mcore.algo.policy_loss import truncated_is_weights
 from verl_mcore.engine.engine import DivergedStepError
 from verl_mcore.errors import NonFiniteError
@@ -75,9 +76,12 @@ class Learner:
             batch.advantages, batch.returns = self.advantages(batch, token_rewards, scores,
                                                               rollout.group_ids, baseline)
         if self.actor_learns(step):
+            # actor.mask_truncated_samples: its own batch, truncated samples out of the loss
+            trained, mask_metrics = actor_batch(self.cfg, rollout)
             with phase("actor"):  # placed, alongside the critic set's update
-                actor_metrics = self.update(step, "actor", batch)
+                actor_metrics = self.update(step, "actor", trained)
             metrics.update(actor_metrics)
+            metrics.update(mask_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
         metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))

@@ -147,7 +147,7 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
     learner = Learner(cfg, place, device, roles["actor"], roles["reference"], roles["critic"],
                       build.build_kl_controller(cfg),
                       build.build_offloaders(cfg, roles["actor"], roles["critic"], offload))
-    scorer = Scorer(rewards, roles["reward_models"], list(inputs.reward_models), place,
+    scorer = Scorer(cfg, rewards, roles["reward_models"], list(inputs.reward_models), place,
                     info.tokenizer, device, rank)
     producer = Producer(sampler, loader, place, cfg, learner.offload_training_state,
                         cfg.rollout.max_staleness if cfg.rollout.mode == "one_step_off" else 0)

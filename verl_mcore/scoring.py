@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from verl_mcore.algo.overlong import overlong_scores
 from verl_mcore.rollout.batch import Rollout, prompt_texts, token_ids
 from verl_mcore.tracking import MetricAccumulator
 
@@ -20,14 +21,15 @@ log = logging.getLogger("verl_mcore.scoring")
 
 
 class Scorer:
-    """rewards: the RewardManager (rule / custom sources); reward_models: name -> the reward
-    model built on this rank (empty where the reward models' set does not run); names: every
-    reward model's name, on every rank (the exchanges of their scores); place: the run's
-    RolePlacement; tokenizer: decodes the prompts a batch reward class reads."""
+    """cfg: the run's Config (reward.overlong_buffer shapes training scores); rewards: the
+    RewardManager (rule / custom sources); reward_models: name -> the reward model built on this
+    rank (empty where the reward models' set does not run); names: every reward model's name, on
+    every rank (the exchanges of their scores); place: the run's RolePlacement; tokenizer:
+    decodes the prompts a batch reward class reads."""
 
-    def __init__(self, rewards, reward_models: dict, names: list, place, tokenizer, device,
+    def __init__(self, cfg, rewards, reward_models: dict, names: list, place, tokenizer, device,
                  rank: int):
-        self.rewards, self.reward_models, self.names = rewards, reward_models, names
+        self.cfg, self.rewards, self.reward_models, self.names = cfg, rewards, reward_models, names
         self.place, self.tokenizer, self.device, self.rank = place, tokenizer, device, rank
 
     def score(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
@@ -87,13 +89,22 @@ class Scorer:
         metrics.update(self.rewards.route_metrics(routes, scores.tolist()))
         return scores.to(self.device), metrics, extras
 
+    def train_scores(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
+        """`score` of a batch to train on: with reward.overlong_buffer, DAPO's soft overlong
+        penalty added to each sample's score (algo/overlong.py; validation scores stay
+        unshaped)."""
+        scores, metrics, extras = self.score(rollout)
+        scores, overlong_metrics = overlong_scores(self.cfg, rollout, scores)
+        metrics.update(overlong_metrics)
+        return scores, metrics, extras
+
     def scores_of(self, rollout: Rollout, baseline: Optional[Rollout] = None, n: int = 1):
         """The learner's `score` of `rollout`: () -> (scores [B], metrics, ReMax baselines [B] or
-        None): the greedy `baseline` response of each prompt scored and repeated for its n
-        samples."""
+        None): the greedy `baseline` response of each prompt scored (shaped alike) and repeated
+        for its n samples."""
         def score():
-            scores, metrics, _ = self.score(rollout)
+            scores, metrics, _ = self.train_scores(rollout)
             if baseline is None:
                 return scores, metrics, None
-            return scores, metrics, self.score(baseline)[0].repeat_interleave(n)
+            return scores, metrics, self.train_scores(baseline)[0].repeat_interleave(n)
         return score

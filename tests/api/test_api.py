@@ -99,7 +99,13 @@ def test_example_on_two_ranks_at_tp2_agrees_and_saves(tiny_model, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The same run through Trainer and through the API
 
-def _shared(algo):
+# DAPO's overlong handling: the worker's penalty on its scores, the PPOTrainer's masking.
+OVERLONG_WORKER = ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
+                   "reward.overlong_buffer.penalty_factor=0.5"]
+OVERLONG_TRAINER = ["actor.mask_truncated_samples=true"]
+
+
+def _shared(algo, overlong=False):
     """(Trainer overrides of configs/quickstart.yaml, API arguments) of one run."""
     n = 4 if algo == "grpo" else 2
     trainer = [f"rollout.n={n}", f"algorithm.adv_estimator={algo}", "trainer.total_steps=3",
@@ -111,21 +117,23 @@ def _shared(algo):
                "reward.custom_fn.name=repeat_digit_score"]
     if algo == "grpo":
         trainer.append("actor.use_kl_loss=true")
+    if overlong:
+        trainer += OVERLONG_WORKER + OVERLONG_TRAINER
     return trainer, n
 
 
-def _trainer_run(rank, world_size, model, run_dir, algo):
+def _trainer_run(rank, world_size, model, run_dir, algo, overlong=False):
     from verl_mcore.config import Config
     from verl_mcore.trainer import Trainer
 
-    overrides, _ = _shared(algo)
+    overrides, _ = _shared(algo, overlong)
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"),
                       overrides + [f"model.path={model}", f"trainer.run_dir={run_dir}"])
     Trainer(cfg).fit()
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _api_run(rank, world_size, model, algo):
+def _api_run(rank, world_size, model, algo, overlong=False):
     import pyarrow.parquet as pq
 
     from verl_mcore.api import Critic, ExperienceBuffer, Flow, Policy, PPOTrainer, RolloutWorker
@@ -140,24 +148,29 @@ def _api_run(rank, world_size, model, algo):
     policy = Policy.from_pretrained(model, dtype="fp32", lr=3e-3, overrides=[
         "actor.optim.weight_decay=0.0", "actor.micro_batch_size_per_gpu=2"])
     worker = RolloutWorker(policy, max_new_tokens=8, max_prompt_length=16, temperature=1.0, n=n,
-                           reward_fn=reward.repeat_digit_score)
+                           reward_fn=reward.repeat_digit_score,
+                           overrides=OVERLONG_WORKER if overlong else ())
     critic = None
     if algo == "gae":
         critic = Critic.from_pretrained(model, dtype="fp32",
                                         overrides=["critic.micro_batch_size_per_gpu=2"])
     trainer = PPOTrainer(policy, critic, algorithm=algo,
-                         kl_loss_coef=0.001 if algo == "grpo" else None)
+                         kl_loss_coef=0.001 if algo == "grpo" else None,
+                         overrides=OVERLONG_TRAINER if overlong else ())
     flow = Flow([worker, ExperienceBuffer(), trainer], prompts=(rows[i:i + 2] for i in range(0, 6, 2)))
     return [flow.step() for _ in range(3)]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "gae"])
-def test_api_gives_the_trainers_metrics(tiny_model, tmp_path, algo):
+@pytest.mark.parametrize("algo, overlong", [
+    ("grpo", False), ("gae", False),
+    # reward.overlong_buffer and actor.mask_truncated_samples (algo/overlong.py) in both
+    pytest.param("grpo", True, marks=pytest.mark.slow, id="grpo-overlong")])
+def test_api_gives_the_trainers_metrics(tiny_model, tmp_path, algo, overlong):
     """The strongest check that the API is the trainer's code: the same losses, scores, KL,
     advantages and values to the bit, step by step, on the same seed and prompts."""
-    trained = run_on_ranks(_trainer_run, world_size=1, args=(tiny_model, str(tmp_path / "run"), algo),
-                           timeout=300)[0]
-    api = run_on_ranks(_api_run, world_size=1, args=(tiny_model, algo), timeout=300)[0]
+    trained = run_on_ranks(_trainer_run, world_size=1,
+                           args=(tiny_model, str(tmp_path / "run"), algo, overlong), timeout=300)[0]
+    api = run_on_ranks(_api_run, world_size=1, args=(tiny_model, algo, overlong), timeout=300)[0]
     assert len(trained) == len(api) == 3
     for step, (t, a) in enumerate(zip(trained, api), 1):
         keys = [k for k in t if k not in ("step", "time") and not any(s in k for s in _TIMED)]
@@ -166,6 +179,9 @@ def test_api_gives_the_trainers_metrics(tiny_model, tmp_path, algo):
             assert "critic/vf_loss" in keys and "critic/values/mean" in keys
         else:
             assert "actor/kl_loss" in keys
+        overlong_keys = {"reward/overlong/penalty_mean", "reward/overlong/fraction",
+                         "actor/masked_truncated_fraction"}
+        assert overlong_keys <= set(keys) if overlong else not overlong_keys & set(keys)
         missing = [k for k in keys if k not in a]
         assert not missing, f"step {step}: the API has no {missing}"
         differ = {k: (t[k], a[k]) for k in keys if t[k] != a[k]}

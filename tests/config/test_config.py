@@ -110,6 +110,15 @@ def test_yaml_round_trip():
      ["algorithm.kl_ctrl.horizon=0 must be >= 1"]),
     (1, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], ["algorithm.kl_ctrl.target_kl=0.0 must be > 0"]),
     (1, ["algorithm.kl_ctrl.kl_coef=-0.1"], ["algorithm.kl_ctrl.kl_coef=-0.1 must be >= 0"]),
+    (1, ["reward.overlong_buffer.enable=true"],
+     ["reward.overlong_buffer.enable=true needs reward.overlong_buffer.len",
+      "below data.max_response_length=512"]),
+    (1, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64",
+         "data.max_response_length=64"],
+     ["reward.overlong_buffer.len=64 must be below data.max_response_length=64"]),
+    (1, ["reward.overlong_buffer.len=0"], ["reward.overlong_buffer.len=0 must be >= 1"]),
+    (1, ["reward.overlong_buffer.penalty_factor=-0.5"],
+     ["reward.overlong_buffer.penalty_factor=-0.5 must be >= 0"]),
     # 1e12 samples: refused before any model is built, not a MemoryError in step 1.
     (1, ["rollout.n=1000000000000", "actor.ppo_mini_batch_size=8", "data.train_batch_size=8"],
      ["rollout.n=1000000000000 samples", "GiB on every rank, more than this machine's"]),
@@ -185,6 +194,12 @@ def test_valid_config_passes():
                "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
                "actor.micro_batch_size_per_gpu=2")
     validate(cfg, 8)
+
+
+def test_an_overlong_buffer_below_the_response_length_passes():
+    validate(_cfg("rollout.n=2", "data.max_response_length=64",
+                  "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=63",
+                  "reward.overlong_buffer.penalty_factor=0"), 1)
 
 
 def test_the_python_api_checks_leave_out_files_lengths_and_batches():

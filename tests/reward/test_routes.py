@@ -84,7 +84,7 @@ def _trainer_score_body(rank, world_size, fns, classes):
     with RewardManager.from_config(_config(fns, classes)) as manager:
         # every rank scores (no rollout set of its own)
         place = SimpleNamespace(training_ranks=tuple(range(world_size)), training=None)
-        scorer = Scorer(manager, {}, [], place, _CharTokenizer(), torch.device("cpu"), rank)
+        scorer = Scorer(None, manager, {}, [], place, _CharTokenizer(), torch.device("cpu"), rank)
         scores, metrics, extras = scorer.score(rollout)
     return scores.tolist(), metrics, extras
 

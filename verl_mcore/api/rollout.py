@@ -83,7 +83,7 @@ class RolloutWorker:
                                              policy.actor_for(self.cfg))
         place = RolePlacement.everywhere(session.groups, ("actor", "reward_model"))
         self._sampler = Sampler(self.cfg, policy.info, place, phase)
-        self._scorer = Scorer(self.rewards, {rm.name: rm.scorer for rm in reward_models},
+        self._scorer = Scorer(self.cfg, self.rewards, {rm.name: rm.scorer for rm in reward_models},
                               [rm.name for rm in reward_models], place, policy.info.tokenizer,
                               session.device, session.rank)
         self._calls = 0  # generate calls so far: each samples with the next batch's seeds
@@ -110,9 +110,9 @@ class RolloutWorker:
         engine_metrics = sampler.stats()  # preemptions, peak live sequences, occupancy
         rollout = rollout.to(self._scorer.device)
         with timer("reward"):
-            scores, reward_metrics, extras = self._scorer.score(rollout)
+            scores, reward_metrics, extras = self._scorer.train_scores(rollout)
             if baseline is not None:
-                baseline = self._scorer.score(baseline)[0].repeat_interleave(cfg.rollout.n)
+                baseline = self._scorer.train_scores(baseline)[0].repeat_interleave(cfg.rollout.n)
         self._calls += 1  # the next call samples with the next seeds, as the trainer's next step
         return Experiences(rollout, scores, baseline, extras,
                            {**sync_metrics, **engine_metrics, **reward_metrics, **timer.metrics()}, cfg,

@@ -47,7 +47,8 @@ OWNED: dict[str, tuple[str, ...]] = {
         "algorithm.", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.policy_loss",
         "actor.clip_ratio_low", "actor.clip_ratio_high", "actor.clip_ratio_c",
         "actor.loss_agg_mode", "actor.entropy_coeff", "actor.use_kl_loss", "actor.kl_loss_coef",
-        "actor.kl_loss_type", "actor.recompute_old_log_probs", "critic.ppo_mini_batch_size",
+        "actor.kl_loss_type", "actor.recompute_old_log_probs", "actor.mask_truncated_samples",
+        "critic.ppo_mini_batch_size",
         "critic.ppo_epochs", "critic.cliprange_value", "critic.warmup_steps",
         "critic.recompute_values"),
     "Critic.from_pretrained": (

@@ -211,6 +211,17 @@ class RewardSourceConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # DAPO's soft overlong punishment, verl's reward_model.overlong_buffer and its formula: a
+    # response longer than data.max_response_length - len tokens (its stop token counted) loses
+    # (length - (max_response_length - len)) / len * penalty_factor of its score, up to
+    # penalty_factor at max_response_length (algo/overlong.py). Training scores only.
+    enable: bool = False
+    len: Optional[int] = None  # the buffer's tokens (DAPO's L_cache); needed with enable
+    penalty_factor: float = 1.0  # the penalty at max_response_length (verl's default is 0.0)
+
+
+@dataclass
 class RewardConfig:
     # One user function replacing the built-in dispatch (score(data_source, response, gt, extra)).
     custom_fn: CustomClassConfig = field(default_factory=CustomClassConfig)
@@ -254,6 +265,7 @@ class RewardConfig:
     # timed out, crashed their worker, returned a non-number or a non-finite number), naming the
     # first failure. 1.0: never stop; 0.0: stop at the first failure.
     max_failed_fraction: float = 0.5
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -340,6 +352,10 @@ class ActorConfig:
     # update's own log-probs, detached, are the old ones (ratio exactly 1, as verl's on-policy
     # path). "always" runs the pass anyway (e.g. to log actor/old_entropy).
     recompute_old_log_probs: Literal["auto", "always"] = "auto"
+    # DAPO's overlong filtering: samples cut at data.max_response_length (finish reason "length")
+    # are left out of the actor's loss and of its normaliser, in every loss_agg_mode. The critic
+    # and the advantages (GRPO's group statistics) still see them (algo/overlong.py).
+    mask_truncated_samples: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 

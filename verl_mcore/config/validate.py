@@ -79,6 +79,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "reward.import_timeout_s": ("(0, inf)", "seconds"),
     "reward.max_memory_mb": ("[64, inf)", "MiB; null: no cap"),
     "reward.max_failed_fraction": ("[0, 1]", "1: never stop"),
+    "reward.overlong_buffer.len": ("[1, inf)", "tokens, below data.max_response_length; "
+                                                "null: unset"),
+    "reward.overlong_buffer.penalty_factor": ("[0, inf)", "0: no penalty"),
     "algorithm.gamma": ("[0, 1]", ""),
     "algorithm.lam": ("[0, 1]", ""),
     "algorithm.kl_ctrl.kl_coef": ("[0, inf)", ""),
@@ -540,6 +543,16 @@ def _reward_errors(cfg: Config) -> list[str]:
             errs.append(f"reward.sources[{i}].max_tokens_per_microbatch={s.max_tokens_per_microbatch}"
                         f" is smaller than the longest sequence, data.max_prompt_length + "
                         f"data.max_response_length = {longest}")
+    ob, longest_response = r.overlong_buffer, cfg.data.max_response_length
+    if ob.enable and ob.len is None:
+        errs.append("reward.overlong_buffer.enable=true needs reward.overlong_buffer.len: the "
+                    "tokens before data.max_response_length over which the penalty grows "
+                    f"(DAPO's L_cache), below data.max_response_length={longest_response}")
+    elif ob.enable and ob.len >= longest_response:
+        errs.append(f"reward.overlong_buffer.len={ob.len} must be below data.max_response_length="
+                    f"{longest_response}: the penalty starts after max_response_length - len "
+                    "tokens, so every response would be penalised; lower the len or raise the "
+                    "data.max_response_length")
     if r.max_memory_mb is not None and r.num_workers == 0:
         errs.append(f"reward.max_memory_mb={r.max_memory_mb} needs reward.num_workers >= 1: the "
                     "cap is set on the scoring worker processes (in the trainer process it would "
