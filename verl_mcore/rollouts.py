@@ -35,6 +35,7 @@ import torch
 
 from verl_mcore.rollout.batch import Rollout, rollout_from_part
 from verl_mcore.rollout.gather import _cut
+from verl_mcore.rollout.token_fields import TOKEN_FIELDS
 
 
 @dataclass
@@ -189,20 +190,27 @@ def _save(s: Sampled) -> dict:
 
 
 def _part_tensors(part) -> dict:
-    """A RolloutPart without its dataset rows (they come from the loader), as plain tensors."""
-    out = {"integers": part.integers(), "tokens": part.tokens(),
-           "sizes": torch.tensor([len(part.prompt_lens), part.num_samples,
-                                  part.prompt_ids.numel()], dtype=torch.int64)}
-    if part.logprobs is not None:
-        out["logprobs"] = part.logprobs
-    return out
+    """A RolloutPart without its dataset rows (they come from the loader), as plain tensors:
+    each per-token field it carries under its declared name (rollout/token_fields.py)."""
+    return {"integers": part.integers(), "tokens": part.tokens(),
+            "sizes": torch.tensor([len(part.prompt_lens), part.num_samples,
+                                   part.prompt_ids.numel()], dtype=torch.int64),
+            "token_fields": {name: part.token_fields[name] for name in TOKEN_FIELDS
+                             if name in part.token_fields}}
 
 
 def _load(saved: dict, rows) -> Sampled:
     def part(d):
         prompts, samples, prompt_tokens = d["sizes"].tolist()
-        return _cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
-                    prompt_tokens, d.get("logprobs"))
+        fields = dict(d.get("token_fields", {}))
+        if "logprobs" in d:  # a checkpoint from before the fields were declared
+            fields["logprobs"] = d["logprobs"]
+        try:
+            return _cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
+                        prompt_tokens, fields)
+        except ValueError as e:
+            index = int(saved["index"])
+            raise ValueError(f"the checkpoint's batch {index} sampled ahead: {e}") from e
 
     return Sampled(int(saved["index"]), int(saved["version"]), part(saved["part"]),
                    part(saved["baseline"]) if "baseline" in saved else None)

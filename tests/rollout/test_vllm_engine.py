@@ -162,8 +162,12 @@ def test_output_conversion():
     assert all(o.logprobs is None for o in plain)
     with pytest.raises(RuntimeError, match="expected n=3"):
         from_vllm_outputs(requests, dataclasses.replace(sp, n=3))
-    with pytest.raises(RuntimeError, match="'abort'"):
-        from_vllm_outputs([SimpleNamespace(outputs=[_completion(0, [1], "abort")])],
+    # vLLM's "abort" is our "aborted" (the tokens so far); a reason we do not know is refused.
+    aborted = from_vllm_outputs([SimpleNamespace(outputs=[_completion(0, [1], "abort")])],
+                                SamplingParams(n=1))
+    assert aborted[0].finish_reason == "aborted" and aborted[0].token_ids == [1]
+    with pytest.raises(RuntimeError, match="'error'"):
+        from_vllm_outputs([SimpleNamespace(outputs=[_completion(0, [1], "error")])],
                           SamplingParams(n=1))
 
 

@@ -126,7 +126,8 @@ class TrainBatch:
     @classmethod
     def from_flat(cls, prompt_ids: Tensor, prompt_lens: Tensor, response_ids: Tensor,
                   response_lens: Tensor, pad_token_id: int,
-                  prompt_of: Optional[Tensor] = None) -> "TrainBatch":
+                  prompt_of: Optional[Tensor] = None,
+                  loss_mask: Optional[Tensor] = None) -> "TrainBatch":
         """Samples given as flat token buffers (what the rollout gather receives), laid out with
         tensor ops only, no Python loop over samples or tokens:
 
@@ -137,8 +138,13 @@ class TrainBatch:
             prompt_of      [B]                   int64   the prompt of each sample (None: sample i
                                                          has prompt i, P = B); samples of one
                                                          prompt share its tokens, sent once
+            loss_mask      [sum(response_lens)]  0/1     which response tokens count (0: tokens
+                                                         the model did not write, tool output);
+                                                         None: all of them
 
-        As `from_sequences`: an empty response gets one masked `pad_token_id` token."""
+        response_mask is the loss mask inside each response and 0 past its end, so a response
+        with a hole has 0s inside. As `from_sequences`: an empty response gets one masked
+        `pad_token_id` token."""
         b = response_lens.numel()
         if b == 0:
             raise ValueError("TrainBatch.from_flat: no samples (a batch needs at least one)")
@@ -162,8 +168,13 @@ class TrainBatch:
         starts = sample_prompt_lens[:, None]
         in_response = (cols >= starts) & (cols < starts + response_lens.long()[:, None])
         input_ids.masked_scatter_(in_response, response_ids.long())
-        response_mask = (torch.arange(int(filled.max()))[None, :]
-                         < response_lens.long()[:, None]).float()
+        if loss_mask is None:
+            loss_mask = torch.ones(response_ids.numel())
+        elif loss_mask.shape != response_ids.shape or bool((loss_mask.float() > 1).any()
+                                                          | (loss_mask.float() < 0).any()):
+            raise ValueError(f"TrainBatch.from_flat: loss_mask must be 0/1, one per response "
+                             f"token ({response_ids.numel()}), got shape {tuple(loss_mask.shape)}")
+        response_mask = response_aligned(loss_mask.float(), response_lens, int(filled.max()))
         return cls(input_ids=input_ids, prompt_lens=sample_prompt_lens, seq_lens=seq_lens,
                    response_mask=response_mask)
 
@@ -224,6 +235,16 @@ class TrainBatch:
         """[B, R] bool: columns inside each sample's response (whether or not they count)."""
         cols = torch.arange(self.response_width, device=self.response_mask.device)
         return cols[None, :] < self.response_lens.to(cols.device)[:, None]
+
+
+def response_aligned(flat: Tensor, response_lens: Tensor, width: int) -> Tensor:
+    """[B, width] of flat's dtype: row i holds the response_lens[i] values of sample i (flat
+    [sum(response_lens), *] per-token values, sample after sample) left-aligned, then 0."""
+    lens = response_lens.long()
+    inside = torch.arange(width)[None, :] < lens[:, None]  # [B, width]
+    out = torch.zeros(lens.numel(), width, *flat.shape[1:], dtype=flat.dtype)
+    out[inside] = flat
+    return out
 
 
 def flatten_token_ids(seqs: Sequence[Sequence[int]],

@@ -14,6 +14,12 @@ def place_on_last_token(scores: Union[torch.Tensor, Sequence[float]],
 
     Row b is zero except at the position of its last 1 in the mask, which holds scores[b]. A row
     with no valid token (an empty response) gets no reward: there is no token it could credit.
+
+    The mask is the loss mask (engine/batch.py): holes in it (tokens the model did not write,
+    such as a tool's output) before the response's last token change nothing, and when the
+    response ends in masked tokens (a tool's output after the model's last turn) the score goes
+    to the last token the model wrote. Not to the masked last token: every estimator ignores
+    rewards at masked positions (algo/advantages.py), so a score there would be lost.
     """
     if isinstance(scores, torch.Tensor):
         same_device("place_on_last_token", scores=scores, response_mask=response_mask)

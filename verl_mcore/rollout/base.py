@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
-FinishReason = Literal["stop", "length"]
+# Why a sequence ended. "aborted": the engine stopped it before a stop token or the length limit
+# (a partial rollout interrupted for a weight update, a cancelled request); its tokens so far are
+# kept. New reasons go at the end: a reason's code is its index here (rollout/gather.py), and
+# checkpoints of batches sampled ahead hold the codes.
+FinishReason = Literal["stop", "length", "aborted"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +76,17 @@ class SampleOutput:
     """One generated sequence: sample `sample_index` (0..n-1) of prompt `prompt_index`.
 
     token_ids: the response only (no prompt), including the stop token when finish_reason is
-        "stop". logprobs: one per response token (see the module docstring), or None when not
-        requested. finish_reason: "stop" (a stop token was sampled) or "length" (max_new_tokens).
+        "stop"; in a multi-turn trajectory also the tokens put in between (tool output).
+    finish_reason: "stop" (a stop token was sampled), "length" (max_new_tokens) or "aborted"
+        (stopped by the engine's caller before either; see FinishReason).
+
+    Per-token fields (rollout/token_fields.py), one value per response token, or None:
+    logprobs: the engine's (see the module docstring); None when not requested.
+    loss_mask: 1 where the model wrote the token, 0 where it did not (tool output inserted into
+        the response): those count in no loss. None: every token 1.
+    versions: the policy version (steps completed) that sampled each token, for a trajectory
+        sampled over weight updates. None: every token the batch's version.
+    extras: values of the other declared per-token fields by name (MoE routing...).
     """
 
     prompt_index: int
@@ -81,6 +94,24 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: Optional[list[float]]
     finish_reason: FinishReason
+    loss_mask: Optional[Sequence[int]] = None
+    versions: Optional[Sequence[int]] = None
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        own = sorted(set(self.extras) & set(_OWN_TOKEN_FIELDS))
+        if own:
+            raise ValueError(f"SampleOutput.extras {own}: set them as SampleOutput.{own[0]}")
+
+    def token_values(self, name: str) -> Optional[Any]:
+        """The values of per-token field `name` (an attribute above, or one of the extras), or
+        None when this sample does not carry it."""
+        if name in _OWN_TOKEN_FIELDS:
+            return getattr(self, name)
+        return self.extras.get(name)
+
+
+_OWN_TOKEN_FIELDS = ("logprobs", "loss_mask", "versions")
 
 
 class RolloutEngine(abc.ABC):

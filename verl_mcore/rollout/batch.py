@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.engine.batch import TrainBatch, response_aligned
 from verl_mcore.rollout.gather import RolloutPart, decode_responses
 
 
@@ -24,7 +24,7 @@ class Rollout:
     rows        [B] the dataset rows of each sample's prompt (reward functions read them)
     group_ids   [B] int64, one id per prompt: samples of the same prompt share it (GRPO, RLOO)
     responses   [B] decoded response texts
-    finish      [B] "stop" | "length"
+    finish      [B] "stop" | "length" | "aborted" (rollout/base.py FinishReason)
     engine_log_probs  [B, R] the engine's log-prob of each response token (0 elsewhere), or
                 None when it was not asked for (Sampler.sampling)
     """
@@ -106,15 +106,16 @@ def make_rollout(samples, group_ids, info) -> Rollout:
 
 
 def rollout_from_part(part, group_ids: torch.Tensor, info) -> Rollout:
-    """A Rollout from flat samples (rollout.gather.RolloutPart) and their group ids [B]."""
+    """A Rollout from flat samples (rollout.gather.RolloutPart) and their group ids [B]; its
+    response mask is the samples' loss mask (rollout/token_fields.py)."""
     # An empty response (the engine stopped at once) gets one masked EOS token.
     pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
     train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
-                                 part.response_lens, pad, prompt_of=part.prompt_of)
+                                 part.response_lens, pad, prompt_of=part.prompt_of,
+                                 loss_mask=part.token_field("loss_mask"))
     engine_log_probs = None
     if part.logprobs is not None:  # response-aligned like the trainer's own log-probs
-        engine_log_probs = torch.zeros(train.response_mask.shape, dtype=torch.float32)
-        engine_log_probs[train.response_mask.bool()] = part.logprobs
+        engine_log_probs = response_aligned(part.logprobs, part.response_lens, train.response_width)
     return Rollout(train=train, rows=part.sample_rows(), group_ids=group_ids.to(torch.int64),
                    responses=decode_responses(info.tokenizer, part), finish=part.finish_reasons(),
                    engine_log_probs=engine_log_probs)

@@ -8,10 +8,12 @@ TP_g ranks 0 (together one gen_dp group) all-gather their parts, and each broadc
 the rest of its TP_g group. Each buffer is then [DP_g, largest part], not [world, ...]: with
 TP_g = 8 a world-wide gather would receive 7 padding parts for every real one.
 
-What crosses ranks, in this order: the sizes of each part (one int64 row per replica), then the
-per-prompt and per-sample integers (lengths, local prompt of each sample, finish reason) in one
-int64 buffer, then all token ids in one flat buffer, then the dataset rows once per prompt (small
-dicts: the only pickled object). Prompt tokens are sent once per prompt, not once per sample.
+What crosses ranks, in this order: the sizes of each part (one int64 row per replica, with the
+per-token fields it carries), then the per-prompt and per-sample integers (lengths, local prompt
+of each sample, finish reason) in one int64 buffer, then all token ids in one flat buffer, then
+the per-token fields (rollout/token_fields.py: log-probs, loss mask, versions, extras) in one
+flat buffer per dtype, then the dataset rows once per prompt (small dicts: the only pickled
+object). Prompt tokens are sent once per prompt, not once per sample.
 
 Global order: generation replica, then prompt, then sample, so the n samples of a prompt are
 consecutive (mini-batches keep GRPO groups together) and the global prompt index, which counts
@@ -20,7 +22,7 @@ prompts over replicas, is the group id.
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -32,11 +34,13 @@ from verl_mcore.config.placement import format_ranks
 from verl_mcore.distributed.groups import collective_device
 from verl_mcore.engine.batch import flatten_token_ids
 from verl_mcore.errors import RoleSetFailure, failure_class
+from verl_mcore.rollout import token_fields
 from verl_mcore.rollout.base import FinishReason, SampleOutput
+from verl_mcore.rollout.token_fields import TOKEN_FIELDS
 
 FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)  # code = index
-# A part's sizes row: replica, prompts, samples, prompt tokens, response tokens, and 1 when it
-# carries the engine's log-probs (one per response token), else 0.
+# A part's sizes row: replica, prompts, samples, prompt tokens, response tokens, and the per-token
+# fields it carries (token_fields.carried_bits).
 _SIZES = 6
 
 
@@ -52,13 +56,14 @@ class RolloutPart:
 
     prompt_ids     [sum(prompt_lens)]   int32|int64  the prompts' tokens, one after another
     prompt_lens    [P] int64
-    response_ids   [sum(response_lens)] int32|int64  the responses' tokens, sample after sample
+    response_ids   [T = sum(response_lens)] int32|int64  the responses' tokens, sample after sample
     response_lens  [B] int64
     prompt_of      [B] int64   each sample's prompt (an index into the P prompts)
     finish         [B] int64   index into FINISH_REASONS
     rows           [P] dicts   each prompt's dataset row
-    logprobs       [sum(response_lens)] float32  the engine's log-prob of each response token
-                               (rollout/base.py says which), or None when not asked for
+    token_fields   name -> [T, *shape]: the per-token fields it carries (rollout/token_fields.py:
+                   logprobs, loss_mask, versions, extras), aligned with response_ids; one not
+                   carried has its default on every token (`token_field`)
     """
 
     prompt_ids: Tensor
@@ -68,7 +73,21 @@ class RolloutPart:
     prompt_of: Tensor
     finish: Tensor
     rows: list
-    logprobs: Optional[Tensor] = None
+    token_fields: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.token_fields = token_fields.check(self.token_fields, self.response_ids.numel(),
+                                               "RolloutPart")
+
+    @property
+    def logprobs(self) -> Optional[Tensor]:
+        """[T] float32 the engine's log-prob of each response token, or None when not asked for."""
+        return self.token_fields.get("logprobs")
+
+    def token_field(self, name: str, version: Optional[int] = None) -> Optional[Tensor]:
+        """[T, *shape] per-token field `name`: carried, or its default on every token (`version`,
+        the batch's, for `versions`), or None (the engine's log-probs when not asked for)."""
+        return token_fields.filled(self.token_fields, name, self.response_ids.numel(), version)
 
     @classmethod
     def from_outputs(cls, prompts, outputs: Sequence[SampleOutput],
@@ -80,13 +99,10 @@ class RolloutPart:
         dtype = token_dtype(vocab_size)
         prompt_ids, prompt_lens = flatten_token_ids(prompts.input_ids[:count], dtype)
         response_ids, response_lens = flatten_token_ids([o.token_ids for o in outputs], dtype)
-        logprobs = None
-        if outputs and all(o.logprobs is not None for o in outputs):
-            logprobs = torch.tensor([lp for o in outputs for lp in o.logprobs], dtype=torch.float32)
         return cls(prompt_ids, prompt_lens, response_ids, response_lens,
                    prompt_of=torch.tensor([o.prompt_index for o in outputs], dtype=torch.int64),
                    finish=finish_codes([o.finish_reason for o in outputs]),
-                   rows=list(prompts.rows[:count]), logprobs=logprobs)
+                   rows=list(prompts.rows[:count]), token_fields=_fields_of(outputs))
 
     @classmethod
     def from_samples(cls, samples, vocab_size: int) -> "RolloutPart":
@@ -106,7 +122,7 @@ class RolloutPart:
         """[_SIZES] int64: what a receiver needs to allocate and cut this part."""
         return torch.tensor([replica, len(self.prompt_lens), self.num_samples,
                              self.prompt_ids.numel(), self.response_ids.numel(),
-                             int(self.logprobs is not None)],
+                             token_fields.carried_bits(self.token_fields)],
                             dtype=torch.int64)
 
     def integers(self) -> Tensor:
@@ -117,12 +133,43 @@ class RolloutPart:
         """[prompt tokens + response tokens]: prompt_ids | response_ids."""
         return torch.cat([self.prompt_ids, self.response_ids])
 
+    def field_buffer(self, names: Sequence[str], dtype: torch.dtype) -> Tensor:
+        """The per-token fields `names` of `dtype` in one flat buffer (token_fields.pack), the
+        default where this part lacks one that another part of the batch carries."""
+        return token_fields.pack(self.token_fields, names, self.response_ids.numel(), dtype)
+
     def sample_rows(self) -> list:
         """[B] each sample's dataset row: the prompt's dict itself, shared by its samples."""
         return [self.rows[p] for p in self.prompt_of.tolist()]
 
     def finish_reasons(self) -> list[str]:
         return [FINISH_REASONS[c] for c in self.finish.tolist()]
+
+
+def _fields_of(outputs: Sequence[SampleOutput]) -> dict[str, Tensor]:
+    """The declared per-token fields the samples carry (token_fields.merged: a sample without
+    one gets its default), each [T, *shape], sample after sample."""
+    undeclared = sorted({k for o in outputs for k in o.extras} - set(TOKEN_FIELDS))
+    if undeclared:
+        raise ValueError(f"SampleOutput.extras {undeclared}: not declared per-token fields "
+                         f"(add them to rollout/token_fields.py TOKEN_FIELDS)")
+    out = {}
+    for name, f in TOKEN_FIELDS.items():
+        values = [o.token_values(name) for o in outputs]
+        if not token_fields.merged(name, [v is not None for v in values],
+                                   tokens=[len(o.token_ids) for o in outputs]):
+            continue
+        chunks = []
+        for o, v in zip(outputs, values):
+            n = len(o.token_ids)
+            t = f.fill(n) if v is None else torch.as_tensor(v, dtype=f.dtype)
+            if t.numel() != n * f.width or (n and t.shape[0] != n):
+                raise ValueError(f"prompt {o.prompt_index} sample {o.sample_index}: per-token "
+                                 f"field {name!r} has shape {tuple(t.shape)}, its {n} response "
+                                 f"tokens need {(n, *f.shape)}")
+            chunks.append(t.reshape(n, *f.shape))
+        out[name] = torch.cat(chunks)
+    return out
 
 
 def finish_codes(reasons: Sequence[str]) -> Tensor:
@@ -146,19 +193,26 @@ def gather_rollout(mine: Optional[RolloutPart], groups, vocab_size: int) -> Roll
                            torch.int64)
     sizes = torch.stack(sizes)
     order = sizes[:, 0].argsort().tolist()  # replica order (the group's rank order already)
-    prompts, samples, prompt_tokens, response_tokens, with_logprobs = (sizes[:, i].tolist()
-                                                                        for i in range(1, 6))
+    prompts, samples, prompt_tokens, response_tokens, carried = (sizes[:, i].tolist()
+                                                                  for i in range(1, 6))
     integers = gather.tensors(mine.integers() if lead else None,
                               [p + 3 * s for p, s in zip(prompts, samples)], torch.int64)
     tokens = gather.tensors(mine.tokens() if lead else None,
                             [p + r for p, r in zip(prompt_tokens, response_tokens)],
                             token_dtype(vocab_size))
-    lps = [None] * gather.n
-    if all(with_logprobs):  # the engine's log-probs, when every replica has them
-        lps = gather.tensors(mine.logprobs if lead else None, response_tokens, torch.float32)
+    # The per-token fields, one buffer per dtype (the engine's log-probs only when every replica
+    # has them; a loss mask where any has one: token_fields.merged).
+    names = token_fields.agreed_names(carried, response_tokens, "replicas")
+    buffers: list[dict] = [{} for _ in range(gather.n)]
+    for dtype in token_fields.dtypes_of(names):
+        got = gather.tensors(mine.field_buffer(names, dtype) if lead else None,
+                             [token_fields.buffer_numel(names, dtype, r) for r in response_tokens],
+                             dtype)
+        for i, t in enumerate(got):
+            buffers[i][dtype] = t
     rows = gather.objects(mine.rows if lead else None)
     parts = [_cut(integers[i], tokens[i], rows[i], prompts[i], samples[i], prompt_tokens[i],
-                  lps[i]) for i in order]
+                  token_fields.unpack(buffers[i], names, response_tokens[i])) for i in order]
     return _concat(parts)
 
 
@@ -208,16 +262,18 @@ class _Gather:
 
 
 def _cut(integers: Tensor, tokens: Tensor, rows: list, prompts: int, samples: int,
-         prompt_tokens: int, logprobs: Optional[Tensor] = None) -> RolloutPart:
-    """One replica's part from its unpadded integer and token buffers (views, no copies)."""
+         prompt_tokens: int, fields: Optional[dict[str, Tensor]] = None) -> RolloutPart:
+    """One replica's part from its unpadded integer and token buffers and its per-token fields
+    (views, no copies)."""
     lens = integers[:prompts]
     response_lens, prompt_of, finish = integers[prompts:].view(3, samples)
     return RolloutPart(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], response_lens,
-                       prompt_of, finish, rows, logprobs)
+                       prompt_of, finish, rows, fields or {})
 
 
 def _concat(parts: list[RolloutPart]) -> RolloutPart:
-    """Parts in replica order as one: prompt indices shifted by the prompts before each part."""
+    """Parts in replica order as one: prompt indices shifted by the prompts before each part.
+    The per-token fields are the gathered ones: every part carries the same."""
     base = np.cumsum([0] + [len(p.prompt_lens) for p in parts[:-1]]).tolist()
     return RolloutPart(
         prompt_ids=torch.cat([p.prompt_ids for p in parts]),
@@ -227,8 +283,8 @@ def _concat(parts: list[RolloutPart]) -> RolloutPart:
         prompt_of=torch.cat([p.prompt_of + b for p, b in zip(parts, base)]),
         finish=torch.cat([p.finish for p in parts]),
         rows=[row for p in parts for row in p.rows],
-        logprobs=(torch.cat([p.logprobs for p in parts])
-                  if all(p.logprobs is not None for p in parts) else None))
+        token_fields={name: torch.cat([p.token_fields[name] for p in parts])
+                      for name in parts[0].token_fields})
 
 
 def decode_responses(tokenizer, part: RolloutPart, chunk: int = 1024) -> list[str]:
@@ -282,10 +338,10 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
                    rows: Optional[Sequence] = None, failure: Optional[BaseException] = None,
                    who: str = "the generating set", with_rows: bool = True) -> RolloutPart:
     """`part` of global rank `src` on every rank of `group` (None: the world), as tensors: a
-    header (failure flag, sizes), the integers, the tokens, the engine's log-probs when the part
-    has them. The dataset rows are not sent: a receiver passes its own copy of the batch's
-    (`rows`, at least as many as the part has prompts); a rank that holds the part passes
-    rows=None and gets its part back.
+    header (failure flag, sizes), the integers, the tokens, the per-token fields the part
+    carries (one buffer per dtype). The dataset rows are not sent: a receiver passes its own
+    copy of the batch's (`rows`, at least as many as the part has prompts); a rank that holds
+    the part passes rows=None and gets its part back.
 
     A `failure` on any rank (its sampling or training failed) is agreed first
     (agreed_failure): then no batch is sent and every rank raises, a failed rank its own error,
@@ -299,7 +355,7 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
         raise failure
     header = (part.sizes(0)[1:] if sending else torch.zeros(5, dtype=torch.int64)).to(device)
     dist.broadcast(header, src=src, group=group)
-    prompts_n, samples, prompt_tokens, response_tokens, with_logprobs = header.tolist()
+    prompts_n, samples, prompt_tokens, response_tokens, carried = header.tolist()
 
     def cast(local: Optional[Tensor], n: int, dtype) -> Tensor:
         buf = (local.to(device=device, dtype=dtype).contiguous() if sending
@@ -312,8 +368,11 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
     integers = cast(part.integers() if sending else None, prompts_n + 3 * samples, torch.int64)
     tokens = cast(part.tokens() if sending else None, prompt_tokens + response_tokens,
                   token_dtype(vocab_size))
-    logprobs = (cast(part.logprobs if sending else None, response_tokens, torch.float32)
-                if with_logprobs else None)
+    names = token_fields.names_of(carried)
+    fields = token_fields.unpack(
+        {dtype: cast(part.field_buffer(names, dtype) if sending else None,
+                     token_fields.buffer_numel(names, dtype, response_tokens), dtype)
+         for dtype in token_fields.dtypes_of(names)}, names, response_tokens)
     if not with_rows and not sending:
         rows = [None] * prompts_n
     if rows is None:
@@ -324,7 +383,7 @@ def broadcast_part(part: Optional[RolloutPart], src: int, group, vocab_size: int
         raise RuntimeError(f"rank {rank}: {who}'s batch has {prompts_n} prompts, this rank's "
                            f"loader {len(rows)}")
     return _cut(integers, tokens, list(rows[:prompts_n]), prompts_n, samples, prompt_tokens,
-                logprobs)
+                fields)
 
 
 def share_rollout(place, part: Optional[RolloutPart], prompts, vocab_size: int,

@@ -146,6 +146,10 @@ def _logprob_of(entry: Any, token: int) -> float:
     return float(getattr(value, "logprob", value))
 
 
+# vLLM's finish reasons -> ours (rollout/base.py FinishReason): an aborted request's tokens so far.
+_FINISH = {"stop": "stop", "length": "length", "abort": "aborted"}
+
+
 def from_vllm_outputs(request_outputs: Sequence[Any], sp: SamplingParams) -> list[SampleOutput]:
     """vLLM RequestOutputs (one per prompt, in prompt order) -> our SampleOutputs ordered by
     (prompt_index, sample_index)."""
@@ -157,9 +161,9 @@ def from_vllm_outputs(request_outputs: Sequence[Any], sp: SamplingParams) -> lis
                                f"{prompt_index}, expected n={sp.n}")
         for c in completions:
             tokens = [int(t) for t in c.token_ids]
-            if c.finish_reason not in ("stop", "length"):
+            if c.finish_reason not in _FINISH:
                 raise RuntimeError(f"vLLM finished prompt {prompt_index} sample {c.index} with "
-                                   f"{c.finish_reason!r} (expected 'stop' or 'length')")
+                                   f"{c.finish_reason!r} (expected one of {list(_FINISH)})")
             logprobs = None
             if sp.logprobs:
                 if c.logprobs is None or len(c.logprobs) != len(tokens):
@@ -168,7 +172,7 @@ def from_vllm_outputs(request_outputs: Sequence[Any], sp: SamplingParams) -> lis
                 logprobs = [_logprob_of(entry, t) for entry, t in zip(c.logprobs, tokens)]
             results.append(SampleOutput(prompt_index=prompt_index, sample_index=c.index,
                                         token_ids=tokens, logprobs=logprobs,
-                                        finish_reason=c.finish_reason))
+                                        finish_reason=_FINISH[c.finish_reason]))
     return results
 
 
