@@ -1,5 +1,5 @@
 """The samples' loss mask becomes the batch's response mask (TrainBatch.from_flat,
-trainer.rollout_from_part): tokens the model did not write (tool output) are holes, 0 inside
+rollout.batch.rollout_from_part): tokens the model did not write (tool output) are holes, 0 inside
 the response. What reads the mask then leaves them out: the actor's loss and its normaliser;
 the score goes to the last token the model wrote and reaches the tokens before the hole."""
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_from_flat_takes_the_loss_mask_inside_the_response():
 
 
 def test_the_rollout_of_samples_with_holes():
-    from verl_mcore.trainer import rollout_from_part
+    from verl_mcore.rollout.batch import rollout_from_part
 
     part = _part()
     rollout = rollout_from_part(part, part.prompt_of, INFO)
@@ -77,7 +77,7 @@ def test_the_rollout_of_samples_with_holes():
 
 
 def test_the_score_goes_to_the_last_token_the_model_wrote_and_crosses_the_holes():
-    from verl_mcore.trainer import rollout_from_part
+    from verl_mcore.rollout.batch import rollout_from_part
 
     part = _part()
     mask = rollout_from_part(part, part.prompt_of, INFO).train.response_mask
@@ -99,7 +99,7 @@ def _actor_body(rank, world_size):
     count) on the rollout of `_part`, and the same step with absurd advantages at the holes."""
     from tests.engine import common as C
     from verl_mcore.engine.actor import Actor
-    from verl_mcore.trainer import rollout_from_part
+    from verl_mcore.rollout.batch import rollout_from_part
 
     torch.manual_seed(0)
     part = _part()
