@@ -62,7 +62,6 @@ batch failed.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import re
@@ -78,6 +77,7 @@ from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome, checked, run_item
 from verl_mcore.user_code import check_import, exit_raises_in_this_thread
 from verl_mcore.utils.doing import doing
+from verl_mcore.utils.metric_names import name_fragment
 
 logger = logging.getLogger(__name__)
 
@@ -492,20 +492,12 @@ def _fallback_specs(cfg: RewardConfig, score_fn: Optional[Callable] = None) -> d
 
 
 NO_ROUTE = "<none>"  # the route bucket of samples whose row has no reward.route_by value
-_SAFE_ROUTE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def route_metric_name(value: Optional[str]) -> str:
-    """A route value as a metric-name fragment: itself when it is 1-64 of [A-Za-z0-9_.-];
-    otherwise its first 48 characters with every other character replaced by "_", then "-" and
-    8 hex digits of its SHA-1, so that two values never share a name ("C++" -> "C__-<hash>");
-    None (no value) -> NO_ROUTE."""
-    if value is None:
-        return NO_ROUTE
-    if _SAFE_ROUTE.fullmatch(value):
-        return value
-    digest = hashlib.sha1(value.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", value[:48]) + "-" + digest
+    """A route value as a metric-name fragment (utils/metric_names.name_fragment: itself when
+    it is a safe name, else unique and safe); None (no value) -> NO_ROUTE."""
+    return NO_ROUTE if value is None else name_fragment(value)
 
 
 def route_metrics(routes: Sequence[Optional[str]], totals: Sequence[float]) -> dict[str, float]:
