@@ -71,7 +71,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
 from verl_mcore.errors import RewardFailureError
 from verl_mcore.reward import custom
-from verl_mcore.reward.builtin import SCORERS, unknown_source_hint
+from verl_mcore.reward.builtin import EXTRAS, SCORERS, unknown_source_hint
 from verl_mcore.reward.pool import ScoringPool
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome, checked, run_item
@@ -260,6 +260,27 @@ class RewardManager:
                       totals: Sequence[float]) -> dict[str, float]:
         """route_metrics (below) with reward.route_by set, else none."""
         return route_metrics(routes, totals) if self.cfg.route_by else {}
+
+    def extra_keys(self) -> dict[str, Optional[frozenset]]:
+        """Source name -> the extra keys its scorers may return (`acc` of a source `rule` is the
+        extra "rule/acc"), or None where user code scores it (any key): what a group filter's
+        metric may name (rollout/group_filter.resolve_metric). A rule source is scored by its
+        fallback scorer and by every route target."""
+        out: dict[str, Optional[frozenset]] = {}
+        for source in self.sources:
+            if source.type != "rule":
+                out[source.name] = None if source.type == "custom" else frozenset()
+                continue
+            keys: Optional[frozenset] = frozenset()
+            routed = self._route_targets.values() if self.cfg.route_by else ()
+            for target in (self._fallback_key, *routed):
+                if target == "dispatch" or target.startswith("builtin:"):
+                    keys = keys | EXTRAS
+                elif target not in self._models and target not in self._scored_outside:
+                    keys = None  # custom_fn / custom_cls / a custom source: user code
+                    break
+            out[source.name] = keys
+        return out
 
     @property
     def needs_prompts(self) -> bool:
