@@ -152,6 +152,24 @@ def test_good_inputs_pass(model_dir):
     inputs.rewards.close()
 
 
+def test_group_filters_are_checked_with_the_inputs(model_dir, tmp_path):
+    """rollout.group_filter's file and signature and algorithm.filter_groups' metric are checked
+    by build_inputs before any model is built; the checked filters come with the inputs."""
+    bad = tmp_path / "filters.py"
+    bad.write_text("def keep(group, step):\n    return True\n")
+    msg = _input_error(_cfg(model_dir, f"rollout.group_filter.path={bad}", "rollout.group_filter.name=keep"))
+    assert f"rollout.group_filter.name='keep' in {bad}: keep(group, step) cannot be called" in msg
+    msg = _input_error(_cfg(model_dir, "algorithm.filter_groups.enable=true",
+                            "algorithm.filter_groups.metric=judge/acc"))
+    assert "algorithm.filter_groups.metric='judge/acc' names no reward source (['rule'])" in msg
+    inputs = build.build_inputs(_cfg(model_dir, "algorithm.filter_groups.enable=true",
+                                     f"rollout.group_filter.path={ROOT}/examples/group_filter.py",
+                                     "rollout.group_filter.name=drop_uninformative"), 1)
+    inputs.rewards.close()
+    builtin, user = inputs.group_filters.filters
+    assert builtin.metric.key == "rule/acc" and user.name == "drop_uninformative"
+
+
 def test_invalid_config_json(model_dir):
     (model_dir / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64,')
     msg = _input_error(_cfg(model_dir))

@@ -98,6 +98,23 @@ class LogprobCheckConfig:
 
 
 @dataclass
+class GroupFilterConfig:
+    """rollout.group_filter: a user function deciding per prompt group keep or drop
+    (rollout/group_filter.py): fn(group, **kwargs) -> bool | (bool, reason), `group` a
+    PromptGroup (its dataset row, responses, scores, reward extras, finish reasons, lengths).
+    It runs in the trainer on every rank, on the same gathered group, after
+    algorithm.filter_groups' built-in filter, so it must decide the same on every rank (no
+    unseeded randomness, no rank-dependent state). Dropped groups are refilled as
+    algorithm.filter_groups.max_num_gen_batches allows."""
+
+    path: Optional[str] = None  # a Python file
+    name: Optional[str] = None  # the function in it
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to each call
+    # Seconds the file may take to import (in a fresh interpreter first: user_code.check_import).
+    import_timeout_s: float = 60.0
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["native", "vllm"] = "native"
     tensor_parallel_size: int = 1  # TP_g, generation layout; must divide training TP
@@ -128,6 +145,7 @@ class RolloutConfig:
     # pi_old the actor's recomputed log-probs. null: off.
     tis_cap: Optional[float] = None
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
+    group_filter: GroupFilterConfig = field(default_factory=GroupFilterConfig)
     # Validation sampling
     val_n: int = 1
     val_temperature: float = 0.0  # 0: greedy
@@ -277,6 +295,32 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups, rollout/group_filter.py): a step
+    samples generation batches of prompts until data.train_batch_size prompt groups passed the
+    group filters, then trains on the first train_batch_size of them (the surplus is dropped, as
+    verl does). `enable` turns on the built-in filter; max_num_gen_batches and
+    on_max_gen_batches bound the refill of any group filter, rollout.group_filter's too."""
+
+    # Drop the prompt groups whose `metric` is the same for every sample (verl: std == 0),
+    # whose samples would all get a zero GRPO advantage; a group of one sample is kept.
+    enable: bool = False
+    # What is compared within a group: score (= seq_reward: the sample's total reward score),
+    # seq_final_reward (the same; refused with algorithm.use_kl_in_reward), acc, or any reward
+    # extra, bare (`acc`) or with its source (`rule/acc`). `acc` with one reward source is its
+    # scorer's "acc" where the scorer returns one, else the sample's score (verl's rule).
+    metric: str = "acc"
+    # Generation batches a step may sample; 0: no limit (verl reads a negative value so too; here
+    # it is refused, naming the key).
+    max_num_gen_batches: int = 0
+    # When max_num_gen_batches were sampled without a full batch: "error" stops the run with a
+    # message naming the counts (verl's behaviour, so a copied DAPO recipe fails the same way, and
+    # no step trains on a batch other than the configured size unless asked to); "train" trains
+    # on the groups kept so far, with a warning and rollout/filter/short_batch = 1.
+    on_max_gen_batches: Literal["error", "train"] = "error"
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal[
         "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
@@ -288,6 +332,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: KLKind = "k1"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

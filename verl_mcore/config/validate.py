@@ -61,6 +61,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
+    "rollout.group_filter.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.val_n": ("[1, inf)", ""),
     "rollout.val_temperature": ("[0, inf)", "0: greedy"),
     "data.max_prompt_length": ("[1, inf)", ""),
@@ -87,6 +88,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "algorithm.kl_ctrl.kl_coef": ("[0, inf)", ""),
     "algorithm.kl_ctrl.target_kl": ("(0, inf)", ""),
     "algorithm.kl_ctrl.horizon": ("[1, inf)", ""),
+    "algorithm.filter_groups.max_num_gen_batches": ("[0, inf)", "0: no limit"),
     "actor.ppo_mini_batch_size": ("[1, inf)", ""),
     "actor.micro_batch_size_per_gpu": ("[1, inf)", "null: token-budget micro-batches"),
     "actor.max_tokens_per_microbatch": ("[1, inf)", "null: micro_batch_size_per_gpu if set, else "
@@ -265,7 +267,7 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         gen_world = len(sets["rollout"].ranks) if "rollout" in sets else actor_world
         errors = _layout_errors(cfg, actor_world, shape, gen_world) + _role_layout_errors(sets, shape)
         errors += _batch_errors(cfg, actor_world, sets.get("critic"), gen_world) if batches else []
-        errors += _rollout_mode_errors(cfg)
+        errors += _rollout_mode_errors(cfg) + _filter_groups_errors(cfg)
         errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
         errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
         errors += _lora_errors(cfg, sets, shape)
@@ -426,6 +428,29 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
         errs.append("rollout.mode=one_step_off overlaps generation with training on GPUs of their "
                     "own: set placement.rollout to the generation ranks (e.g. the last GPUs of "
                     "the job), or use rollout.mode=sync")
+    return errs
+
+
+def _filter_groups_errors(cfg: Config) -> list[str]:
+    """algorithm.filter_groups settings that could never act (rollout/group_filter.py; the
+    metric's existence for the configured reward is checked where the reward is built)."""
+    f, errs = cfg.algorithm.filter_groups, []
+    user = cfg.rollout.group_filter
+    if f.enable and cfg.rollout.n < 2:
+        errs.append(f"algorithm.filter_groups.enable=true compares the samples of a prompt, but "
+                    f"rollout.n={cfg.rollout.n}: a group of one sample is always kept; set "
+                    "rollout.n >= 2 or turn the filter off")
+    if f.enable and f.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        errs.append("algorithm.filter_groups.metric=seq_final_reward is the reward after the "
+                    "in-reward KL penalty (algorithm.use_kl_in_reward=true), which needs the "
+                    "log-prob passes that run after the groups are filtered; use metric=score "
+                    "(the same reward without the KL term)")
+    filtering = f.enable or user.path or user.name
+    if filtering and f.on_max_gen_batches == "train" and f.max_num_gen_batches <= 0:
+        errs.append(f"algorithm.filter_groups.on_max_gen_batches=train says what a step does "
+                    f"after max_num_gen_batches generation batches, but max_num_gen_batches="
+                    f"{f.max_num_gen_batches} sets no limit; set max_num_gen_batches > 0 or "
+                    "remove on_max_gen_batches")
     return errs
 
 

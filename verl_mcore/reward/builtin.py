@@ -27,6 +27,10 @@ from typing import Any, Callable, Optional, Union
 from verl_mcore.reward import gsm8k, math_answers, math_dapo, mathverify
 
 MATH_COMPAT = ("verl", "lenient", "math_verify")  # reward.math_compat
+# The numeric extras a built-in scorer may return beside its score: the DAPO scorer's "acc" (its
+# "pred" is a string, which the reward manager does not keep). A group filter's metric can name
+# no other extra of a reward scored by built-ins alone (RewardManager.extra_keys).
+EXTRAS = frozenset({"acc"})
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "aime*")

@@ -62,7 +62,6 @@ batch failed.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import re
@@ -72,12 +71,13 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 from verl_mcore.config.schema import RewardConfig, RewardSourceConfig
 from verl_mcore.errors import RewardFailureError
 from verl_mcore.reward import custom
-from verl_mcore.reward.builtin import SCORERS, unknown_source_hint
+from verl_mcore.reward.builtin import EXTRAS, SCORERS, unknown_source_hint
 from verl_mcore.reward.pool import ScoringPool
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome, checked, run_item
 from verl_mcore.user_code import check_import, exit_raises_in_this_thread
 from verl_mcore.utils.doing import doing
+from verl_mcore.utils.metric_names import name_fragment
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +260,27 @@ class RewardManager:
                       totals: Sequence[float]) -> dict[str, float]:
         """route_metrics (below) with reward.route_by set, else none."""
         return route_metrics(routes, totals) if self.cfg.route_by else {}
+
+    def extra_keys(self) -> dict[str, Optional[frozenset]]:
+        """Source name -> the extra keys its scorers may return (`acc` of a source `rule` is the
+        extra "rule/acc"), or None where user code scores it (any key): what a group filter's
+        metric may name (rollout/group_filter.resolve_metric). A rule source is scored by its
+        fallback scorer and by every route target."""
+        out: dict[str, Optional[frozenset]] = {}
+        for source in self.sources:
+            if source.type != "rule":
+                out[source.name] = None if source.type == "custom" else frozenset()
+                continue
+            keys: Optional[frozenset] = frozenset()
+            routed = self._route_targets.values() if self.cfg.route_by else ()
+            for target in (self._fallback_key, *routed):
+                if target == "dispatch" or target.startswith("builtin:"):
+                    keys = keys | EXTRAS
+                elif target not in self._models and target not in self._scored_outside:
+                    keys = None  # custom_fn / custom_cls / a custom source: user code
+                    break
+            out[source.name] = keys
+        return out
 
     @property
     def needs_prompts(self) -> bool:
@@ -492,20 +513,12 @@ def _fallback_specs(cfg: RewardConfig, score_fn: Optional[Callable] = None) -> d
 
 
 NO_ROUTE = "<none>"  # the route bucket of samples whose row has no reward.route_by value
-_SAFE_ROUTE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def route_metric_name(value: Optional[str]) -> str:
-    """A route value as a metric-name fragment: itself when it is 1-64 of [A-Za-z0-9_.-];
-    otherwise its first 48 characters with every other character replaced by "_", then "-" and
-    8 hex digits of its SHA-1, so that two values never share a name ("C++" -> "C__-<hash>");
-    None (no value) -> NO_ROUTE."""
-    if value is None:
-        return NO_ROUTE
-    if _SAFE_ROUTE.fullmatch(value):
-        return value
-    digest = hashlib.sha1(value.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", value[:48]) + "-" + digest
+    """A route value as a metric-name fragment (utils/metric_names.name_fragment: itself when
+    it is a safe name, else unique and safe); None (no value) -> NO_ROUTE."""
+    return NO_ROUTE if value is None else name_fragment(value)
 
 
 def route_metrics(routes: Sequence[Optional[str]], totals: Sequence[float]) -> dict[str, float]:
