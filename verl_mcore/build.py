@@ -53,6 +53,7 @@ from verl_mcore.models.lora import attach_lora, load_peft_dir, merged_weights
 from verl_mcore.planning import memory as planner
 from verl_mcore.reward import RewardManager
 from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
+from verl_mcore.rollout.generate_fn import UserGenerateFn, load_generate_fn
 from verl_mcore.rollout.group_filter import GroupFilters
 from verl_mcore.rollout.native import NativeEngine
 from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
@@ -159,6 +160,8 @@ class Inputs:
     reward_models: dict = field(default_factory=dict)  # source name -> its checked ModelInfo
     # algorithm.filter_groups and rollout.group_filter, checked (rollout/group_filter.py)
     group_filters: GroupFilters = field(default_factory=GroupFilters)
+    # rollout.generate_fn's function, checked (rollout/generate_fn.py), or None
+    generate_fn: Optional[UserGenerateFn] = None
 
 
 def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
@@ -173,7 +176,8 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
                       the config (lengths, heads); every safetensors header is whole and fits
                       its file (models/hf_weights.check_weight_files); the tokenizer loads and
                       turns text into tokens; reward models alike
-      user code       data.custom_cls, the reward code and rollout.group_filter imported
+      user code       data.custom_cls, the reward code, rollout.group_filter and
+                      rollout.generate_fn imported
                       under their import_timeout_s, the reward's workers started; the group
                       filter's metric checked against what the reward's sources can give
 
@@ -195,7 +199,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
 
     def check() -> Inputs:
         problems = _check_config_and_data(cfg, world, gpus_per_node)
-        models, rewards, group_filters = None, None, None
+        models, rewards, group_filters, generate_fn = None, None, None, None
         try:  # with the data wrong, a tiny model still to write waits for the fix
             if ensure_tiny_model(cfg.model, local_rank, write=not problems):
                 models = _read_models(cfg, world, gpus_per_node)
@@ -205,6 +209,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
             dataset_class = load_dataset_class(cfg.data)
             rewards = build_reward_manager(cfg)
             group_filters = GroupFilters.from_config(cfg, rewards.extra_keys())
+            generate_fn = load_generate_fn(cfg.rollout.generate_fn)
         except (ConfigError, ValueError, OSError) as e:
             problems.append(str(e))
         if problems:
@@ -225,7 +230,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
             if isinstance(e, (ValueError, OSError)) and not isinstance(e, ConfigError):
                 raise ConfigError(str(e)) from e  # what a user's input raises; the rest are bugs
             raise
-        return Inputs(info, train, val, rewards, reward_models, group_filters)
+        return Inputs(info, train, val, rewards, reward_models, group_filters, generate_fn)
 
     return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
 

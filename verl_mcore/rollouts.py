@@ -27,6 +27,7 @@ continues exactly as the run that was stopped (tests/e2e/test_rollout_set.py).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -35,6 +36,8 @@ import torch
 
 from verl_mcore.rollout.batch import Rollout, rollout_from_part
 from verl_mcore.rollout.gather import _cut
+from verl_mcore.rollout.group_filter import METRICS, FilterExhaustedError, GroupFilters
+from verl_mcore.rollout.prompt_group import groups_from_batch
 from verl_mcore.rollout.token_fields import TOKEN_FIELDS
 
 
@@ -47,6 +50,9 @@ class Sampled:
     version: int
     part: Any
     baseline: Any = None
+    # A batch the producer scored itself to filter its groups (Producer._sample_filtered):
+    # (Rollout, scores [B], reward metrics); `part` is then None.
+    scored: Optional[tuple] = None
 
     def rollouts(self, info) -> tuple[Rollout, Optional[Rollout]]:
         """The batch and its ReMax baseline (None without one) as Rollouts, on the host; `info`:
@@ -60,12 +66,20 @@ class Sampled:
 class Producer:
     """The step's rollout batch: samples with `sampler` (sampler.py) the prompt batches `loader`
     draws, `ahead` of the batch trained on (rollout.max_staleness in one_step_off, else 0).
-    `make_room()` frees the training state's memory for generation (the learner's offload).
-    Every rank calls it alike."""
+    `make_room()` frees the training state's memory for generation (the learner's offload);
+    `scorer` scores the trained batches (scoring.py), `filters` the run's group filters, `info`
+    the actor's ModelInfo, `device` the training device. Every rank calls it alike."""
 
-    def __init__(self, sampler, loader, place, cfg, make_room, ahead: int):
+    def __init__(self, sampler, loader, place, cfg, make_room, ahead: int, scorer=None,
+                 filters: Optional[GroupFilters] = None, info=None, device=None):
         self.sampler, self.loader, self.place, self.cfg = sampler, loader, place, cfg
         self.make_room = make_room
+        # The scorer of the trained batches (scoring.py), and the group filters
+        # (algorithm.filter_groups, rollout.group_filter): with a filter, each generation batch
+        # is scored here and more are sampled until the step's batch is full.
+        self.scorer, self.filters, self.device = scorer, filters or GroupFilters(), device
+        self.info = info  # the actor's ModelInfo: its tokenizer decodes the responses
+        self.generated = 0  # generation batches sampled so far (their sampling seeds)
         self.ahead = ahead  # k: batches sampled ahead of the one trained on
         self.queue: deque[Sampled] = deque()  # training ranks: sampled, not yet trained on
         self.count = 0  # batches sampled (generating ranks) or received (the others) so far
@@ -91,7 +105,7 @@ class Producer:
                     metrics.update(s.begin(step, first))
                 except Exception as e:  # noqa: BLE001 - every rank raises it at the hand-over
                     self.failure = e
-        self._advance(step + (self.ahead if generates else 0), step, phase)
+        metrics.update(self._advance(step + (self.ahead if generates else 0), step, phase))
         s.end()  # release the KV cache (and the weight buffer) before training
         metrics.update(s.stats())
         if not self.place.trains:
@@ -108,34 +122,109 @@ class Producer:
         ahead in one_step_off; nothing in sync). `failure`: the step's training failed here;
         the hand-over tells every rank (the rollout set is waiting in it)."""
         self.failure = failure or self.failure
-        self._advance(step + self.ahead, step, phase)
-        return {}
+        return self._advance(step + self.ahead, step, phase)
 
-    def _advance(self, until: int, step: int, phase) -> None:
+    def batch_of(self, sampled: Sampled):
+        """(the batch to train on, on the training device; the learner's `score`: () -> (scores,
+        reward metrics, ReMax baselines or None)). A batch the producer scored to filter it
+        brings its scores; the others are scored when the learner asks (after its log-prob
+        passes: placed, a reward set scores meanwhile)."""
+        if sampled.scored is not None:
+            rollout, scores, reward_metrics = sampled.scored
+            return rollout.to(self.device), lambda: (scores, reward_metrics, None)
+        rollout, baseline = sampled.rollouts(self.info)
+        rollout = rollout.to(self.device)
+        return rollout, self.scorer.scores_of(rollout, baseline, self.cfg.rollout.n)
+
+    def _advance(self, until: int, step: int, phase) -> dict[str, float]:
         """Sample (or receive) batches until `until` of them exist; the weights are those the
         engine holds now, the version step - 1. Phases: `gen` is the engine's sampling;
         `wait_rollout` the time a rank waits for another set's batch (not busy time: the
-        per-set utilisation leaves it out, RolePlacement.gather_metrics)."""
+        per-set utilisation leaves it out, RolePlacement.gather_metrics). The group filters'
+        metrics, with a filter."""
+        metrics: dict[str, float] = {}
+        while self.count < until:
+            index = self.count + 1
+            if self.filters.enabled:  # sync mode only (config/validate.py)
+                before, sampled, metrics = self._sample_filtered(index, step, phase)
+            else:
+                before, prompts = self._next_prompts()
+                parts = [self._sample(prompts, sampling, phase) for sampling in self._samplings(index)]
+                self.generated += 1
+                sampled = Sampled(index, step - 1, *parts)
+            self.count = index
+            if self.place.trains:
+                self.queue.append(sampled)
+                self.loader_before.append(before)
+        return metrics
+
+    def _sample(self, prompts, sampling, phase):
+        """One prompt batch's samples on every rank (RolloutPart), sampled by the generating set."""
         s = self.sampler
         # Handing the batch over is waiting on a rollout set of its own (its receivers are busy
         # training) and on every rank that receives; on the training ranks that sampled it, part
         # of generating.
         hand_over = "gen" if s.generates and self.place.trains else "wait_rollout"
-        while self.count < until:
-            before, prompts = self._next_prompts()
-            index = self.count + 1
-            parts = []
-            for sampling in self._samplings(index):
-                batch, failure, self.failure = None, self.failure, None
-                if s.generates:  # after an earlier failure it only agrees it
-                    with phase("gen"):
-                        batch, failure = s.sample_part(prompts, sampling, failure)
-                with phase(hand_over):
-                    parts.append(s.share_part(prompts, batch, failure))
-            self.count = index
-            if self.place.trains:
-                self.queue.append(Sampled(index, step - 1, *parts))
-                self.loader_before.append(before)
+        batch, failure, self.failure = None, self.failure, None
+        if s.generates:  # after an earlier failure it only agrees it
+            with phase("gen"):
+                batch, failure = s.sample_part(prompts, sampling, failure)
+        with phase(hand_over):
+            return s.share_part(prompts, batch, failure)
+
+    def _sample_filtered(self, index: int, step: int, phase):
+        """DAPO's dynamic sampling (algorithm.filter_groups) and rollout.group_filter: sample
+        and score generation batches, each of data.train_batch_size prompts drawn in turn, until
+        that many prompt groups passed the filters (or algorithm.filter_groups.max_num_gen_batches
+        were sampled), then train on the first of them (rollout/group_filter.py). Every rank
+        scores the same gathered batches and so takes the same decisions.
+        (the loader's state before the step's first batch, the scored Sampled, its metrics)."""
+        r = self.cfg.rollout
+        kept = self.filters.accumulator(self.cfg.data.train_batch_size)
+        batches, reward_metrics, before = [], [], None
+        while not kept.done:
+            drawn_before, prompts = self._next_prompts()
+            before = drawn_before if before is None else before
+            part = self._sample(prompts, self.sampler.sampling(r.n, r.temperature, self.generated),
+                                phase)
+            self.generated += 1
+            rollout = rollout_from_part(part, part.prompt_of, self.info).to(self.device)
+            with phase("reward"):
+                scores, metrics, extras = self.scorer.train_scores(rollout)
+            kept.add(groups_from_batch(rollout.group_ids, scores, rollout.responses, rollout.rows,
+                                       rollout.finish, rollout.train.response_lens, extras,
+                                       gen_batch=len(batches)))
+            batches.append((rollout, scores))
+            reward_metrics.append((metrics, rollout.num_samples))
+        groups = self._whole_mini_batches(kept.take())
+        pieces = []
+        for b, (rollout, scores) in enumerate(batches):  # the kept groups, in their order
+            idx = [i for g in groups if g.gen_batch == b for i in g.samples]
+            if idx:
+                pieces.append((rollout.select(idx), scores[torch.as_tensor(idx, device=scores.device)]))
+        info = self.info
+        pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
+        rollout = Rollout.concat([p[0] for p in pieces], pad)
+        metrics = kept.metrics()
+        metrics[METRICS + "trained_groups"] = float(len(groups))
+        scored = (rollout, torch.cat([p[1] for p in pieces]), _merged(reward_metrics))
+        return before, Sampled(index, step - 1, None, scored=scored), metrics
+
+    def _whole_mini_batches(self, groups: list) -> list:
+        """`groups` cut to whole mini-batches of the actor's (and the critic's) updates, for a
+        short batch (on_max_gen_batches=train); a full batch is whole already."""
+        sizes = [self.cfg.actor.ppo_mini_batch_size]
+        if self.cfg.uses_critic:
+            sizes.append(self.cfg.critic.ppo_mini_batch_size)
+        unit = math.lcm(*sizes)
+        whole = len(groups) // unit * unit
+        if whole == 0:
+            raise FilterExhaustedError(
+                f"{len(groups)} prompt groups kept, fewer than one mini-batch of {unit} "
+                "(actor/critic ppo_mini_batch_size): nothing to train on. Raise "
+                "algorithm.filter_groups.max_num_gen_batches (0: no limit) or check the filters "
+                "(rollout/filter/dropped/* in metrics.jsonl)")
+        return groups[:whole]
 
     def _samplings(self, index: int) -> list:
         """How batch `index` is sampled: its rollout.n responses per prompt, and ReMax's greedy
@@ -165,7 +254,8 @@ class Producer:
         """The loader's position before the first batch not yet trained on, and the batches
         sampled ahead (training ranks; the actor set's first rank writes it)."""
         loader = self.loader_before[0] if self.loader_before else self.loader.state_dict()
-        return {"loader": loader, "queue": [_save(s) for s in self.queue]}
+        return {"loader": loader, "queue": [_save(s) for s in self.queue],
+                "gen_batches": self.generated}
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """Continue after step `step`: the loader where the checkpoint had it, then the saved
@@ -180,6 +270,33 @@ class Producer:
                 self.queue.append(_load(saved, prompts.rows))
                 self.loader_before.append(before)
         self.count = step + len(state.get("queue", []))
+        # Older checkpoints (None): one generation batch a batch, as without a group filter.
+        saved = state.get("gen_batches")
+        self.generated = self.count if saved is None else int(saved)
+
+
+def _merged(metrics: list[tuple[dict, int]]) -> dict[str, float]:
+    """The reward metrics of a step's generation batches (each with its sample count) as those
+    of all their samples: counts (`reward/failed`, `.../count`) summed, `.../min` and `.../max`
+    over the batches, a route's mean weighed by its count, every other value (means, a reward
+    model's std) by the batch's samples."""
+    out: dict[str, float] = {}
+    weight: dict[str, float] = {}
+    for m, n in metrics:
+        for k, v in m.items():
+            v = float(v)
+            if k == "reward/failed" or k.endswith("/count"):
+                out[k] = out.get(k, 0.0) + v
+            elif k.endswith("/min") or k.endswith("/max"):
+                pick = min if k.endswith("/min") else max
+                out[k] = pick(out[k], v) if k in out else v
+            else:
+                w = m.get(k[:-len("mean")] + "count", n) if k.startswith("reward/route/") else n
+                out[k] = out.get(k, 0.0) + v * w
+                weight[k] = weight.get(k, 0.0) + w
+    for k, w in weight.items():
+        out[k] = out[k] / w if w else 0.0
+    return out
 
 
 def _save(s: Sampled) -> dict:

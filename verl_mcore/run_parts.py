@@ -135,7 +135,7 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
     # Each rank builds its own roles' models only (None / {} for the others').
     with watchdog.phase("build models"):
         roles = _build_roles(cfg, place, info, inputs.reward_models)
-        sampler = _build_sampler(cfg, place, info, roles["actor"])
+        sampler = _build_sampler(cfg, place, info, roles["actor"], inputs.generate_fn)
     for role in (roles["actor"], roles["critic"]):
         if role is not None:
             role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
@@ -150,7 +150,8 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
     scorer = Scorer(cfg, rewards, roles["reward_models"], list(inputs.reward_models), place,
                     info.tokenizer, device, rank)
     producer = Producer(sampler, loader, place, cfg, learner.offload_training_state,
-                        cfg.rollout.max_staleness if cfg.rollout.mode == "one_step_off" else 0)
+                        cfg.rollout.max_staleness if cfg.rollout.mode == "one_step_off" else 0,
+                        scorer, inputs.group_filters, info, device)
     checkpoints = build.build_checkpointers(
         cfg, run_dir, info,
         role_ranks=None if placement.colocated else place.role_ranks())
@@ -180,16 +181,17 @@ def _build_roles(cfg: Config, place: RolePlacement, info, rm_infos: dict) -> dic
     return roles
 
 
-def _build_sampler(cfg: Config, place: RolePlacement, info, actor) -> Sampler:
+def _build_sampler(cfg: Config, place: RolePlacement, info, actor, generate_fn=None) -> Sampler:
     """The engine's side: a GenerationPhase where it runs (the actor's ranks, or those of
-    placement.rollout), the WeightSender on the actor's ranks of a rollout set."""
+    placement.rollout), the WeightSender on the actor's ranks of a rollout set; generate_fn:
+    rollout.generate_fn's function, or None."""
     generation = sender = None
     if place.generating_set == "rollout":
         side = build.build_rollout_set_phase(cfg, place, info, actor)
         generation, sender = (None, side) if isinstance(side, WeightSender) else (side, None)
     elif place.runs("actor"):
         generation = build.build_generation_phase(cfg, place.groups["actor"], info, actor)
-    return Sampler(cfg, info, place, generation, sender)
+    return Sampler(cfg, info, place, generation, sender, generate_fn)
 
 
 def _log_lora(cfg: Config, info) -> None:

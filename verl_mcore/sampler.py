@@ -21,6 +21,7 @@ from verl_mcore.config.seeds import rollout_seed
 from verl_mcore.rollout.base import SamplingParams
 from verl_mcore.rollout.batch import Rollout, rollout_from_part
 from verl_mcore.rollout.gather import RolloutPart, agreed_failure, gather_rollout, share_rollout
+from verl_mcore.rollout.generate_fn import GenerateHandle, UserGenerateFn
 
 # The step's phases of sampling (timed by the producer); the others are the training's.
 GENERATING = ("sync", "gen", "wait_rollout")
@@ -29,11 +30,14 @@ GENERATING = ("sync", "gen", "wait_rollout")
 class Sampler:
     """cfg: the run's Config; info: the actor's ModelInfo (tokenizer, EOS ids, vocabulary);
     place: the run's RolePlacement; generation: this rank's GenerationPhase (None where no engine
-    runs); sender: the WeightSender of an actor rank of a rollout set of its own, else None."""
+    runs); sender: the WeightSender of an actor rank of a rollout set of its own, else None;
+    generate_fn: rollout.generate_fn's function (rollout/generate_fn.py), which samples each
+    batch in place of one engine call, or None."""
 
-    def __init__(self, cfg, info, place, generation=None, sender=None):
+    def __init__(self, cfg, info, place, generation=None, sender=None,
+                 generate_fn: Optional[UserGenerateFn] = None):
         self.cfg, self.info, self.place = cfg, info, place
-        self.generation, self.sender = generation, sender
+        self.generation, self.sender, self.generate_fn = generation, sender, generate_fn
 
     @property
     def generates(self) -> bool:
@@ -101,7 +105,7 @@ class Sampler:
         mine = None
         try:
             if failure is None:
-                outputs = self.generation.generate(prompts.input_ids, sampling)
+                outputs = self._outputs(prompts, sampling)
                 if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
                     mine = RolloutPart.from_outputs(prompts, outputs, vocab)
         except Exception as e:  # noqa: BLE001 - raised on every rank by share_part
@@ -116,6 +120,15 @@ class Sampler:
         if failure is not None:
             return None, failure
         return gather_rollout(mine, groups, vocab), None
+
+    def _outputs(self, prompts, sampling):
+        """The engine's samples of this replica's prompts: one engine call, or rollout.generate_fn's
+        (its output checked before it enters the batch)."""
+        if self.generate_fn is None:
+            return self.generation.generate(prompts.input_ids, sampling)
+        engine = GenerateHandle(self.generation, self.info.tokenizer, self.info.eos_token_ids,
+                                self.cfg.data.max_response_length)
+        return self.generate_fn(engine, prompts, sampling, self.info.arch.vocab_size)
 
     def share_part(self, prompts, batch, failure=None):
         """The generating set's batch on every rank (a failure there raises on every rank)."""

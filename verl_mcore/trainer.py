@@ -35,6 +35,7 @@ from verl_mcore.distributed.launch import detect_launch, init_distributed, setup
 from verl_mcore.distributed.watchdog import process_group_timeout
 from verl_mcore.errors import NonFiniteError, RewardFailureError
 from verl_mcore.rollout.batch import prompt_texts
+from verl_mcore.rollout.group_filter import FilterExhaustedError
 from verl_mcore.run_dir import RunDir
 from verl_mcore.run_parts import build_run
 from verl_mcore.stage_timer import StageTimer
@@ -115,7 +116,8 @@ class Trainer:
                     self.finish("stopped for preemption")  # commits async saves too
                     return self.guard.preempted_exit(step, self.rank)
         except BaseException as e:
-            if isinstance(e, (NonFiniteError, RewardFailureError, ValMetricError)):
+            if isinstance(e, (NonFiniteError, RewardFailureError, ValMetricError,
+                              FilterExhaustedError)):
                 # Raised on every rank alike (from reduced or gathered values): commit the
                 # pending async saves, which hold good steps, before stopping.
                 self.checkpoints.close()
@@ -138,10 +140,8 @@ class Trainer:
         if sampled is None:
             return self.step_metrics(step, gen_metrics, timer, t0, tokens=0.0)
         try:
-            rollout, baseline = sampled.rollouts(self.info)
             # The step's tensors live on the training device from here on (engine/batch.py).
-            rollout = rollout.to(self.device)
-            score = self.scorer.scores_of(rollout, baseline, self.cfg.rollout.n)
+            rollout, score = self.producer.batch_of(sampled)
             metrics, tokens = self.learner.train(step, rollout, phase, score)
         except Exception as e:
             if not self.place.has("rollout"):
@@ -221,7 +221,8 @@ class Trainer:
         not yet trained on, and the batches sampled ahead of it (one_step_off: rollouts.py)."""
         rollouts = self.producer.state_dict()
         return {"step": self.step_index, "loader": rollouts["loader"],
-                "rollout_queue": rollouts["queue"], "kl_ctrl": self.learner.kl_ctrl.state_dict(),
+                "rollout_queue": rollouts["queue"], "gen_batches": rollouts["gen_batches"],
+                "kl_ctrl": self.learner.kl_ctrl.state_dict(),
                 "skipped_updates": self.skipped_updates,
                 "optimizer_steps_per_step": {  # the LR schedules' unit (resume.rescale_schedule)
                     role: build.optimizer_steps_per_training_step(self.cfg, role)
@@ -260,7 +261,8 @@ class Trainer:
         self.step_index = int(state["step"])
         self.learner.last_good_step = self.step_index
         self.producer.load_state_dict({"loader": state["loader"],
-                                       "queue": state.get("rollout_queue", [])}, self.step_index)
+                                       "queue": state.get("rollout_queue", []),
+                                       "gen_batches": state.get("gen_batches")}, self.step_index)
         if state["kl_ctrl"] is not None:
             self.learner.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skipped_updates = int(state.get("skipped_updates", 0))

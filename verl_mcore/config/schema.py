@@ -98,14 +98,22 @@ class LogprobCheckConfig:
 
 
 @dataclass
-class GroupFilterConfig:
-    """rollout.group_filter: a user function deciding per prompt group keep or drop
-    (rollout/group_filter.py): fn(group, **kwargs) -> bool | (bool, reason), `group` a
-    PromptGroup (its dataset row, responses, scores, reward extras, finish reasons, lengths).
-    It runs in the trainer on every rank, on the same gathered group, after
-    algorithm.filter_groups' built-in filter, so it must decide the same on every rank (no
-    unseeded randomness, no rank-dependent state). Dropped groups are refilled as
-    algorithm.filter_groups.max_num_gen_batches allows."""
+class UserFunctionConfig:
+    """A user's function in a Python file, called in the trainer on every rank:
+    rollout.group_filter and rollout.generate_fn. Its file is imported first in a fresh
+    interpreter (user_code.check_import) and the function's signature checked there, before any
+    model is built.
+
+    rollout.group_filter (rollout/group_filter.py): fn(group, **kwargs) -> bool | (bool,
+    reason), deciding per prompt group keep or drop; `group` a PromptGroup (its dataset row,
+    responses, scores, reward extras, finish reasons, lengths). It runs after
+    algorithm.filter_groups' built-in filter on the same gathered group on every rank, so it
+    must decide the same on every rank (no unseeded randomness, no rank-dependent state).
+    Dropped groups are refilled as algorithm.filter_groups.max_num_gen_batches allows.
+
+    rollout.generate_fn (rollout/generate_fn.py): fn(engine, prompts, sampling, **kwargs) ->
+    list[SampleOutput], sampling each prompt batch in place of one engine call (several calls,
+    a second pass, tool turns), with a loss mask for the tokens that must not train."""
 
     path: Optional[str] = None  # a Python file
     name: Optional[str] = None  # the function in it
@@ -145,7 +153,8 @@ class RolloutConfig:
     # pi_old the actor's recomputed log-probs. null: off.
     tis_cap: Optional[float] = None
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
-    group_filter: GroupFilterConfig = field(default_factory=GroupFilterConfig)
+    group_filter: UserFunctionConfig = field(default_factory=UserFunctionConfig)
+    generate_fn: UserFunctionConfig = field(default_factory=UserFunctionConfig)
     # Validation sampling
     val_n: int = 1
     val_temperature: float = 0.0  # 0: greedy

@@ -62,6 +62,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
     "rollout.group_filter.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.generate_fn.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.val_n": ("[1, inf)", ""),
     "rollout.val_temperature": ("[0, inf)", "0: greedy"),
     "data.max_prompt_length": ("[1, inf)", ""),
@@ -446,6 +447,20 @@ def _filter_groups_errors(cfg: Config) -> list[str]:
                     "log-prob passes that run after the groups are filtered; use metric=score "
                     "(the same reward without the KL term)")
     filtering = f.enable or user.path or user.name
+    # The producer refills a step's batch by sampling, scoring and filtering in turn, every rank
+    # alike (rollouts.py): not (yet) ahead of the step, nor on a rollout set of its own, whose
+    # ranks do not score; ReMax's greedy baselines are not selected with the groups.
+    what = ("algorithm.filter_groups.enable=true" if f.enable else
+            "rollout.group_filter")
+    if filtering and cfg.rollout.mode != "sync":
+        errs.append(f"{what} refills each step's batch as it samples, which rollout.mode="
+                    f"{cfg.rollout.mode} does not do yet: use rollout.mode=sync")
+    if filtering and cfg.placement.rollout is not None:
+        errs.append(f"{what} filters on the training ranks' scores, which a rollout set of its "
+                    "own (placement.rollout) does not see yet: leave placement.rollout unset")
+    if filtering and cfg.algorithm.adv_estimator == "remax":
+        errs.append(f"{what} with algorithm.adv_estimator=remax: the greedy baselines are not "
+                    "filtered with their groups; use grpo, rloo or another estimator")
     if filtering and f.on_max_gen_batches == "train" and f.max_num_gen_batches <= 0:
         errs.append(f"algorithm.filter_groups.on_max_gen_batches=train says what a step does "
                     f"after max_num_gen_batches generation batches, but max_num_gen_batches="

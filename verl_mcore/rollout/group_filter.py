@@ -58,7 +58,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
-from verl_mcore.config.schema import Config, GroupFilterConfig
+from verl_mcore.config.schema import Config, UserFunctionConfig
 from verl_mcore.errors import ConfigError
 from verl_mcore.rollout.prompt_group import PromptGroup
 from verl_mcore.user_code import (ExitCalled, check_import, exit_raises_in_this_thread,
@@ -256,7 +256,7 @@ def check_user_filter(obj: Any, path: str, name: str, kwargs: Mapping[str, Any],
     return "function"
 
 
-def load_user_filter(cfg: GroupFilterConfig) -> Optional[UserGroupFilter]:
+def load_user_filter(cfg: UserFunctionConfig) -> Optional[UserGroupFilter]:
     """rollout.group_filter's function, or None when none is configured. Its file is imported
     first in a fresh interpreter under import_timeout_s, where the signature is checked
     (check_user_filter), so a file that blocks, exits or fails, a missing name or a wrong

@@ -1,0 +1,183 @@
+"""rollout.generate_fn: a user's generation function in place of the engine's one call per batch.
+
+    def generate(engine, prompts, sampling, **kwargs) -> list[SampleOutput]
+
+engine    a GenerateHandle: `engine.generate(prompt_ids, sampling)` -> [SampleOutput] runs the
+          configured engine (as many calls as the function likes: a second pass, tool turns);
+          `engine.tokenizer`, `engine.eos_token_ids`, `engine.max_new_tokens`.
+prompts   this generation replica's prompt batch: `prompts.input_ids` [P] token-id lists (the
+          chat template applied), `prompts.rows` [P] their dataset rows.
+sampling  the batch's SamplingParams (n, temperature, top_p, top_k, max_new_tokens,
+          stop_token_ids, seed; logprobs when the trainer reads the engine's log-probs).
+returns   rollout/base.py SampleOutputs, n per prompt: prompt_index, sample_index (0..n-1),
+          token_ids (the response: every token after the prompt, at most max_new_tokens),
+          finish_reason, logprobs (one per token; required when sampling.logprobs), loss_mask (1
+          where the token trains, 0 on tokens the model did not write or that must not train,
+          e.g. a tool's output or a second pass; None: all 1).
+
+Where it runs. On every rank of each generation replica (its TP_g group), with that replica's
+prompts: the engine's calls are collective over the group, so the function must make the same
+calls on each of its ranks (no unseeded randomness, nothing rank-dependent). The weight-sync
+check (rollout.logprob_check) reads the first engine call after a weight update.
+
+What it returns is checked before it enters the batch: a missing or doubled sample, a token id
+outside the vocabulary, a response over max_new_tokens, a loss mask or log-probs of the wrong
+length stop the run naming the file, the function and the sample. Its file is imported at
+start-up in a probe process and its signature checked, before any model is built.
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+import os
+import traceback
+import typing
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from verl_mcore.rollout.base import FinishReason, SampleOutput, SamplingParams
+from verl_mcore.user_code import (ExitCalled, check_import, exit_raises_in_this_thread,
+                                  load_user_object)
+from verl_mcore.utils.doing import doing
+
+_KEY = "rollout.generate_fn"
+SIGNATURE = "fn(engine, prompts, sampling, **kwargs) -> list[SampleOutput]"
+_FINISH = frozenset(typing.get_args(FinishReason))
+
+
+class GenerateFnError(RuntimeError):
+    """rollout.generate_fn raised, or returned samples the batch cannot take."""
+
+
+class GenerateHandle:
+    """What a generate function may use of the engine (module docstring)."""
+
+    def __init__(self, generation, tokenizer, eos_token_ids: Sequence[int], max_new_tokens: int):
+        self._generation = generation
+        self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
+        self.max_new_tokens = max_new_tokens
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[SampleOutput]:
+        """The engine's samples of `prompt_ids` (a collective call over the replica's ranks)."""
+        return self._generation.generate(prompt_ids, sampling)
+
+
+class UserGenerateFn:
+    """rollout.generate_fn's function, called as fn(engine, prompts, sampling, **kwargs)."""
+
+    def __init__(self, fn: Callable, kwargs: Mapping[str, Any], path: str, name: str):
+        self.fn, self.kwargs, self.path, self.name = fn, dict(kwargs), path, name
+        self.label = f"{_KEY} {path}:{name}"
+
+    def __call__(self, engine: GenerateHandle, prompts, sampling: SamplingParams,
+                 vocab_size: int) -> list[SampleOutput]:
+        rule = (self.label, "it runs in the trainer, which this would have ended: return samples")
+        try:
+            with doing(f"calling {self.label} on {len(prompts.input_ids)} prompts"), \
+                    exit_raises_in_this_thread(rule):
+                outputs = self.fn(engine, prompts, sampling, **self.kwargs)
+        except (Exception, SystemExit) as e:  # ExitCalled for an os._exit; sys.exit too
+            raise GenerateFnError(f"{self.label} raised {type(e).__name__}: {e}"
+                                  f"{_line_in(e, self.path)}") from e
+        check_outputs(outputs, len(prompts.input_ids), sampling, vocab_size, self.label)
+        return outputs
+
+
+def check_outputs(outputs: Any, prompts: int, sampling: SamplingParams, vocab_size: int,
+                  label: str) -> None:
+    """What a generate function returned can enter the batch (module docstring); raises
+    GenerateFnError naming `label` and the first bad sample."""
+    if not isinstance(outputs, (list, tuple)):
+        raise GenerateFnError(f"{label} returned {type(outputs).__name__}; it returns a list of "
+                              "rollout.base.SampleOutput, n per prompt")
+    seen: set[tuple[int, int]] = set()
+    for i, o in enumerate(outputs):
+        where = f"{label}: sample {i} of its output"
+        if not isinstance(o, SampleOutput):
+            raise GenerateFnError(f"{where} is a {type(o).__name__}, not a rollout.base.SampleOutput")
+        key = (o.prompt_index, o.sample_index)
+        where += f" (prompt_index {o.prompt_index}, sample_index {o.sample_index})"
+        if not (0 <= o.prompt_index < prompts and 0 <= o.sample_index < sampling.n):
+            raise GenerateFnError(f"{where}: out of range ({prompts} prompts, n={sampling.n})")
+        if key in seen:
+            raise GenerateFnError(f"{where}: returned twice")
+        seen.add(key)
+        tokens = o.token_ids
+        if len(tokens) > sampling.max_new_tokens:
+            raise GenerateFnError(f"{where}: {len(tokens)} response tokens, more than "
+                                  f"max_new_tokens={sampling.max_new_tokens} "
+                                  "(data.max_response_length): the batch cannot hold it")
+        bad = next((t for t in tokens if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                    or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise GenerateFnError(f"{where}: token id {bad!r} is not an int in [0, {vocab_size})")
+        if o.finish_reason not in _FINISH:
+            raise GenerateFnError(f"{where}: finish_reason {o.finish_reason!r} is none of "
+                                  f"{sorted(_FINISH)}")
+        for field in ("loss_mask", "logprobs"):
+            values = getattr(o, field)
+            if values is not None and len(values) != len(tokens):
+                raise GenerateFnError(f"{where}: {len(values)} {field} values for "
+                                      f"{len(tokens)} response tokens")
+        if o.loss_mask is not None and any(v not in (0, 1) for v in o.loss_mask):
+            raise GenerateFnError(f"{where}: loss_mask holds values other than 0 and 1")
+        if sampling.logprobs and o.logprobs is None:
+            raise GenerateFnError(f"{where}: no logprobs, but the trainer reads the engine's "
+                                  "log-probs (placement.rollout or rollout.tis_cap): keep the "
+                                  "engine's (0.0 for tokens it did not sample)")
+    if len(seen) != prompts * sampling.n:
+        missing = next((p, s) for p in range(prompts) for s in range(sampling.n) if (p, s) not in seen)
+        raise GenerateFnError(f"{label} returned {len(seen)} samples for {prompts} prompts x "
+                              f"n={sampling.n}; missing prompt_index {missing[0]}, sample_index "
+                              f"{missing[1]}")
+
+
+def _line_in(error: BaseException, path: str) -> str:
+    """' (at <path>, line N, in fn)' for the deepest frame of `error` in the user's file."""
+    mine = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
+    return f" (at {path}, line {mine[-1].lineno}, in {mine[-1].name})" if mine else ""
+
+
+class _Placeholder:
+    """What the start-up check binds the signature to (no engine or batch exists yet)."""
+
+
+def check_signature(obj: Any, path: str, name: str, kwargs: Mapping[str, Any],
+                    construct: bool = False) -> str:
+    """That `obj` can be called as fn(engine, prompts, sampling, **kwargs): in the import probe
+    (user_code.check_import). Raises ValueError naming the file, the function and the signature
+    expected."""
+    what = f"{_KEY}.name={name!r} in {path}"
+    if inspect.isclass(obj) or not callable(obj):
+        kind = "a class" if inspect.isclass(obj) else f"an object of type {type(obj).__name__}"
+        raise ValueError(f"{what} is {kind}, not a function: a generate function is {SIGNATURE}")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without signature data: the first call will tell
+        return "function"
+    try:
+        signature.bind(_Placeholder(), _Placeholder(), _Placeholder(), **kwargs)
+    except TypeError as e:
+        named = "".join(f", {k}=..." for k in kwargs)
+        raise ValueError(f"{what}: {name}{signature} cannot be called as "
+                         f"{name}(engine, prompts, sampling{named}) ({_KEY}.kwargs go to each "
+                         f"call; a generate function is {SIGNATURE}): {e}") from None
+    return "function"
+
+
+def load_generate_fn(cfg) -> Optional[UserGenerateFn]:
+    """rollout.generate_fn's function (cfg: its UserFunctionConfig), or None when none is
+    configured. Its file is imported first in a fresh interpreter under import_timeout_s, where
+    the signature is checked, so a file that blocks, exits or fails, a missing name or a wrong
+    signature fail before any model is built, naming the file and the function."""
+    if not (cfg.path or cfg.name or cfg.kwargs):
+        return None
+    check_import(cfg.path, cfg.name, _KEY, cfg.import_timeout_s, f"{_KEY}.import_timeout_s",
+                 check=(check_signature, (cfg.path, cfg.name, dict(cfg.kwargs))))
+    rule = (f"{_KEY} ({cfg.path}, importing it in the trainer)",
+            "the trainer would have ended without a word: its file must not exit at import")
+    try:
+        with exit_raises_in_this_thread(rule):
+            fn = load_user_object(cfg.path, cfg.name, _KEY)
+    except ExitCalled as e:
+        raise ValueError(str(e)) from None
+    return UserGenerateFn(fn, cfg.kwargs, os.path.abspath(os.path.expanduser(cfg.path)), cfg.name)
