@@ -1,0 +1,226 @@
+"""The producer's group filters in real runs (rollouts.py, rollout/group_filter.py): DAPO's
+dynamic sampling refills each step's batch to data.train_batch_size prompt groups, every rank
+takes the same decisions, max_num_gen_batches stops or shortens the step as configured, and a
+user's group filter and generate function (the examples') run end to end.
+
+The quickstart's tiny model on CPU; the trained batches are recorded by wrapping Learner.train
+(the rollout it receives, with the scores the producer computed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Even digits: every sample of the prompt scores 1 (a uniform group, which the filter drops);
+# odd digits: by the response's length, which differs between the samples of a group.
+HALF_UNIFORM = '''
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    if int(ground_truth) % 2 == 0:
+        return {"score": 1.0, "acc": 1.0}
+    return {"score": float(len(solution_str) % 2), "acc": float(len(solution_str) % 2)}
+
+
+def constant(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.5
+'''
+
+ODD_DIGITS = '''
+def odd_digits(group, parity=1):
+    return int(group.row["reward_model"]["ground_truth"]) % 2 == parity, "even_digit"
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def code(tmp_path_factory):
+    d = tmp_path_factory.mktemp("code")
+    (d / "rewards.py").write_text(HALF_UNIFORM)
+    (d / "filters.py").write_text(ODD_DIGITS)
+    return d
+
+
+def _overrides(model, run_dir, code, reward="score", steps=2, extra=()):
+    return [f"model.path={model}", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+            "trainer.val_every=0", "data.val_files=[]", "checkpoint.save_every=0",
+            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+            "actor.micro_batch_size_per_gpu=4", "reward.num_workers=0",
+            f"reward.custom_fn.path={code}/rewards.py", f"reward.custom_fn.name={reward}",
+            *extra]
+
+
+def _train_recording(rank, world_size, overrides):
+    """(fit's exit code or the error's first line, the trained batches: per step the groups'
+    (ground truth, scores) in order and each sample's response mask as lists)."""
+    from verl_mcore.config import Config, validate
+    from verl_mcore.learner import Learner
+    from verl_mcore.trainer import Trainer
+
+    trained = []
+    original = Learner.train
+
+    def train(self, step, rollout, phase, score):
+        scores, metrics, baseline = score()
+        ids = rollout.group_ids.tolist()
+        groups: dict = {}
+        for i, g in enumerate(ids):
+            groups.setdefault(g, (rollout.rows[i]["reward_model"]["ground_truth"], []))[1].append(
+                float(scores[i]))
+        b = rollout.train
+        trained.append({"groups": list(groups.values()), "samples": len(ids),
+                        "mask": [b.response_mask[i, :int(n)].tolist()
+                                 for i, n in enumerate(b.response_lens)]})
+        return original(self, step, rollout, phase, lambda: (scores, metrics, baseline))
+
+    Learner.train = train
+    try:
+        cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)
+        validate(cfg, world_size)
+        outcome = Trainer(cfg).fit()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    finally:
+        Learner.train = original
+    return outcome, trained
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills_the_batch(tiny_model, code, tmp_path):
+    [(outcome, trained)] = run_on_ranks(
+        _train_recording, 1, args=(_overrides(tiny_model, tmp_path / "run", code, extra=DAPO),),
+        timeout=300)
+    assert outcome == 0
+    for batch in trained:  # full, and no group whose samples all score the same
+        assert len(batch["groups"]) == 4 and batch["samples"] == 16
+        assert all(len(set(scores)) > 1 for _, scores in batch["groups"]), batch["groups"]
+        assert all(int(truth) % 2 == 1 for truth, _ in batch["groups"])  # even digits: uniform
+    rows = _rows(tmp_path / "run")
+    for row in rows:
+        assert row["rollout/filter/trained_groups"] == 4 and row["rollout/filter/short_batch"] == 0
+        assert row["rollout/filter/kept_groups"] >= 4
+        assert row["rollout/filter/dropped/zero_std"] == (
+            row["rollout/filter/groups"] - row["rollout/filter/kept_groups"])
+    # The quickstart's prompts have even digits half the time: more than one batch was needed.
+    assert sum(r["rollout/filter/gen_batches"] for r in rows) > len(rows)
+    assert sum(r["rollout/filter/dropped/zero_std"] for r in rows) > 0
+
+
+@pytest.mark.distributed
+def test_four_ranks_take_the_same_decisions(tiny_model, code, tmp_path):
+    """4 gloo ranks, 4 generation replicas each sampling its share: every rank trains on the
+    same filtered batch."""
+    results = run_on_ranks(
+        _train_recording, 4,
+        args=(_overrides(tiny_model, tmp_path / "run", code, extra=DAPO + [
+            "actor.micro_batch_size_per_gpu=1", "critic.micro_batch_size_per_gpu=1"]),),
+        timeout=600)
+    outcomes = [r[0] for r in results]
+    assert outcomes == [0] * 4, outcomes
+    first = results[0][1]
+    assert all(r[1] == first for r in results[1:])
+    for batch in first:
+        assert len(batch["groups"]) == 4
+        assert all(len(set(scores)) > 1 for _, scores in batch["groups"])
+    assert sum(r["rollout/filter/dropped/zero_std"] for r in _rows(tmp_path / "run")) > 0
+
+
+def test_max_num_gen_batches_stops_the_run_when_configured_so(tiny_model, code, tmp_path):
+    """Every group uniform: after max_num_gen_batches the run stops naming the counts."""
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, reward="constant", steps=1,
+        extra=DAPO + ["algorithm.filter_groups.max_num_gen_batches=2"]),), timeout=300)
+    assert outcome.startswith("FilterExhaustedError: 0 of 4 prompt groups"), outcome
+    assert "after 2 generation batches" in outcome and trained == []
+
+
+def test_max_num_gen_batches_trains_on_fewer_groups_when_configured_so(tiny_model, code, tmp_path):
+    """A user's filter keeps the odd digits; one generation batch allowed, on_max=train: the step
+    trains on the kept groups, cut to whole mini-batches (2 prompts), and says so."""
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=2,
+        extra=[f"rollout.group_filter.path={code}/filters.py", "rollout.group_filter.name=odd_digits",
+               "algorithm.filter_groups.max_num_gen_batches=1",
+               "algorithm.filter_groups.on_max_gen_batches=train"]),), timeout=300)
+    assert outcome == 0
+    rows = _rows(tmp_path / "run")
+    assert len(rows) == len(trained) == 2
+    assert any(r["rollout/filter/short_batch"] == 1 for r in rows)  # seed 1: 2 odd digits of 4
+    for row, batch in zip(rows, trained):
+        kept = int(row["rollout/filter/kept_groups"])
+        assert row["rollout/filter/gen_batches"] == 1
+        assert row.get("rollout/filter/dropped/even_digit", 0) == 4 - kept
+        assert len(batch["groups"]) == row["rollout/filter/trained_groups"] == kept // 2 * 2
+        assert row["rollout/filter/short_batch"] == float(kept < 4)
+        assert all(int(truth) % 2 == 1 for truth, _ in batch["groups"])
+
+
+def test_the_example_group_filter_runs(tiny_model, code, tmp_path):
+    """examples/group_filter.py beside the built-in filter: its reasons are counted."""
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=1, extra=DAPO + [
+            f"rollout.group_filter.path={ROOT}/examples/group_filter.py",
+            "rollout.group_filter.name=drop_uninformative",
+            "rollout.group_filter.kwargs={max_truncated_fraction: 0.5}"]),), timeout=300)
+    assert outcome == 0 and len(trained[0]["groups"]) == 4
+    [row] = _rows(tmp_path / "run")
+    # The tiny model runs most responses to the 8-token limit: the example drops many groups.
+    assert row["rollout/filter/dropped/truncated"] > 0 and row["rollout/filter/dropped/zero_std"] > 0
+    assert row["rollout/filter/trained_groups"] == 4
+
+
+def test_the_example_generate_fn_trains_the_answer_only(tiny_model, code, tmp_path):
+    """examples/self_check_generate.py: each response is the answer, then the check instruction
+    and the model's check; the response mask is 1 on the answer and 0 on the rest."""
+    check = "x y"
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=1, extra=[
+            "data.max_response_length=16",
+            f"rollout.generate_fn.path={ROOT}/examples/self_check_generate.py",
+            "rollout.generate_fn.name=answer_then_check",
+            f"rollout.generate_fn.kwargs={{check: '{check}', check_tokens: 3}}"]),), timeout=300)
+    assert outcome == 0
+    masks = trained[0]["mask"]
+    assert len(masks) == 16
+    holed = [m for m in masks if 0.0 in m]
+    assert holed, "no response got a second pass"
+    for m in holed:  # ones (the answer) then zeros (instruction + check), nothing after
+        first_zero = m.index(0.0)
+        assert first_zero > 0 and set(m[first_zero:]) == {0.0}, m
+    [row] = _rows(tmp_path / "run")
+    assert row["actor/pg_loss"] == row["actor/pg_loss"]  # finite: the update ran
+
+
+@pytest.mark.parametrize("source, error", [
+    ("def answer(engine, prompts):\n    return []\n", "cannot be called as answer(engine, prompts, sampling"),
+    ("class answer:\n    pass\n", "is a class, not a function"),
+    ("import nothing_here\n", "No module named 'nothing_here'"),
+], ids=["signature", "class", "import"])
+def test_a_bad_generate_fn_fails_at_start_naming_the_file(tiny_model, code, tmp_path, source, error):
+    """Before any model is built (build.build_inputs): the file and the function named."""
+    from verl_mcore import build
+    from verl_mcore.config import Config, ConfigError
+
+    path = tmp_path / "gen.py"
+    path.write_text(source)
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), _overrides(
+        tiny_model, tmp_path / "run", code, extra=[f"rollout.generate_fn.path={path}",
+                                                 "rollout.generate_fn.name=answer"]))
+    with pytest.raises(ConfigError) as e:
+        build.build_inputs(cfg, 1)
+    assert error in str(e.value) and str(path) in str(e.value)
