@@ -185,6 +185,21 @@ def _cases() -> list[Case]:
                                "actor.mask_truncated_samples=true"),
              expect=("reward/overlong/penalty_mean", "reward/overlong/fraction",
                      "actor/masked_truncated_fraction")),
+        # DAPO's dynamic sampling (rollouts.py, rollout/group_filter.py): groups whose samples
+        # all score the same are dropped and the step samples more prompts in their place.
+        Case("dynamic-sampling", ("algorithm.filter_groups.enable=true",
+                                  "algorithm.filter_groups.metric=score",
+                                  "algorithm.filter_groups.max_num_gen_batches=8",
+                                  "algorithm.filter_groups.on_max_gen_batches=train"),
+             expect=("rollout/filter/gen_batches", "rollout/filter/kept_groups",
+                     "rollout/filter/trained_groups")),
+        # A custom generate function (rollout.generate_fn): the example's second pass, masked out
+        # of the loss.
+        Case("generate-fn", ("data.max_response_length=16",
+                             "rollout.generate_fn.path={root}/examples/self_check_generate.py",
+                             "rollout.generate_fn.name=answer_then_check",
+                             "rollout.generate_fn.kwargs={check_tokens: 3}"),
+             expect=("actor/pg_loss",)),
         # The reference's weights in host memory between its passes.
         Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
              expect=("actor/kl_loss",)),
