@@ -52,10 +52,12 @@ class Learner:
         self.skipped_now: dict[str, int] = {}  # role -> optimizer steps skipped in this step
         self.consecutive_skips: dict[str, int] = {}  # role -> skipped in a row (on_nonfinite=skip)
 
-    def train(self, step: int, rollout: Rollout, phase, score: ScoreFn) -> tuple[dict[str, float], float]:
+    def train(self, step: int, rollout: Rollout, phase,
+              score: Optional[ScoreFn] = None) -> tuple[dict[str, float], float]:
         """The step's training on `rollout` (its tensors on the training device): log-probs,
-        scores (`score()`, after the log-prob passes), advantages, the critic's and the actor's
-        updates; `phase(name)` times each. (metrics, tokens of the batch)."""
+        scores (the rollout's own when it was scored, else `score()`, after the log-prob
+        passes), advantages, the critic's and the actor's updates; `phase(name)` times each.
+        (metrics, tokens of the batch)."""
         batch = rollout.train
         # The log-prob passes first: placed, the actor set runs them while the reward set scores.
         entropy = None
@@ -66,7 +68,8 @@ class Learner:
             with phase("ref"):
                 batch.ref_log_probs = self.ref_log_probs(batch)
         with phase("reward"):
-            scores, reward_metrics, baseline = score()
+            scores, reward_metrics, baseline = (score() if rollout.scores is None else
+                                                (rollout.scores, {}, rollout.baseline))
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
             metrics: dict[str, float] = dict(self.off_policy(rollout, batch))

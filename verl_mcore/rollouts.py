@@ -50,17 +50,17 @@ class Sampled:
     version: int
     part: Any
     baseline: Any = None
-    # A batch the producer scored itself to filter its groups (Producer._sample_filtered):
-    # (Rollout, scores [B], reward metrics); `part` is then None.
-    scored: Optional[tuple] = None
+    # A batch the producer scored itself to filter its groups (Producer._sample_filtered), on
+    # the training device; `part` is then None.
+    rollout: Optional[Rollout] = None
 
     def rollouts(self, info) -> tuple[Rollout, Optional[Rollout]]:
         """The batch and its ReMax baseline (None without one) as Rollouts, on the host; `info`:
         the actor's ModelInfo (its tokenizer decodes the responses)."""
         baseline = None
         if self.baseline is not None:
-            baseline = rollout_from_part(self.baseline, self.baseline.prompt_of, info)
-        return rollout_from_part(self.part, self.part.prompt_of, info), baseline
+            baseline = rollout_from_part(self.baseline, self.baseline.prompt_of, info, self.version)
+        return rollout_from_part(self.part, self.part.prompt_of, info, self.version), baseline
 
 
 class Producer:
@@ -126,12 +126,12 @@ class Producer:
 
     def batch_of(self, sampled: Sampled):
         """(the batch to train on, on the training device; the learner's `score`: () -> (scores,
-        reward metrics, ReMax baselines or None)). A batch the producer scored to filter it
-        brings its scores; the others are scored when the learner asks (after its log-prob
-        passes: placed, a reward set scores meanwhile)."""
-        if sampled.scored is not None:
-            rollout, scores, reward_metrics = sampled.scored
-            return rollout.to(self.device), lambda: (scores, reward_metrics, None)
+        reward metrics, ReMax baselines or None), None for a scored batch). A batch the producer
+        scored to filter it brings its scores (its reward metrics came with the producer's);
+        the others are scored when the learner asks (after its log-prob passes: placed, a
+        reward set scores meanwhile)."""
+        if sampled.rollout is not None:
+            return sampled.rollout, None
         rollout, baseline = sampled.rollouts(self.info)
         rollout = rollout.to(self.device)
         return rollout, self.scorer.scores_of(rollout, baseline, self.cfg.rollout.n)
@@ -188,27 +188,26 @@ class Producer:
             part = self._sample(prompts, self.sampler.sampling(r.n, r.temperature, self.generated),
                                 phase)
             self.generated += 1
-            rollout = rollout_from_part(part, part.prompt_of, self.info).to(self.device)
+            rollout = rollout_from_part(part, part.prompt_of, self.info, step - 1).to(self.device)
             with phase("reward"):
                 scores, metrics, extras = self.scorer.train_scores(rollout)
             kept.add(groups_from_batch(rollout.group_ids, scores, rollout.responses, rollout.rows,
                                        rollout.finish, rollout.train.response_lens, extras,
                                        gen_batch=len(batches)))
-            batches.append((rollout, scores))
+            batches.append(rollout.scored(scores, extras))
             reward_metrics.append((metrics, rollout.num_samples))
         groups = self._whole_mini_batches(kept.take())
         pieces = []
-        for b, (rollout, scores) in enumerate(batches):  # the kept groups, in their order
+        for b, rollout in enumerate(batches):  # the kept groups, in their order
             idx = [i for g in groups if g.gen_batch == b for i in g.samples]
             if idx:
-                pieces.append((rollout.select(idx), scores[torch.as_tensor(idx, device=scores.device)]))
+                pieces.append(rollout.select(idx))
         info = self.info
         pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
-        rollout = Rollout.concat([p[0] for p in pieces], pad)
-        metrics = kept.metrics()
+        metrics = {**kept.metrics(), **_merged(reward_metrics)}
         metrics[METRICS + "trained_groups"] = float(len(groups))
-        scored = (rollout, torch.cat([p[1] for p in pieces]), _merged(reward_metrics))
-        return before, Sampled(index, step - 1, None, scored=scored), metrics
+        rollout = Rollout.concat(pieces, pad)
+        return before, Sampled(index, step - 1, None, rollout=rollout), metrics
 
     def _whole_mini_batches(self, groups: list) -> list:
         """`groups` cut to whole mini-batches of the actor's (and the critic's) updates, for a

@@ -1,6 +1,7 @@
 """Experiences and ExperienceBuffer on rollouts built by the trainer's own make_rollout: a
 concatenation is the batch of all the samples at once, mini-batches and samples keep each
 prompt's group whole, and draws are the same for the same seed (every rank's)."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 from verl_mcore.api import ExperienceBuffer, Experiences
 from verl_mcore.build import ModelInfo
 from verl_mcore.config import Config
-from verl_mcore.tiny_model import build_tokenizer
 from verl_mcore.rollout.batch import make_rollout
+from verl_mcore.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,9 @@ def _experiences(policy, first_prompt, prompts, n=2, version=0, cfg=None):
     samples, groups = _samples(first_prompt, prompts, n)
     rollout = make_rollout(samples, groups, policy.info)
     scores = torch.arange(len(samples), dtype=torch.float32) + 100 * first_prompt
-    return Experiences(rollout, scores, None, {"rule/exact": [float(i) for i in range(len(samples))]},
-                       {"m": 1.0}, cfg or Config(), policy, version)
+    rollout = dataclasses.replace(rollout, version=version)
+    return Experiences(rollout.scored(scores, {"rule/exact": [float(i) for i in range(len(samples))]}),
+                       {"m": 1.0}, cfg or Config(), policy)
 
 
 def test_concat_is_the_batch_of_all_samples(policy):

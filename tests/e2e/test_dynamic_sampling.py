@@ -69,8 +69,12 @@ def _train_recording(rank, world_size, overrides):
     trained = []
     original = Learner.train
 
-    def train(self, step, rollout, phase, score):
-        scores, metrics, baseline = score()
+    def train(self, step, rollout, phase, score=None):
+        if rollout.scores is None:  # scored when the learner asks (no filter)
+            scores, metrics, baseline = score()
+            score = lambda: (scores, metrics, baseline)  # noqa: E731 - the same, once
+        else:  # scored by the producer to filter its groups
+            scores = rollout.scores
         ids = rollout.group_ids.tolist()
         groups: dict = {}
         for i, g in enumerate(ids):
@@ -80,7 +84,7 @@ def _train_recording(rank, world_size, overrides):
         trained.append({"groups": list(groups.values()), "samples": len(ids),
                         "mask": [b.response_mask[i, :int(n)].tolist()
                                  for i, n in enumerate(b.response_lens)]})
-        return original(self, step, rollout, phase, lambda: (scores, metrics, baseline))
+        return original(self, step, rollout, phase, score)
 
     Learner.train = train
     try:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from verl_mcore.rollout.batch import Rollout
@@ -28,24 +27,40 @@ class Experiences:
     """Scored samples of one or more RolloutWorker.generate calls, B samples of P prompts; the n
     samples of a prompt are consecutive and share a group id.
 
-    rollout         rollout.batch.Rollout: .train (engine/batch.TrainBatch: ids, lengths, masks),
-                    .rows [B] dataset rows, .group_ids [B], .responses [B] texts, .finish [B]
-    scores          [B] float32 rewards (the weighted reward sources), on the training device
-    baseline        [B] or None: ReMax's greedy-baseline scores (RolloutWorker(greedy_baseline=True))
-    extras          "source/key" -> [B] numeric extras of dict-returning scorers (None: absent)
+    rollout         rollout.batch.Rollout, scored: .train (engine/batch.TrainBatch: ids, lengths,
+                    loss mask), .rows [B] dataset rows, .group_ids [B], .responses [B] texts,
+                    .finish [B], .scores [B] (the weighted reward sources, on the training
+                    device), .extras, .baseline (ReMax's, RolloutWorker(greedy_baseline=True)),
+                    .version (the policy's updates when they were sampled)
     metrics         the generation and reward metrics of the call (empty for a concatenation)
     cfg             the Config of the worker that made them (rollout.n, temperature, lengths)
-    policy          the Policy that sampled them, at `policy_version` updates
+    policy          the Policy that sampled them
     """
 
     rollout: Any
-    scores: Tensor
-    baseline: Optional[Tensor]
-    extras: dict
     metrics: dict
     cfg: Any
     policy: Any
-    policy_version: int
+
+    @property
+    def scores(self) -> Tensor:
+        """[B] float32 rewards (the weighted reward sources), on the training device."""
+        return self.rollout.scores
+
+    @property
+    def baseline(self) -> Optional[Tensor]:
+        """[B] or None: ReMax's greedy-baseline scores."""
+        return self.rollout.baseline
+
+    @property
+    def extras(self) -> dict:
+        """"source/key" -> [B] numeric extras of dict-returning scorers (None: absent)."""
+        return self.rollout.extras
+
+    @property
+    def policy_version(self) -> int:
+        """The policy's updates when these were sampled (the oldest, for a concatenation)."""
+        return self.rollout.version
 
     @property
     def num_samples(self) -> int:
@@ -86,13 +101,7 @@ class Experiences:
             raise ValueError("Experiences.concat: some parts have greedy baselines and some not")
         info = first.policy.info
         pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
-        rollout = Rollout.concat([p.rollout for p in parts], pad)
-        names = list(dict.fromkeys(k for p in parts for k in p.extras))
-        extras = {k: [v for p in parts for v in p.extras.get(k, [None] * p.num_samples)]
-                  for k in names}
-        return cls(rollout, torch.cat([p.scores for p in parts]),
-                   None if first.baseline is None else torch.cat([p.baseline for p in parts]),
-                   extras, {}, first.cfg, first.policy, min(p.policy_version for p in parts))
+        return cls(Rollout.concat([p.rollout for p in parts], pad), {}, first.cfg, first.policy)
 
     def select_groups(self, groups: Sequence[int]) -> "Experiences":
         """The samples of the prompts with these group ids, in that order (whole groups)."""
@@ -101,13 +110,7 @@ class Experiences:
         if not rows:
             raise ValueError(f"Experiences.select_groups: none of the groups {list(groups)[:8]} "
                              f"is here (the groups are {self.groups[:8]}...)")
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        rollout = self.rollout.select(idx)
-        on = idx.to(self.scores.device)
-        return dataclasses.replace(
-            self, rollout=rollout, scores=self.scores[on],
-            baseline=None if self.baseline is None else self.baseline[on],
-            extras={k: [v[i] for i in rows] for k, v in self.extras.items()}, metrics={})
+        return dataclasses.replace(self, rollout=self.rollout.select(rows), metrics={})
 
 
 class ExperienceBuffer:

@@ -102,7 +102,7 @@ class PPOTrainer:
         # The update writes log-probs, values and advantages into a batch of its own: the
         # caller's experiences stay as generate made them.
         rollout = dataclasses.replace(exp.rollout, train=dataclasses.replace(exp.rollout.train))
-        metrics, _ = learner.train(step, rollout, timer, lambda: (exp.scores, {}, exp.baseline))
+        metrics, _ = learner.train(step, rollout, timer)  # scored: the learner reads its scores
         # The optimizer steps skipped for a non-finite gradient (on_nonfinite=skip), as
         # Trainer.step counts them.
         self.skipped_updates += sum(learner.skipped_now.values())

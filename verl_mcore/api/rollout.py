@@ -22,6 +22,7 @@ rest as in a config file (custom sources, routing, failures: reward/manager.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from verl_mcore import build
@@ -114,10 +115,10 @@ class RolloutWorker:
             if baseline is not None:
                 baseline = self._scorer.train_scores(baseline)[0].repeat_interleave(cfg.rollout.n)
         self._calls += 1  # the next call samples with the next seeds, as the trainer's next step
-        return Experiences(rollout, scores, baseline, extras,
-                           {**sync_metrics, **engine_metrics, **reward_metrics, **timer.metrics()}, cfg,
-                           self.policy,
-                           self.policy.version)
+        rollout = dataclasses.replace(rollout, version=self.policy.version)
+        return Experiences(rollout.scored(scores, extras, baseline),
+                           {**sync_metrics, **engine_metrics, **reward_metrics, **timer.metrics()},
+                           cfg, self.policy)
 
     def _prompt_batch(self, prompts: Sequence[Any]):
         """This generation replica's PromptBatch of `prompts`, through the dataset's checks,
