@@ -4,6 +4,7 @@ calls time their phases with it."""
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 
 import torch
@@ -67,3 +68,7 @@ def _alloc_retries() -> int:
     # reset_peak_memory_stats leaves this counter alone (it resets only peaks).
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
+
+def rss_gb() -> float:
+    """This process's peak resident memory in GiB (the CPU's `perf/max_memory_allocated_gb`)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

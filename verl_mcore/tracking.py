@@ -324,3 +324,21 @@ def read_metrics(run_dir: str) -> list[dict]:
                 continue
             rows[row["step"]] = row
     return [rows[s] for s in sorted(rows)]
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total: int, done: int, rank: int):
+    """The steps' progress bar on rank 0's stderr (a no-op elsewhere)."""
+    if rank != 0:
+        return _NoProgress()
+    from tqdm import tqdm  # only where a bar is drawn
+
+    return tqdm(total=total, initial=done, desc="steps", unit="step", dynamic_ncols=True,
+                file=sys.stderr)

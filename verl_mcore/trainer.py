@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
-import sys
 import time
 
 import torch.distributed as dist
@@ -38,7 +36,8 @@ from verl_mcore.rollout.batch import prompt_texts
 from verl_mcore.rollout.group_filter import FilterExhaustedError
 from verl_mcore.run_dir import RunDir
 from verl_mcore.run_parts import build_run
-from verl_mcore.stage_timer import StageTimer
+from verl_mcore.stage_timer import StageTimer, rss_gb
+from verl_mcore.tracking import progress_bar
 from verl_mcore.val_metrics import ValMetricError, ValSamples
 
 log = logging.getLogger("verl_mcore.trainer")
@@ -94,7 +93,7 @@ class Trainer:
                      total, total)
         if cfg.trainer.val_before_train and self.val_data is not None and self.step_index == 0:
             self.tracking.log(0, self.validate(0))
-        progress = _progress(total, self.step_index, self.rank)
+        progress = progress_bar(total, self.step_index, self.rank)
         self.guard.arm()  # from here a signal stops the run at the next step boundary, saved
         try:
             while self.step_index < total:
@@ -167,7 +166,7 @@ class Trainer:
         # Peak since the process started (model building included), as before per-phase resets.
         self.memory_peak_bytes = timer.process_peak_bytes()
         metrics["perf/max_memory_allocated_gb"] = (
-            self.memory_peak_bytes / 2**30 if timer.cuda else _rss_gb())
+            self.memory_peak_bytes / 2**30 if timer.cuda else rss_gb())
         if "actor/mfu" in metrics:
             metrics["perf/mfu/actor"] = metrics.pop("actor/mfu")
         skipped = self.learner.skipped_now  # this rank's optimizer steps skipped in the step
@@ -288,32 +287,9 @@ class Trainer:
                   f"  config:      {os.path.join(self.run_dir, 'config.yaml')}", flush=True)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def _both(a, b):
     with a, b:
         yield
-
-
-def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-class _NoProgress:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, done: int, rank: int):
-    if rank != 0:
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc="steps", unit="step", dynamic_ncols=True,
-                file=sys.stderr)
