@@ -196,6 +196,15 @@ class Producer:
                                        gen_batch=len(batches)))
             batches.append(rollout.scored(scores, extras))
             reward_metrics.append((metrics, rollout.num_samples))
+            if not kept.kept and len(batches) >= self.loader.batches_per_epoch:
+                # Without a limit (max_num_gen_batches=0) a filter that drops every group would
+                # sample forever: a whole pass over the data kept nothing.
+                raise FilterExhaustedError(
+                    f"no prompt group passed the group filters in {len(batches)} generation "
+                    f"batches, a whole pass over the training data (dropped: "
+                    + ", ".join(f"{n} {why}" for why, n in kept.dropped.items() if n)
+                    + "). Check the filters and the reward: a reward that gives every sample of "
+                    "a prompt the same score leaves DAPO's filter nothing to keep")
         groups = self._whole_mini_batches(kept.take())
         pieces = []
         for b, rollout in enumerate(batches):  # the kept groups, in their order

@@ -153,6 +153,19 @@ def test_max_num_gen_batches_stops_the_run_when_configured_so(tiny_model, code, 
     assert "after 2 generation batches" in outcome and trained == []
 
 
+def test_without_a_limit_a_filter_that_keeps_nothing_stops_after_a_pass_over_the_data(
+        tiny_model, code, tmp_path):
+    """max_num_gen_batches=0 (no limit) and every group uniform: the run stops once a whole pass
+    over the data (512 prompts / 16 a batch) kept nothing, instead of sampling forever."""
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, reward="constant", steps=1,
+        extra=DAPO + ["data.train_batch_size=16", "rollout.n=2", "actor.ppo_mini_batch_size=16"]),),
+        timeout=300)
+    assert outcome.startswith("FilterExhaustedError: no prompt group passed the group filters in "
+                              "32 generation batches"), outcome
+    assert "64 zero_std" not in outcome and "512 zero_std" in outcome and trained == []
+
+
 def test_max_num_gen_batches_trains_on_fewer_groups_when_configured_so(tiny_model, code, tmp_path):
     """A user's filter keeps the odd digits; one generation batch allowed, on_max=train: the step
     trains on the kept groups, cut to whole mini-batches (2 prompts), and says so."""
