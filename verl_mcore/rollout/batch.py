@@ -44,7 +44,7 @@ class Rollout:
         """The samples at `rows` (in that order; whole groups keep GRPO's statistics)."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         rows = idx.tolist()
-        lp = self.engine_log_probs  # [B, R]: the weight-sync check's, rollout.tis_cap's
+        lp = self.engine_log_probs  # [B, R]: the sync check's, rollout.tis_cap's, .correction's
         return dataclasses.replace(self, train=self.train.select(idx),
                                    rows=[self.rows[i] for i in rows],
                                    group_ids=self.group_ids[idx.to(self.group_ids.device)],
