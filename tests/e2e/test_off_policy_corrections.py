@@ -3,7 +3,7 @@ quickstart's tiny model on 1 CPU rank, the engine's log-probs skewed by a known 
 (skewed_logprobs.py, a rollout.generate_fn) so that the corrections act on a known share of the
 tokens. Recorded in the rank by wrapping Learner.off_policy and Learner.update: the log-probs the
 corrections read, and the response mask and weights the actor's update trained on, which must be
-exactly the batch's mask times the corrections' masks and their weights. Two runs, ~25 s:
+exactly the batch's mask times the corrections' masks and their weights. Two runs, ~10 s:
 truncated IS with both masks (IcePop's form: token_mask=k with tis_cap=k), and AReaL's decoupled
 objective with a cap."""
 from __future__ import annotations
