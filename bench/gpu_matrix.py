@@ -179,6 +179,27 @@ def _cases() -> list[Case]:
         Case("rollout-tis-cap", ("rollout.tis_cap=2.0",),
              expect=("rollout/tis_weight_mean", "rollout/tis_clip_fraction",
                      "rollout/engine_vs_trainer_logp_diff")),
+        # The off-policy corrections (algo/off_policy.py): IcePop's form (tokens outside
+        # [1/2, 2] out of the loss, the kept ones weighed by their ratio) with the sequence mask,
+        # then AReaL's decoupled objective; bf16 against the engine, the ratios are real.
+        Case("rollout-icepop", ("rollout.tis_cap=2.0", "rollout.correction.token_mask=2.0",
+                                "rollout.correction.seq_mask=1.05"),
+             expect=("rollout/token_mask_fraction", "rollout/seq_mask_fraction",
+                     "rollout/masked_token_fraction", "rollout/ratio_max",
+                     "rollout/tis_weight_mean")),
+        Case("rollout-decoupled", ("rollout.correction.decoupled=true",
+                                   "rollout.correction.decoupled_cap=2.0"),
+             expect=("rollout/decoupled_weight_mean", "rollout/decoupled_capped_fraction",
+                     "rollout/ratio_mean"), absent=("rollout/masked_token_fraction",)),
+        # The same masks acting on a known share of the tokens: the engine's log-probs skewed by
+        # +-0.3 or 0.6 per token id (tests/e2e/skewed_logprobs.py, a rollout.generate_fn).
+        Case("rollout-masks-skewed", ("rollout.correction.token_mask=1.5",
+                                      "rollout.correction.seq_mask=1.1",
+                                      "rollout.generate_fn.path="
+                                      "{root}/tests/e2e/skewed_logprobs.py",
+                                      "rollout.generate_fn.name=skewed"),
+             expect=("rollout/token_mask_fraction", "rollout/seq_mask_fraction",
+                     "rollout/masked_token_fraction")),
         # DAPO's overlong handling (algo/overlong.py): the soft penalty on the training scores
         # (data.max_response_length=8: past 4 tokens), truncated samples out of the actor's loss.
         Case("overlong-dapo", ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",

@@ -15,6 +15,7 @@ phases overlap between those exchanges (the log-prob passes run while a reward s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ import torch
 from verl_mcore import ops
 from verl_mcore.algo.advantages import compute_advantages
 from verl_mcore.algo.kl import apply_kl_penalty
+from verl_mcore.algo.off_policy import correct_off_policy
 from verl_mcore.algo.overlong import actor_batch
 from verl_mcore.algo.policy_loss import truncated_is_weights
 from verl_mcore.engine.engine import DivergedStepError
@@ -72,7 +74,8 @@ class Learner:
                                                 (rollout.scores, {}, rollout.baseline))
         with phase("adv"):
             token_rewards, kl_metrics = self.token_rewards(batch, scores)
-            metrics: dict[str, float] = dict(self.off_policy(rollout, batch))
+            off_policy_metrics, actor_mask = self.off_policy(rollout, batch)
+            metrics: dict[str, float] = dict(off_policy_metrics)
         if self.place.has("critic"):  # leaves the values before its update in batch.values
             metrics.update(self.fit_critic(step, batch, token_rewards, phase))
         with phase("adv"):
@@ -81,6 +84,9 @@ class Learner:
         if self.actor_learns(step):
             # actor.mask_truncated_samples: its own batch, truncated samples out of the loss
             trained, mask_metrics = actor_batch(self.cfg, rollout)
+            if actor_mask is not None:  # rollout.correction's masks: out of the actor's loss
+                trained = dataclasses.replace(trained,
+                                              response_mask=trained.response_mask * actor_mask)
             with phase("actor"):  # placed, alongside the critic set's update
                 actor_metrics = self.update(step, "actor", trained)
             metrics.update(actor_metrics)
@@ -121,19 +127,31 @@ class Learner:
         on_policy = (cfg.actor.ppo_epochs == 1
                      and cfg.actor.ppo_mini_batch_size * cfg.rollout.n == batch.num_samples)
         # Samples of older weights (one_step_off), or weighed against the engine's log-probs
-        # (rollout.tis_cap): the ratio's denominator is the actor's current policy.
-        off_policy = cfg.rollout.mode == "one_step_off" or cfg.rollout.tis_cap is not None
+        # (rollout.tis_cap, rollout.correction): the ratio's denominator is the actor's current
+        # policy.
+        off_policy = cfg.rollout.mode == "one_step_off" or cfg.rollout.weighs_engine_log_probs
         return (cfg.actor.recompute_old_log_probs == "always" or cfg.algorithm.use_kl_in_reward
                 or not on_policy or off_policy)
 
-    def off_policy(self, rollout: Rollout, batch) -> dict[str, float]:
-        """How far the engine's sampling policy is from the actor's recomputed old log-probs:
+    def off_policy(self, rollout: Rollout,
+                   batch) -> tuple[dict[str, float], Optional[torch.Tensor]]:
+        """How far the engine's sampling policy is from the actor's recomputed old log-probs, and
+        the corrections for it: (metrics, the actor's loss mask `[B, R]` or None).
+
         `rollout/engine_vs_trainer_logp_diff` (mean |difference| over response tokens; in
-        one_step_off it includes the staleness), and with rollout.tis_cap the truncated
-        importance weights min(pi_old / pi_engine, cap) the actor's loss multiplies each token
-        by (algo/policy_loss.truncated_is_weights). Nothing without the engine's log-probs."""
+        one_step_off it includes the staleness); with rollout.tis_cap the truncated importance
+        weights min(pi_old / pi_engine, cap) the actor's loss multiplies each token by
+        (algo/policy_loss.truncated_is_weights); with rollout.correction the masks that take
+        tokens or samples out of the actor's loss and the decoupled objective's weights
+        (algo/off_policy.py). Nothing without the engine's log-probs, except that a
+        rollout.correction without them is an error, not a silent no-op."""
+        c = self.cfg.rollout.correction
         if rollout.engine_log_probs is None or batch.old_log_probs is None:
-            return {}
+            if c.enabled and batch.old_log_probs is not None:
+                raise ValueError("rollout.correction is on, but the rollout batch has no engine "
+                                 "log-probs: sample with SamplingParams.logprobs=True (the "
+                                 "trainer's Sampler.sampling asks for them under this config)")
+            return {}, None
         mask = batch.response_mask
         engine = rollout.engine_log_probs.to(mask.device)
         diff = ((batch.old_log_probs - engine).abs() * mask).sum() / mask.sum().clamp(min=1)
@@ -142,7 +160,15 @@ class Learner:
             batch.is_weights, tis = truncated_is_weights(batch.old_log_probs, engine, mask,
                                                          self.cfg.rollout.tis_cap)
             metrics.update(tis)
-        return metrics
+        if not c.enabled:
+            return metrics, None
+        fix = correct_off_policy(batch.old_log_probs, engine, mask, token_mask=c.token_mask,
+                                 seq_mask=c.seq_mask, decoupled=c.decoupled,
+                                 decoupled_cap=c.decoupled_cap)
+        if fix.weights is not None:  # decoupled (validation keeps rollout.tis_cap unset then)
+            batch.is_weights = fix.weights
+        metrics.update(fix.metrics)
+        return metrics, fix.loss_mask
 
     def old_log_probs(self, batch):
         """(old log-probs [B, R], entropies [B, R]) of the actor's current weights, on the actor

@@ -45,9 +45,10 @@ forward F(N) = 2·N·s + 2·L·a·hd·s·(s + 1), N = L·W_layer + h·V (actor, 
 (critic: its value head); with LoRA the same (its update measured as fast as the full one,
 RESULTS.md 2026-12-04 18:40). The passes of a step:
   actor update       3·F(N_actor)·actor.ppo_epochs (forward + backward = 6N per token)
-  old log-probs      F(N_actor) when the pass runs (trainer.needs_old_log_probs: not for one
+  old log-probs      F(N_actor) when the pass runs (Learner.needs_old_log_probs: not for one
                      on-policy optimizer step without in-reward KL; always in one_step_off,
-                     whose samples come from the previous weights)
+                     whose samples come from the previous weights, and under rollout.tis_cap or
+                     rollout.correction, which weigh against it)
   reference          F(N_actor) when a KL term reads it (actor.use_kl_loss,
                      algorithm.use_kl_in_reward)
   critic (GAE)       values pass F(N_critic) where it runs (cfg.critic_values_pass) and the
@@ -191,12 +192,13 @@ def generation_seconds(cfg: Config, dims: ModelDims, gpus: int, hw: Hardware,
 
 
 def _needs_old_log_probs(cfg: Config, stale: bool = False) -> bool:
-    """trainer.needs_old_log_probs from the config; `stale` (one_step_off): the samples come
-    from the previous weights, so the update's own log-probs are not the old ones."""
+    """Learner.needs_old_log_probs from the config; `stale` (one_step_off): the samples come
+    from the previous weights, so the update's own log-probs are not the old ones; weighed
+    against the engine's log-probs (rollout.tis_cap, rollout.correction), the pass always runs."""
     a = cfg.actor
     on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
     return (stale or a.recompute_old_log_probs == "always" or cfg.algorithm.use_kl_in_reward
-            or not on_policy)
+            or not on_policy or cfg.rollout.weighs_engine_log_probs)
 
 
 def _bubble(cfg: Config, microbatches: int) -> float:

@@ -73,7 +73,7 @@ class Sampler:
     def sampling(self, n: int, temperature: float, batch: int, seed_offset: int = 0):
         """How to sample batch number `batch` + 1; the seed depends on the batch, the offset
         and the replica, not on when it is sampled. The engine's log-probs come along where the
-        trainer reads them (a rollout set of its own, rollout.tis_cap)."""
+        trainer reads them (a rollout set of its own, rollout.tis_cap, rollout.correction)."""
         r = self.cfg.rollout
         greedy = temperature == 0
         return SamplingParams(
@@ -81,7 +81,7 @@ class Sampler:
             top_k=-1 if greedy else r.top_k, max_new_tokens=self.cfg.data.max_response_length,
             stop_token_ids=self.info.eos_token_ids,
             seed=rollout_seed(self.cfg) + 1000003 * (batch + seed_offset) + self._gen_replica(),
-            logprobs=self.cfg.placement.rollout is not None or r.tis_cap is not None,
+            logprobs=self.cfg.placement.rollout is not None or r.weighs_engine_log_probs,
         )
 
     def generate(self, prompts, sampling) -> Rollout:

@@ -123,6 +123,36 @@ class UserFunctionConfig:
 
 
 @dataclass
+class OffPolicyCorrectionConfig:
+    """rollout.correction: per-token corrections for sampling with the engine's policy (pi_engine:
+    older weights in one_step_off, another numeric path always) while the loss is that of the
+    actor's recomputed log-probs (pi_old). Each reads the engine's log-probs, which the sampler
+    then asks for, and the old-log-prob pass, which then always runs. Formulas, verl's and
+    AReaL's names and where they differ: verl_mcore/algo/off_policy.py. rollout.tis_cap (the
+    truncated IS weights) sits beside this section and combines with the masks; with `decoupled`
+    it cannot (both set the weights)."""
+
+    # Masked IS / IcePop: tokens whose ratio pi_old / pi_engine lies outside [1 / k, k] leave the
+    # actor's loss and its normaliser (verl rollout_rs=token_k1, threshold k). null: off.
+    token_mask: Optional[float] = None
+    # Whole samples whose geometric-mean ratio exp(mean_t log(pi_old / pi_engine)) lies outside
+    # [1 / k, k] leave the actor's loss and its normaliser (verl rollout_rs=seq_mean_k1,
+    # formerly "geometric"). null: off.
+    seq_mask: Optional[float] = None
+    # AReaL's decoupled PPO objective: the PPO clip around the proximal policy (pi_old), each
+    # token's loss weighted by pi_old / pi_engine (the behaviour policy's importance weight).
+    decoupled: bool = False
+    # decoupled: tokens whose weight exceeds this weigh 0, and stay in the normaliser (AReaL's
+    # behav_imp_weight_cap). null: no cap.
+    decoupled_cap: Optional[float] = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any correction of this section acts."""
+        return self.token_mask is not None or self.seq_mask is not None or self.decoupled
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["native", "vllm"] = "native"
     tensor_parallel_size: int = 1  # TP_g, generation layout; must divide training TP
@@ -152,12 +182,19 @@ class RolloutConfig:
     # tis_imp_ratio_cap): each token's policy loss is weighted by min(pi_old / pi_engine, tis_cap),
     # pi_old the actor's recomputed log-probs. null: off.
     tis_cap: Optional[float] = None
+    correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
     group_filter: UserFunctionConfig = field(default_factory=UserFunctionConfig)
     generate_fn: UserFunctionConfig = field(default_factory=UserFunctionConfig)
     # Validation sampling
     val_n: int = 1
     val_temperature: float = 0.0  # 0: greedy
+
+    @property
+    def weighs_engine_log_probs(self) -> bool:
+        """Whether the actor's loss reads the engine's log-probs: rollout.tis_cap or a
+        rollout.correction (the sampler asks the engine for them, the old-log-prob pass runs)."""
+        return self.tis_cap is not None or self.correction.enabled
 
 
 @dataclass

@@ -58,6 +58,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.max_num_seqs": ("[1, inf)", ""),
     "rollout.max_staleness": ("[1, inf)", "rollout.mode=one_step_off: batches sampled ahead"),
     "rollout.tis_cap": ("(0, inf)", "null: no importance weights"),
+    "rollout.correction.token_mask": ("(1, inf)", "tokens kept within [1/k, k]; null: off"),
+    "rollout.correction.seq_mask": ("(1, inf)", "samples kept within [1/k, k]; null: off"),
+    "rollout.correction.decoupled_cap": ("(0, inf)", "null: no cap"),
     "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
@@ -423,12 +426,30 @@ def _batch_errors(cfg: Config, world: int, critic_set=None,
 
 
 def _rollout_mode_errors(cfg: Config) -> list[str]:
-    """rollout.mode / tis_cap against the placement and the algorithm."""
+    """rollout.mode / tis_cap / correction against the placement and each other."""
     r, errs = cfg.rollout, []
     if r.mode == "one_step_off" and cfg.placement.rollout is None:
         errs.append("rollout.mode=one_step_off overlaps generation with training on GPUs of their "
                     "own: set placement.rollout to the generation ranks (e.g. the last GPUs of "
                     "the job), or use rollout.mode=sync")
+    c = r.correction
+    if c.decoupled and r.tis_cap is not None:
+        errs.append(f"rollout.correction.decoupled=true weighs each token by pi_old / pi_engine "
+                    f"itself, and rollout.tis_cap={r.tis_cap} would set the same weights "
+                    "truncated: unset rollout.tis_cap (truncated weights, verl's decoupled mode) "
+                    "or rollout.correction.decoupled (AReaL's objective; its cap is "
+                    "rollout.correction.decoupled_cap)")
+    if c.decoupled_cap is not None and not c.decoupled:
+        errs.append(f"rollout.correction.decoupled_cap={c.decoupled_cap} caps the weights of "
+                    "the decoupled objective, which is off: set rollout.correction.decoupled=true "
+                    "or remove decoupled_cap (rollout.tis_cap truncates the weights instead)")
+    if r.weighs_engine_log_probs and r.engine == "vllm" and (r.top_p < 1 or r.top_k > 0) \
+            and r.temperature > 0:
+        what = "rollout.tis_cap" if r.tis_cap is not None else "rollout.correction"
+        errs.append(f"{what} weighs tokens by the engine's log-probs, which vLLM gives for the "
+                    f"top-p / top-k truncated distribution (rollout.top_p={r.top_p}, "
+                    f"rollout.top_k={r.top_k}), not the model's: set rollout.top_p=1 and "
+                    f"rollout.top_k=-1, use rollout.engine=native, or turn {what} off")
     return errs
 
 

@@ -22,7 +22,8 @@ response are padding (mask 0). Optional fields, needed by the role that reads th
     token_rewards  [B, R] float   the step's token rewards (a one-step critic update that computes
                                   the values and returns itself: engine/critic.py)
     is_weights     [B, R] float   importance weights of each token's policy loss (rollout.tis_cap:
-                                  algo/policy_loss.truncated_is_weights)
+                                  algo/policy_loss.truncated_is_weights; rollout.correction.
+                                  decoupled: algo/off_policy.decoupled_weights)
 
 The engine receives the GLOBAL batch, the same on every rank of the data-parallel (DP) group, and
 returns global results ([B, R], original sample order) on every rank; it decides itself which DP

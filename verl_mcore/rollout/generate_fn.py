@@ -122,8 +122,9 @@ def check_outputs(outputs: Any, prompts: int, sampling: SamplingParams, vocab_si
             raise GenerateFnError(f"{where}: loss_mask holds values other than 0 and 1")
         if sampling.logprobs and o.logprobs is None:
             raise GenerateFnError(f"{where}: no logprobs, but the trainer reads the engine's "
-                                  "log-probs (placement.rollout or rollout.tis_cap): keep the "
-                                  "engine's (0.0 for tokens it did not sample)")
+                                  "log-probs (placement.rollout, rollout.tis_cap or "
+                                  "rollout.correction): keep the engine's (0.0 for tokens it "
+                                  "did not sample)")
     if len(seen) != prompts * sampling.n:
         missing = next((p, s) for p in range(prompts) for s in range(sampling.n) if (p, s) not in seen)
         raise GenerateFnError(f"{label} returned {len(seen)} samples for {prompts} prompts x "
