@@ -7,12 +7,11 @@
         kwargs: {max_truncated_fraction: 0.5}
 
 It is called once per prompt group, after algorithm.filter_groups' built-in filter, as
-fn(group, **kwargs), on every rank with the same group; `group` is a
-verl_mcore.rollout.prompt_group.PromptGroup (row, responses, scores, extras, finish,
+fn(group, **kwargs), on the first training rank (which sends its decisions to the other ranks);
+`group` is a verl_mcore.rollout.prompt_group.PromptGroup (row, responses, scores, extras, finish,
 response_lengths: one value per sample). It returns True (keep), False (drop) or
 (False, "reason"): dropped groups are counted in rollout/filter/dropped/<reason> and the step
-samples more prompts in their place (algorithm.filter_groups.max_num_gen_batches). It must decide
-the same on every rank: no unseeded randomness, no state that differs between ranks.
+samples more prompts in their place (algorithm.filter_groups.max_num_gen_batches).
 """
 
 

@@ -34,9 +34,11 @@ from typing import Any, Optional
 
 import torch
 
+from verl_mcore.distributed.agree import decided_on_one_rank
 from verl_mcore.rollout.batch import Rollout, rollout_from_part
 from verl_mcore.rollout.gather import _cut
-from verl_mcore.rollout.group_filter import METRICS, FilterExhaustedError, GroupFilters
+from verl_mcore.rollout.group_filter import (METRICS, FilterExhaustedError, GroupFilterError,
+                                             GroupFilters)
 from verl_mcore.rollout.prompt_group import groups_from_batch
 from verl_mcore.rollout.token_fields import TOKEN_FIELDS
 
@@ -177,7 +179,8 @@ class Producer:
         and score generation batches, each of data.train_batch_size prompts drawn in turn, until
         that many prompt groups passed the filters (or algorithm.filter_groups.max_num_gen_batches
         were sampled), then train on the first of them (rollout/group_filter.py). Every rank
-        scores the same gathered batches and so takes the same decisions.
+        scores the same gathered batches; the first training rank decides which groups pass, and
+        every rank takes its decisions.
         (the loader's state before the step's first batch, the scored Sampled, its metrics)."""
         r = self.cfg.rollout
         kept = self.filters.accumulator(self.cfg.data.train_batch_size)
@@ -191,9 +194,14 @@ class Producer:
             rollout = rollout_from_part(part, part.prompt_of, self.info, step - 1).to(self.device)
             with phase("reward"):
                 scores, metrics, extras = self.scorer.train_scores(rollout)
-            kept.add(groups_from_batch(rollout.group_ids, scores, rollout.responses, rollout.rows,
+            groups = groups_from_batch(rollout.group_ids, scores, rollout.responses, rollout.rows,
                                        rollout.finish, rollout.train.response_lens, extras,
-                                       gen_batch=len(batches)))
+                                       gen_batch=len(batches))
+            # Decided on the first training rank, sent to the others (a user's filter may decide
+            # or fail otherwise elsewhere: group_filter.py's docstring).
+            kept.add(groups, decided_on_one_rank(
+                lambda: kept.decide(groups), f"filtering the prompt groups of generation batch "
+                f"{len(batches)} of step {step}", GroupFilterError, self.place.training))
             batches.append(rollout.scored(scores, extras))
             reward_metrics.append((metrics, rollout.num_samples))
             if not kept.kept and len(batches) >= self.loader.batches_per_epoch:

@@ -34,6 +34,25 @@ def odd_digits(group, parity=1):
     return int(group.row["reward_model"]["ground_truth"]) % 2 == parity, "even_digit"
 '''
 
+# Step 1 (two generation batches of 4 groups, 2 kept of each on rank 0): a decision that differs
+# between the ranks, as a random or rank-local one would; then it raises on rank 0 only, as a
+# file missing on one node would.
+RANK_DEPENDENT = '''
+import torch.distributed as dist
+
+calls = 0
+
+
+def rank_dependent(group):
+    global calls
+    calls += 1
+    if calls > 8:
+        if dist.get_rank() == 0:
+            raise OSError("judge cache missing on this node")
+        return True
+    return (group.index + dist.get_rank()) % 2 == 0, "odd_index"
+'''
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
@@ -241,3 +260,22 @@ def test_a_bad_generate_fn_fails_at_start_naming_the_file(tiny_model, code, tmp_
     with pytest.raises(ConfigError) as e:
         build.build_inputs(cfg, 1)
     assert error in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.distributed
+def test_a_user_filter_decides_once_for_every_rank(tiny_model, code, tmp_path):
+    """2 gloo ranks, a user filter that decides differently on each rank, then raises on rank 0
+    only: the first rank's decisions bind every rank (the same batch trained everywhere), and its
+    error stops every rank at once, naming it, instead of leaving the others waiting in the next
+    collective until the watchdog's timeout. About 11 s."""
+    (tmp_path / "rank_filter.py").write_text(RANK_DEPENDENT)
+    results = run_on_ranks(_train_recording, 2, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=2, extra=[
+            f"rollout.group_filter.path={tmp_path}/rank_filter.py",
+            "rollout.group_filter.name=rank_dependent",
+            "actor.micro_batch_size_per_gpu=2", "trainer.collective_timeout_s=60"]),), timeout=240)
+    (first, trained0), (second, trained1) = results
+    assert first.startswith("GroupFilterError: rollout.group_filter") and "judge cache" in first, first
+    assert second.startswith("GroupFilterError: rank 0 failed") and "judge cache" in second, second
+    assert len(trained0) == len(trained1) == 1 and trained0 == trained1
+    assert len(trained0[0]["groups"]) == 4

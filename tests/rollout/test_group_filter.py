@@ -236,6 +236,20 @@ def test_exhaustion_with_on_max_train_trains_on_fewer(caplog):
         empty.take()
 
 
+def test_decisions_made_elsewhere_are_taken_as_given():
+    """The producer's other ranks add a batch with the first rank's decisions (decide), without
+    running the filters themselves."""
+    filters = GroupFilters((ZeroStdFilter(GroupMetric("score", None)),))
+    groups = batch([1, 1, 0, 1, 0, 0], 2)
+    assert filters.accumulator(3).decide(groups) == ["zero_std", None, "zero_std"]
+    acc = filters.accumulator(3)
+    acc.add(groups, [None, "zero_std", None])  # not what these filters would decide
+    assert [g.index for g in acc.kept] == [0, 2]
+    assert acc.metrics()["rollout/filter/dropped/zero_std"] == 1
+    with pytest.raises(ValueError, match="2 decisions for 3 groups"):
+        filters.accumulator(3).add(groups, [None, None])
+
+
 def test_no_limit_keeps_sampling():
     acc = GroupFilters((ZeroStdFilter(GroupMetric("score", None)),), 0).accumulator(1)
     for b in range(50):

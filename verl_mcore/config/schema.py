@@ -107,9 +107,9 @@ class UserFunctionConfig:
     rollout.group_filter (rollout/group_filter.py): fn(group, **kwargs) -> bool | (bool,
     reason), deciding per prompt group keep or drop; `group` a PromptGroup (its dataset row,
     responses, scores, reward extras, finish reasons, lengths). It runs after
-    algorithm.filter_groups' built-in filter on the same gathered group on every rank, so it
-    must decide the same on every rank (no unseeded randomness, no rank-dependent state).
-    Dropped groups are refilled as algorithm.filter_groups.max_num_gen_batches allows.
+    algorithm.filter_groups' built-in filter, on the first training rank only, which sends its
+    decisions to the others (what it raises there stops every rank). Dropped groups are
+    refilled as algorithm.filter_groups.max_num_gen_batches allows.
 
     rollout.generate_fn (rollout/generate_fn.py): fn(engine, prompts, sampling, **kwargs) ->
     list[SampleOutput], sampling each prompt batch in place of one engine call (several calls,

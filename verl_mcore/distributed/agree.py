@@ -14,6 +14,11 @@ that explains the stop of every rank.
             write_files()                                            # may fail on rank 0 only
 
     inputs = all_ranks_agree(check_inputs, "checking the inputs", cleanup=close_them)
+
+A decision every rank must take alike, made by code that need not decide alike on every rank (a
+user's function: unseeded randomness, a file on one node), is made once and sent to the others:
+
+    reasons = decided_on_one_rank(lambda: decide(groups), "filtering", GroupFilterError, group)
 """
 from __future__ import annotations
 
@@ -73,3 +78,29 @@ def all_ranks_agree(fn: Callable[[], T], what: str,
             cleanup(done[0])
         raise
     return done[0]
+
+
+def decided_on_one_rank(fn: Callable[[], T], what: str, error_type: type = AgreedFailure,
+                        group=None) -> T:
+    """`fn()` on the first rank of `group` (default: all ranks) only, its result (a picklable
+    object) on every rank of it, so they all go on alike (one broadcast). When `fn` raises there,
+    that rank raises its own exception and the others `error_type` naming it and its message."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        with doing(what):
+            return fn()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    failure, box = None, [None]
+    if dist.get_rank() == src:
+        try:
+            with doing(what):
+                box[0] = (True, fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+            failure, box[0] = e, (False, f"{type(e).__name__}: {e}")
+    with doing(f"{what} (on rank {src}): receiving its result"):
+        dist.broadcast_object_list(box, src=src, group=group)
+    if failure is not None:
+        raise failure
+    passed, value = box[0]
+    if not passed:
+        raise error_type(f"rank {src} failed while {what}: {value}")
+    return value

@@ -45,9 +45,13 @@ Where ours differ from verl's:
     would fail on such a batch.
   - the user's filter (rollout.group_filter) is ours (slime has one: --dynamic-sampling-filter-path).
 
-Every rank holds the same gathered groups and runs the same filters on them: the accumulator is
-pure (no randomness, no clock, no rank, dicts in insertion order), so every rank takes the same
-decisions, provided the user's filter is deterministic too (its docstring in the config says so).
+Every rank holds the same gathered groups, but the filters run on one rank only, the first
+training rank (Producer._sample_filtered: distributed/agree.decided_on_one_rank), which sends its
+decisions (`decide`) to the others: a user's filter that decides differently on another rank
+(unseeded randomness, state of its own) or fails there (a file missing on one node) cannot set
+the ranks apart, and its failure stops every rank at once. The accumulator itself is pure (no
+randomness, no clock, no rank, dicts in insertion order): given the decisions, every rank keeps,
+takes and counts alike.
 """
 from __future__ import annotations
 
@@ -313,7 +317,7 @@ class GroupFilters:
 class GroupAccumulator:
     """One step's kept prompt groups, until `target` of them are kept (module docstring).
 
-    Pure and deterministic: the same generation batches give the same groups, decisions and
+    Pure and deterministic: the same generation batches and decisions give the same groups and
     metrics on every rank."""
 
     def __init__(self, target: int, filters: Sequence[GroupFilter] = (), max_gen_batches: int = 0,
@@ -344,20 +348,30 @@ class GroupAccumulator:
         """No more generation batches for this step: take() now."""
         return self.full or self.exhausted
 
-    def add(self, groups: Sequence[PromptGroup]) -> None:
-        """One generation batch's groups, in their order: each kept or dropped by the filters."""
+    def add(self, groups: Sequence[PromptGroup],
+            reasons: Optional[Sequence[Optional[str]]] = None) -> None:
+        """One generation batch's groups, in their order: each kept or dropped by the filters,
+        or as `reasons` (`decide`'s, made on another rank) say."""
         if self.done or self.taken is not None:
             raise RuntimeError(f"GroupAccumulator.add: the step's batch is done ({len(self.kept)} "
                                f"of {self.target} groups kept in {self.gen_batches} generation "
                                "batches): take() it")
+        reasons = self.decide(groups) if reasons is None else list(reasons)
+        if len(reasons) != len(groups):
+            raise ValueError(f"GroupAccumulator.add: {len(reasons)} decisions for {len(groups)} "
+                             "groups")
         self.gen_batches += 1
-        for group in groups:
+        for group, reason in zip(groups, reasons):
             self.seen += 1
-            reason = self._drop_reason(group)
             if reason is None:
                 self.kept.append(group)
             else:
                 self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def decide(self, groups: Sequence[PromptGroup]) -> list[Optional[str]]:
+        """[len(groups)] the reason each group is dropped (the first filter's that drops it), or
+        None where every filter keeps it. Raises GroupFilterError where a filter fails."""
+        return [self._drop_reason(group) for group in groups]
 
     def _drop_reason(self, group: PromptGroup) -> Optional[str]:
         for f in self.filters:
