@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from verl_mcore.distributed.agree import decided_on_one_rank
+from verl_mcore.reward.manager import COUNT_METRICS
 from verl_mcore.rollout.batch import Rollout, rollout_from_part
 from verl_mcore.rollout.gather import _cut
 from verl_mcore.rollout.group_filter import (METRICS, FilterExhaustedError, GroupFilterError,
@@ -203,7 +204,7 @@ class Producer:
                 lambda: kept.decide(groups), f"filtering the prompt groups of generation batch "
                 f"{len(batches)} of step {step}", GroupFilterError, self.place.training))
             batches.append(rollout.scored(scores, extras))
-            reward_metrics.append((metrics, rollout.num_samples))
+            reward_metrics.append((metrics, rollout.num_samples, extras))
             if not kept.kept and len(batches) >= self.loader.batches_per_epoch:
                 # Without a limit (max_num_gen_batches=0) a filter that drops every group would
                 # sample forever: a whole pass over the data kept nothing.
@@ -291,27 +292,40 @@ class Producer:
         self.generated = self.count if saved is None else int(saved)
 
 
-def _merged(metrics: list[tuple[dict, int]]) -> dict[str, float]:
-    """The reward metrics of a step's generation batches (each with its sample count) as those
-    of all their samples: counts (`reward/failed`, `.../count`) summed, `.../min` and `.../max`
-    over the batches, a route's mean weighed by its count, every other value (means, a reward
-    model's std) by the batch's samples."""
+def _merged(batches: list[tuple[dict, int, dict]]) -> dict[str, float]:
+    """The reward metrics of a step's generation batches, each (its reward metrics, its samples,
+    its scorers' extras "source/key" -> [samples] values or None), as those of all their
+    samples: counts (COUNT_METRICS, `.../count`) summed, `.../min` and `.../max` over the
+    batches, a reward model's `.../std` pooled with its `.../mean`, a mean weighed by what it is
+    the mean of: a route's by its count, an extra's by its samples that have it, every other one
+    (the total score, a source's, the overlong penalty) by the batch's samples."""
     out: dict[str, float] = {}
     weight: dict[str, float] = {}
-    for m, n in metrics:
+    pooled: dict[str, list[tuple[float, float, float]]] = {}  # std key -> [(samples, mean, std)]
+    for m, n, extras in batches:
+        have = {f"reward/{k}/mean": sum(v is not None for v in values)
+                for k, values in extras.items()}
         for k, v in m.items():
             v = float(v)
-            if k == "reward/failed" or k.endswith("/count"):
+            if k in COUNT_METRICS or k.endswith("/count"):
                 out[k] = out.get(k, 0.0) + v
             elif k.endswith("/min") or k.endswith("/max"):
                 pick = min if k.endswith("/min") else max
                 out[k] = pick(out[k], v) if k in out else v
+            elif k.endswith("/std") and k[:-len("std")] + "mean" in m:
+                pooled.setdefault(k, []).append((n, float(m[k[:-len("std")] + "mean"]), v))
             else:
-                w = m.get(k[:-len("mean")] + "count", n) if k.startswith("reward/route/") else n
+                w = (m.get(k[:-len("mean")] + "count", n) if k.startswith("reward/route/")
+                     else have.get(k, n))
                 out[k] = out.get(k, 0.0) + v * w
                 weight[k] = weight.get(k, 0.0) + w
     for k, w in weight.items():
         out[k] = out[k] / w if w else 0.0
+    for k, parts in pooled.items():  # E[x^2] - E[x]^2 over every batch's samples
+        total = sum(n for n, _, _ in parts)
+        mean = sum(n * mu for n, mu, _ in parts) / total
+        square = sum(n * (sd * sd + mu * mu) for n, mu, sd in parts) / total
+        out[k] = math.sqrt(max(square - mean * mean, 0.0))
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore.algo.overlong import overlong_scores
+from verl_mcore.reward.manager import COUNT_METRICS
 from verl_mcore.rollout.batch import Rollout, prompt_texts, token_ids
 from verl_mcore.tracking import MetricAccumulator
 
@@ -53,13 +54,13 @@ class Scorer:
                                  *ids, indices=mine, prompts=prompts,
                                  model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
-                out.extras)
+                out.extras, out.metrics)
         gathered: list = [None] * len(scorers)
         dist.all_gather_object(gathered, part, group=self.place.training)
         scores = torch.zeros(n)
         per_source: dict[str, torch.Tensor] = {}
         failed, firsts, routes, extras = 0, [], [None] * n, {}
-        for idx, s, sources, f, first, r, extra in gathered:
+        for idx, s, sources, f, first, r, extra, _ in gathered:
             scores[idx] = torch.tensor(s, dtype=torch.float32)
             for i, value in zip(idx, r):
                 routes[i] = value
@@ -72,12 +73,25 @@ class Scorer:
             firsts += [first] if first else []
         # The whole batch's count on every rank: all stop together (reward.max_failed_fraction).
         self.rewards.check_failures(failed, n, min(firsts, default=None))
+        # The whole batch's metrics from the slices': counts summed; a mean weighed by the
+        # slices' samples, over the slices that have it (a slice without a sample that has some
+        # extra has no metric of it: every rank adds every slice's names); an extra's mean then
+        # recomputed over the samples that have it, from the gathered values.
         acc = MetricAccumulator()
-        for name, values in out.metrics.items():
-            acc.add_mean(name, values, weight=max(1, len(mine)))
+        for name in dict.fromkeys(k for p in gathered for k in p[-1]):
+            if name not in COUNT_METRICS:
+                have = name in out.metrics
+                acc.add_mean(name, out.metrics[name] if have else 0.0,
+                             weight=max(1, len(mine)) if have else 0.0)
         metrics = dict(acc.reduce(group=self.place.training))
+        for name in COUNT_METRICS:
+            if any(name in p[-1] for p in gathered):
+                metrics[name] = float(sum(p[-1].get(name, 0.0) for p in gathered))
         for name, values in per_source.items():
             metrics[f"reward/{name}/mean"] = float(values.mean())
+        for name, values in extras.items():
+            have = [float(v) for v in values if v is not None]
+            metrics[f"reward/{name}/mean"] = sum(have) / len(have) if have else 0.0
         for name, values in model_scores.items():  # the whole batch's, on every rank
             stats = {"mean": values.mean(), "std": values.std(unbiased=False), "min": values.min(),
                      "max": values.max()}

@@ -448,6 +448,7 @@ class RewardManager:
             logger.error("reward: the first scorer error of the run (later ones are only counted "
                          "and named): %s\n%s", describe(i, name), outcomes[name][i].error)
         total = [sum(s.weight * source_scores[s.name][i] for s in self.sources) for i in range(n)]
+        # COUNT_METRICS: counts of samples, summed where batches or slices of one are merged
         metrics = {"reward/score/mean": _mean(total), "reward/errors": float(counts["error"]),
                    "reward/timeouts": float(counts["timeout"]),
                    "reward/invalid": float(counts["invalid"])}
@@ -536,6 +537,11 @@ def route_metrics(routes: Sequence[Optional[str]], totals: Sequence[float]) -> d
         metrics[f"reward/route/{name}/mean"] = _mean(values)
         metrics[f"reward/route/{name}/count"] = float(len(values))
     return metrics
+
+
+# The reward metrics that count samples (RewardManager.score's, Scorer.score's reward/failed): the
+# count of a batch is the sum of its slices' (ranks) or parts' (generation batches).
+COUNT_METRICS = ("reward/errors", "reward/timeouts", "reward/invalid", "reward/failed")
 
 
 def _mean(values: Sequence[float]) -> float:
