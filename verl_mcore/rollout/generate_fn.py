@@ -21,13 +21,15 @@ calls on each of its ranks (no unseeded randomness, nothing rank-dependent). The
 check (rollout.logprob_check) reads the first engine call after a weight update.
 
 What it returns is checked before it enters the batch: a missing or doubled sample, a token id
-outside the vocabulary, a response over max_new_tokens, a loss mask or log-probs of the wrong
-length stop the run naming the file, the function and the sample. Its file is imported at
+outside the vocabulary, a response over max_new_tokens, a loss mask, log-probs or versions of the
+wrong length, a log-prob that is not a finite number, a replica's batch whose loss mask is 0 on
+every token (nothing would train) stop the run naming the file, the function and the sample. Its file is imported at
 start-up in a probe process and its signature checked, before any model is built.
 """
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import os
 import traceback
@@ -90,30 +92,36 @@ def check_outputs(outputs: Any, prompts: int, sampling: SamplingParams, vocab_si
         raise GenerateFnError(f"{label} returned {type(outputs).__name__}; it returns a list of "
                               "rollout.base.SampleOutput, n per prompt")
     seen: set[tuple[int, int]] = set()
+    trained = tokens_total = 0  # tokens with loss_mask 1, tokens in all
     for i, o in enumerate(outputs):
         where = f"{label}: sample {i} of its output"
         if not isinstance(o, SampleOutput):
             raise GenerateFnError(f"{where} is a {type(o).__name__}, not a rollout.base.SampleOutput")
         key = (o.prompt_index, o.sample_index)
         where += f" (prompt_index {o.prompt_index}, sample_index {o.sample_index})"
+        if not (_is_int(o.prompt_index) and _is_int(o.sample_index)):
+            raise GenerateFnError(f"{where}: prompt_index {o.prompt_index!r} and sample_index "
+                                  f"{o.sample_index!r} must be ints")
         if not (0 <= o.prompt_index < prompts and 0 <= o.sample_index < sampling.n):
             raise GenerateFnError(f"{where}: out of range ({prompts} prompts, n={sampling.n})")
         if key in seen:
             raise GenerateFnError(f"{where}: returned twice")
         seen.add(key)
         tokens = o.token_ids
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise GenerateFnError(f"{where}: token_ids is a {type(tokens).__name__}, not a list "
+                                  "of token ids")
         if len(tokens) > sampling.max_new_tokens:
             raise GenerateFnError(f"{where}: {len(tokens)} response tokens, more than "
                                   f"max_new_tokens={sampling.max_new_tokens} "
                                   "(data.max_response_length): the batch cannot hold it")
-        bad = next((t for t in tokens if not isinstance(t, numbers.Integral) or isinstance(t, bool)
-                    or not 0 <= t < vocab_size), None)
-        if bad is not None:
+        bad = next((t for t in tokens if not _is_int(t) or not 0 <= t < vocab_size), _NONE)
+        if bad is not _NONE:
             raise GenerateFnError(f"{where}: token id {bad!r} is not an int in [0, {vocab_size})")
         if o.finish_reason not in _FINISH:
             raise GenerateFnError(f"{where}: finish_reason {o.finish_reason!r} is none of "
                                   f"{sorted(_FINISH)}")
-        for field in ("loss_mask", "logprobs"):
+        for field in ("loss_mask", "logprobs", "versions"):
             values = getattr(o, field)
             if values is not None and len(values) != len(tokens):
                 raise GenerateFnError(f"{where}: {len(values)} {field} values for "
@@ -125,11 +133,39 @@ def check_outputs(outputs: Any, prompts: int, sampling: SamplingParams, vocab_si
                                   "log-probs (placement.rollout, rollout.tis_cap or "
                                   "rollout.correction): keep the engine's (0.0 for tokens it "
                                   "did not sample)")
+        # NaN or a string here would end far away (a non-finite loss, a torch error)
+        bad = next((v for v in o.logprobs or () if not _is_finite(v)), _NONE)
+        if bad is not _NONE:
+            raise GenerateFnError(f"{where}: logprobs value {bad!r} is not a finite number (the "
+                                  "engine's log-prob, 0.0 for a token it did not sample)")
+        bad = next((v for v in o.versions or () if not _is_int(v)), _NONE)
+        if bad is not _NONE:
+            raise GenerateFnError(f"{where}: versions value {bad!r} is not an int (the policy "
+                                  "version that sampled the token)")
+        tokens_total += len(tokens)
+        trained += len(tokens) if o.loss_mask is None else sum(int(v) for v in o.loss_mask)
     if len(seen) != prompts * sampling.n:
         missing = next((p, s) for p in range(prompts) for s in range(sampling.n) if (p, s) not in seen)
         raise GenerateFnError(f"{label} returned {len(seen)} samples for {prompts} prompts x "
                               f"n={sampling.n}; missing prompt_index {missing[0]}, sample_index "
                               f"{missing[1]}")
+    if tokens_total and not trained:  # an inverted mask, most likely: refuse a no-op update
+        raise GenerateFnError(f"{label}: loss_mask is 0 on every token of all {len(seen)} samples "
+                              "of the batch, so none would train: 1 marks the tokens the model "
+                              "wrote (train), 0 those it did not (a tool's output)")
+
+
+_NONE = object()  # no bad value found
+
+
+def _is_int(value: Any) -> bool:
+    """An int (numpy's too), not a bool, whose True / False would hide a mistake."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _line_in(error: BaseException, path: str) -> str:
