@@ -18,6 +18,8 @@ import dataclasses
 
 from verl_mcore.rollout.base import SampleOutput
 
+SECOND_PASS_SEED_OFFSET = 500_001
+
 
 def answer_then_check(engine, prompts, sampling, check: str = "\nCheck the answer above.",
                       check_tokens: int = 8):
@@ -31,8 +33,12 @@ def answer_then_check(engine, prompts, sampling, check: str = "\nCheck the answe
         budget = min(check_tokens, min(room[i] for i in second))
         prompt_ids = [prompts.input_ids[answers[i].prompt_index] + answers[i].token_ids + instruction
                       for i in second]
+        # A stream of its own: the engine's randomness is a function of (seed, prompt index,
+        # sample index), and the trainer seeds replica r of batch b with base + 1000003 b + r, so
+        # seed + 1 would replay the next replica's draws. Half the batch stride is no replica's.
+        seed = None if sampling.seed is None else sampling.seed + SECOND_PASS_SEED_OFFSET
         outputs = engine.generate(prompt_ids, dataclasses.replace(
-            sampling, n=1, max_new_tokens=budget, seed=None if sampling.seed is None else sampling.seed + 1))
+            sampling, n=1, max_new_tokens=budget, seed=seed))
         checks = {second[o.prompt_index]: o for o in outputs}
     out = []
     for i, a in enumerate(answers):

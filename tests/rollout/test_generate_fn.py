@@ -64,3 +64,48 @@ def test_a_batch_that_would_train_on_no_token_is_refused():
     check_outputs(some, 2, sampling(), VOCAB, LABEL)  # samples left out: fine
     empty = [dataclasses.replace(o, token_ids=[], loss_mask=[]) for o in outputs()]
     check_outputs(empty, 2, sampling(), VOCAB, LABEL)  # no token at all: nothing to mask
+
+
+def test_the_examples_second_pass_draws_no_stream_of_another_replica_or_batch():
+    """examples/self_check_generate.py seeds its check pass off the batch's seed. The native
+    engine's random stream of a sequence is a function of (seed, prompt index, sample index)
+    alone, and replica r of batch b samples with rollout_seed + 1000003 b + r (Sampler.sampling):
+    seed + 1 would give replica r's check of its i-th answer the very uniforms of replica r + 1's
+    i-th prompt."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from verl_mcore.config import Config
+    from verl_mcore.sampler import Sampler
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("self_check", root / "examples/self_check_generate.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    cfg = Config.load(str(root / "configs/quickstart.yaml"), ["rollout.seed=5"])
+    info = SimpleNamespace(eos_token_ids=[0])
+
+    def sampler(replica):
+        groups = SimpleNamespace(gen_dp_rank=replica)
+        return Sampler(cfg, info, None, generation=SimpleNamespace(groups=groups))
+
+    lattice = {sampler(r).sampling(2, 1.0, b).seed for r in range(64) for b in range(200)}
+    seeds = []
+
+    class Engine:
+        tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [3, 4])
+        eos_token_ids, max_new_tokens = [0], 8
+
+        def generate(self, prompt_ids, sp):
+            seeds.append(sp.seed)
+            return [SampleOutput(p, s, [1], None, "stop") for p in range(len(prompt_ids))
+                    for s in range(sp.n)]
+
+    for replica in (0, 3):
+        for batch in (0, 7):
+            seeds.clear()
+            prompts = SimpleNamespace(input_ids=[[5, 6]], rows=[{}])
+            example.answer_then_check(Engine(), prompts, sampler(replica).sampling(2, 1.0, batch))
+            answer, check = seeds
+            assert answer in lattice and check not in lattice, (replica, batch, answer, check)
