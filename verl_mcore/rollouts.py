@@ -231,8 +231,8 @@ class Producer:
         """`groups` cut to whole mini-batches of the actor's (and the critic's) updates, for a
         short batch (on_max_gen_batches=train); a full batch is whole already."""
         sizes = [self.cfg.actor.ppo_mini_batch_size]
-        if self.cfg.uses_critic:
-            sizes.append(self.cfg.critic.ppo_mini_batch_size)
+        if self.cfg.uses_critic:  # null: the actor's
+            sizes.append(self.cfg.critic.ppo_mini_batch_size or sizes[0])
         unit = math.lcm(*sizes)
         whole = len(groups) // unit * unit
         if whole == 0:
@@ -245,11 +245,13 @@ class Producer:
 
     def _samplings(self, index: int) -> list:
         """How batch `index` is sampled: its rollout.n responses per prompt, and ReMax's greedy
-        baseline (one per prompt) where the algorithm has one."""
+        baseline (one per prompt) where the algorithm has one. The seeds are those of the next
+        generation batch (index - 1 in a run that never filtered; after filtered steps, a batch
+        whose seeds no earlier batch drew)."""
         s, r = self.sampler, self.cfg.rollout
-        out = [s.sampling(r.n, r.temperature, index - 1)]
+        out = [s.sampling(r.n, r.temperature, self.generated)]
         if self.cfg.algorithm.adv_estimator == "remax":
-            out.append(s.sampling(1, 0.0, index - 1, seed_offset=1))
+            out.append(s.sampling(1, 0.0, self.generated, seed_offset=1))
         return out
 
     def _next_prompts(self):

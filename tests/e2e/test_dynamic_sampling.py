@@ -279,3 +279,43 @@ def test_a_user_filter_decides_once_for_every_rank(tiny_model, code, tmp_path):
     assert second.startswith("GroupFilterError: rank 0 failed") and "judge cache" in second, second
     assert len(trained0) == len(trained1) == 1 and trained0 == trained1
     assert len(trained0[0]["groups"]) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The producer's pieces, without a run (well under a second)
+
+def _producer(**cfg):
+    from types import SimpleNamespace
+
+    from verl_mcore.rollouts import Producer
+
+    seeds = []
+    sampler = SimpleNamespace(sampling=lambda n, t, batch, seed_offset=0: seeds.append(
+        (batch, seed_offset)) or (batch, seed_offset))
+    config = SimpleNamespace(
+        rollout=SimpleNamespace(n=2, temperature=1.0),
+        algorithm=SimpleNamespace(adv_estimator=cfg.get("adv", "grpo")),
+        actor=SimpleNamespace(ppo_mini_batch_size=2),
+        critic=SimpleNamespace(ppo_mini_batch_size=cfg.get("critic_mini")),
+        uses_critic=cfg.get("adv") == "gae")
+    loader = SimpleNamespace(load_state_dict=lambda state: None)
+    return Producer(sampler, loader, SimpleNamespace(trains=True), config, dict, 0), seeds
+
+
+def test_a_critics_default_mini_batch_is_the_actors_when_a_short_batch_is_cut():
+    """critic.ppo_mini_batch_size null (the actor's): math.lcm(2, None) raised TypeError at the
+    first step of every filtered gae run."""
+    producer, _ = _producer(adv="gae")
+    assert producer._whole_mini_batches(list(range(5))) == [0, 1, 2, 3]
+    producer, _ = _producer(adv="gae", critic_mini=3)
+    assert producer._whole_mini_batches(list(range(7))) == [0, 1, 2, 3, 4, 5]
+
+
+def test_every_generation_batch_samples_with_seeds_of_its_own():
+    """Seeds count generation batches, with a filter or without: a filtered run resumed without
+    its filter (its checkpoint: 7 generation batches for 3 steps) samples step 4 with the 8th
+    batch's seeds, not the 4th's, which it sampled already."""
+    producer, seeds = _producer()
+    producer.load_state_dict({"loader": None, "queue": [], "gen_batches": 7}, 3)
+    producer._samplings(4)
+    assert seeds == [(7, 0)]
