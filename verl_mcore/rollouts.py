@@ -195,8 +195,9 @@ class Producer:
             rollout = rollout_from_part(part, part.prompt_of, self.info, step - 1).to(self.device)
             with phase("reward"):
                 scores, metrics, extras = self.scorer.train_scores(rollout)
+            # The responses' own lengths (the batch holds one masked token for an empty one).
             groups = groups_from_batch(rollout.group_ids, scores, rollout.responses, rollout.rows,
-                                       rollout.finish, rollout.train.response_lens, extras,
+                                       rollout.finish, part.response_lens, extras,
                                        gen_batch=len(batches))
             # Decided on the first training rank, sent to the others (a user's filter may decide
             # or fail otherwise elsewhere: group_filter.py's docstring).

@@ -281,6 +281,34 @@ def test_a_user_filter_decides_once_for_every_rank(tiny_model, code, tmp_path):
     assert len(trained0[0]["groups"]) == 4
 
 
+EMPTY_FIRST = '''
+import dataclasses
+
+
+def empty_first(engine, prompts, sampling):
+    """Sample 0 of each prompt: an empty response (the model stopped before any token)."""
+    return [dataclasses.replace(o, token_ids=[], logprobs=None if o.logprobs is None else [],
+                                finish_reason="stop") if o.sample_index == 0 else o
+            for o in engine.generate(prompts.input_ids, sampling)]
+
+
+def has_empty(group):
+    return min(group.response_lengths) == 0 and group.responses[0] == "", "no_empty_response"
+'''
+
+
+def test_a_group_filter_sees_an_empty_response_as_zero_tokens(tiny_model, code, tmp_path):
+    """PromptGroup.response_lengths are the responses' tokens: 0 for an empty one, not the one
+    masked token the batch holds in its place. About 5 s."""
+    (tmp_path / "empty.py").write_text(EMPTY_FIRST)
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=1, extra=[
+            f"rollout.generate_fn.path={tmp_path}/empty.py", "rollout.generate_fn.name=empty_first",
+            f"rollout.group_filter.path={tmp_path}/empty.py", "rollout.group_filter.name=has_empty",
+            "algorithm.filter_groups.max_num_gen_batches=1"]),), timeout=300)
+    assert outcome == 0, outcome
+    assert len(trained[0]["groups"]) == 4
+
 # ---------------------------------------------------------------------------------------------
 # The producer's pieces, without a run (well under a second)
 
