@@ -40,6 +40,17 @@ def test_a_key_no_api_object_reads_is_refused(override):
         session.settings("RolloutWorker", {}, [override])
 
 
+@pytest.mark.parametrize("override", ["algorithm.filter_groups.enable=true",
+                                      "algorithm.filter_groups.max_num_gen_batches=3"])
+def test_dynamic_sampling_is_refused_not_ignored(override):
+    """algorithm.* are the PPOTrainer's, but no API object refills a batch: the key would
+    configure nothing."""
+    with pytest.raises(ConfigError, match="the Python API does not read algorithm.filter_groups"):
+        session.settings("PPOTrainer", {}, [override])
+    with pytest.raises(ConfigError, match="select_groups"):
+        session.settings("PPOTrainer", {}, [override])
+
+
 def test_every_key_an_object_owns_is_a_config_key():
     """The ownership table names real keys: a renamed schema field fails here."""
     from verl_mcore.config.loading import _all_keys

@@ -12,8 +12,9 @@ Config. Each object owns some keys of the one `Config` tree (the OWNED table): i
 arguments are those keys, and its `overrides` ("a.b.c=value", the trainer's syntax) may set any
 other key it owns. A key another object owns fails naming that object (a learning rate given to
 the PPOTrainer would configure nothing: the optimizer is the Policy's); a key no object reads
-fails too. The Config is made by the schema's own loader (config/loading.from_dict: types and
-key names checked) and checked by config/validate.validate, as the trainer's is.
+fails too, and so does one inside an owned section that no object reads (NOT_READ). The Config
+is made by the schema's own loader (config/loading.from_dict: types and key names checked) and
+checked by config/validate.validate, as the trainer's is.
 """
 from __future__ import annotations
 
@@ -57,6 +58,13 @@ OWNED: dict[str, tuple[str, ...]] = {
         "trainer.total_steps"),
 }
 
+# Keys inside a section an object owns that no API object reads, and what to do instead.
+NOT_READ: dict[str, str] = {
+    "algorithm.filter_groups.": "dynamic sampling refills the trainer's batches; in your own "
+                                "loop keep the groups you want with Experiences.select_groups and "
+                                "generate more",
+}
+
 
 def _owns(prefixes: Sequence[str], key: str) -> int:
     """Length of the longest prefix of `prefixes` that covers `key` (0: none)."""
@@ -72,6 +80,9 @@ def settings(who: str, keys: dict[str, Any], overrides: Sequence[str] = ()) -> d
     given += [(*parse_override(text), text) for text in overrides]
     for path, value, text in given:
         key = ".".join(path)
+        unread = next((why for prefix, why in NOT_READ.items() if _owns((prefix,), key)), None)
+        if unread is not None:
+            raise ConfigError(f"{who}: {text}: the Python API does not read {key} ({unread})")
         mine = _owns(OWNED.get(who, ()), key)
         owner = max(OWNED, key=lambda o: _owns(OWNED[o], key))
         if mine == 0 or mine < _owns(OWNED[owner], key):
