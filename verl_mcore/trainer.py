@@ -33,7 +33,7 @@ from verl_mcore.distributed.launch import detect_launch, init_distributed, setup
 from verl_mcore.distributed.watchdog import process_group_timeout
 from verl_mcore.errors import NonFiniteError, RewardFailureError
 from verl_mcore.rollout.batch import prompt_texts
-from verl_mcore.rollout.group_filter import FilterExhaustedError
+from verl_mcore.rollout.group_filter import GroupFilterError
 from verl_mcore.run_dir import RunDir
 from verl_mcore.run_parts import build_run
 from verl_mcore.stage_timer import StageTimer, rss_gb
@@ -116,7 +116,7 @@ class Trainer:
                     return self.guard.preempted_exit(step, self.rank)
         except BaseException as e:
             if isinstance(e, (NonFiniteError, RewardFailureError, ValMetricError,
-                              FilterExhaustedError)):
+                              GroupFilterError)):
                 # Raised on every rank alike (from reduced or gathered values): commit the
                 # pending async saves, which hold good steps, before stopping.
                 self.checkpoints.close()

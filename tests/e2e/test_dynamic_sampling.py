@@ -309,6 +309,33 @@ def test_a_group_filter_sees_an_empty_response_as_zero_tokens(tiny_model, code, 
     assert outcome == 0, outcome
     assert len(trained[0]["groups"]) == 4
 
+RAISES_AT_STEP_2 = '''
+calls = 0
+
+
+def raises_later(group):
+    global calls
+    calls += 1
+    if calls > 4:  # step 2's first group (step 1: one generation batch of 4 groups, all kept)
+        raise KeyError("a judge's answer")
+    return True
+'''
+
+
+def test_a_group_filters_error_commits_the_pending_saves(tiny_model, code, tmp_path):
+    """A group filter's error comes on every rank alike (the first training rank decides): like a
+    non-finite loss, it stops the run after committing the good steps' async saves. About 6 s."""
+    (tmp_path / "later.py").write_text(RAISES_AT_STEP_2)
+    run_dir = tmp_path / "run"
+    [(outcome, trained)] = run_on_ranks(_train_recording, 1, args=(_overrides(
+        tiny_model, run_dir, code, steps=2, extra=[
+            f"rollout.group_filter.path={tmp_path}/later.py", "rollout.group_filter.name=raises_later",
+            "checkpoint.save_every=1", "checkpoint.async_save=true"]),), timeout=300)
+    assert outcome.startswith("GroupFilterError") and "a judge's answer" in outcome, outcome
+    ckpts = run_dir / "checkpoints" / "actor"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000001"]
+    assert (ckpts / "latest").exists() and not list(ckpts.glob(".tmp*"))
+
 # ---------------------------------------------------------------------------------------------
 # The producer's pieces, without a run (well under a second)
 
