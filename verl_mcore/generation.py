@@ -140,12 +140,14 @@ class GenerationPhase:
 
     def check_samples(self) -> dict[str, float]:
         """The weight-sync check on the samples `generate` kept since `begin` (rollout/
-        sync_check.py); nothing when none were kept. Collective over the actor set: its ranks
-        call it together, after agreeing that every replica's sampling succeeded."""
-        if self.to_check is None:
+        sync_check.py); nothing when no check was armed. Collective over the actor set: its ranks
+        call it together, after agreeing that every replica's sampling succeeded. A replica that
+        made no engine call since `begin` armed the check (a rollout.generate_fn answering from a
+        cache) takes part without samples, so the set's ranks meet in the check's collectives."""
+        if self.to_check is None and not self.check_due:
             return {}
-        prompts, temperature, outputs = self.to_check
-        self.to_check = None
+        prompts, temperature, outputs = self.to_check or ([], self.cfg.temperature, [])
+        self.to_check, self.check_due = None, False
         metrics = check_weight_sync(outputs, prompts, self.actor_logprobs, temperature,
                                     self.cfg.logprob_check.max_abs_diff, group=self._set_group())
         self.check_metrics.update(metrics)

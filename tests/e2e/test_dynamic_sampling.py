@@ -336,6 +336,38 @@ def test_a_group_filters_error_commits_the_pending_saves(tiny_model, code, tmp_p
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000001"]
     assert (ckpts / "latest").exists() and not list(ckpts.glob(".tmp*"))
 
+CANNED_ON_RANK_1 = '''
+import torch.distributed as dist
+
+from verl_mcore.rollout.base import SampleOutput
+
+
+def canned_on_rank_1(engine, prompts, sampling):
+    """Rank 1 (the second generation replica) answers from a cache: no engine call there."""
+    if dist.get_rank() == 1:
+        return [SampleOutput(p, s, [5, 6], [0.0, 0.0] if sampling.logprobs else None, "stop")
+                for p in range(len(prompts.input_ids)) for s in range(sampling.n)]
+    return engine.generate(prompts.input_ids, sampling)
+'''
+
+
+@pytest.mark.distributed
+def test_a_replica_whose_generate_fn_calls_no_engine_joins_the_weight_sync_check(
+        tiny_model, code, tmp_path):
+    """The weight-sync check reads the first engine call after a weight update and is collective
+    over the actor's ranks: a replica whose generate function made no engine call (a cache, an
+    early exit) takes part without samples, instead of leaving the others in the check's
+    collectives until the watchdog. 2 gloo ranks, about 9 s."""
+    (tmp_path / "canned.py").write_text(CANNED_ON_RANK_1)
+    results = run_on_ranks(_train_recording, 2, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=2, extra=[
+            f"rollout.generate_fn.path={tmp_path}/canned.py",
+            "rollout.generate_fn.name=canned_on_rank_1", "actor.micro_batch_size_per_gpu=2",
+            "trainer.collective_timeout_s=60"]),), timeout=240)
+    assert [r[0] for r in results] == [0, 0], [r[0] for r in results]
+    rows = _rows(tmp_path / "run")
+    assert all(row["rollout/logprob_diff_max"] < 1e-3 for row in rows)  # rank 0's samples checked
+
 # ---------------------------------------------------------------------------------------------
 # The producer's pieces, without a run (well under a second)
 

@@ -17,8 +17,9 @@ returns   rollout/base.py SampleOutputs, n per prompt: prompt_index, sample_inde
 
 Where it runs. On every rank of each generation replica (its TP_g group), with that replica's
 prompts: the engine's calls are collective over the group, so the function must make the same
-calls on each of its ranks (no unseeded randomness, nothing rank-dependent). The weight-sync
-check (rollout.logprob_check) reads the first engine call after a weight update.
+calls on each of its ranks (no unseeded randomness, nothing rank-dependent); replicas may make
+different calls. The weight-sync check (rollout.logprob_check) reads the first engine call after
+a weight update (a replica that made none takes part without samples).
 
 What it returns is checked before it enters the batch: a missing or doubled sample, a token id
 outside the vocabulary, a response over max_new_tokens, a loss mask, log-probs or versions of the
