@@ -201,10 +201,16 @@ class Producer:
                                        gen_batch=len(batches))
             # Decided on the first training rank, sent to the others (a user's filter may decide
             # or fail otherwise elsewhere: group_filter.py's docstring).
-            kept.add(groups, decided_on_one_rank(
+            reasons = decided_on_one_rank(
                 lambda: kept.decide(groups), f"filtering the prompt groups of generation batch "
-                f"{len(batches)} of step {step}", GroupFilterError, self.place.training))
-            batches.append(rollout.scored(scores, extras))
+                f"{len(batches)} of step {step}", GroupFilterError, self.place.training)
+            kept.add(groups, reasons)
+            # Only the kept groups' samples stay, on the host: a step may take many generation
+            # batches, and the engine's next one needs the device's memory. `where`: a kept
+            # sample's place in the batch -> its place among them.
+            idx = [i for g, reason in zip(groups, reasons) if reason is None for i in g.samples]
+            where = {i: j for j, i in enumerate(idx)}
+            batches.append((rollout.scored(scores, extras).select(idx).to("cpu"), where))
             reward_metrics.append((metrics, rollout.num_samples, extras))
             if not kept.kept and len(batches) >= self.loader.batches_per_epoch:
                 # Without a limit (max_num_gen_batches=0) a filter that drops every group would
@@ -217,15 +223,15 @@ class Producer:
                     "a prompt the same score leaves DAPO's filter nothing to keep")
         groups = self._whole_mini_batches(kept.take())
         pieces = []
-        for b, rollout in enumerate(batches):  # the kept groups, in their order
-            idx = [i for g in groups if g.gen_batch == b for i in g.samples]
+        for b, (rollout, where) in enumerate(batches):  # the kept groups, in their order
+            idx = [where[i] for g in groups if g.gen_batch == b for i in g.samples]
             if idx:
                 pieces.append(rollout.select(idx))
         info = self.info
         pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
         metrics = {**kept.metrics(), **_merged(reward_metrics)}
         metrics[METRICS + "trained_groups"] = float(len(groups))
-        rollout = Rollout.concat(pieces, pad)
+        rollout = Rollout.concat(pieces, pad).to(self.device)
         return before, Sampled(index, step - 1, None, rollout=rollout), metrics
 
     def _whole_mini_batches(self, groups: list) -> list:

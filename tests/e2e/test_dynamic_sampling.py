@@ -368,6 +368,58 @@ def test_a_replica_whose_generate_fn_calls_no_engine_joins_the_weight_sync_check
     rows = _rows(tmp_path / "run")
     assert all(row["rollout/logprob_diff_max"] < 1e-3 for row in rows)  # rank 0's samples checked
 
+def _count_retained_batches(rank, world_size, overrides):
+    """(fit's exit code, per generation batch after a step's first: how many of the step's
+    earlier generation batches' whole rollouts were still alive when it started sampling)."""
+    import gc
+    import weakref
+
+    from verl_mcore import rollouts
+    from verl_mcore.config import Config
+    from verl_mcore.trainer import Trainer
+
+    made, alive = [], []
+    original_part, original_sample = rollouts.rollout_from_part, rollouts.Producer._sample_filtered
+
+    def recording_part(*args, **kwargs):
+        rollout = original_part(*args, **kwargs)
+        made.append(weakref.ref(rollout.train.input_ids))
+        return rollout
+
+    def sample(self, *args, **kwargs):
+        made.clear()  # a step's generation batches
+        return original_sample(self, *args, **kwargs)
+
+    original_prompts = rollouts.Producer._next_prompts
+
+    def next_prompts(self):
+        if made:
+            gc.collect()
+            alive.append(sum(r() is not None for r in made))
+        return original_prompts(self)
+
+    rollouts.rollout_from_part, rollouts.Producer._sample_filtered = recording_part, sample
+    rollouts.Producer._next_prompts = next_prompts
+    try:
+        code = Trainer(Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)).fit()
+    finally:
+        rollouts.rollout_from_part, rollouts.Producer._sample_filtered = original_part, original_sample
+        rollouts.Producer._next_prompts = original_prompts
+    return code, alive
+
+
+def test_a_steps_generation_batches_are_not_all_kept_whole(tiny_model, code, tmp_path):
+    """Dynamic sampling may sample many generation batches a step (max_num_gen_batches=0: no
+    limit). Only their kept groups' samples stay, on the host: whole batches held on the
+    training device until the step's batch is full would take the engine's memory from the
+    next ones. (At most the one just scored is alive, as the loop's variable, when the next
+    starts.) About 6 s."""
+    [(outcome, alive)] = run_on_ranks(_count_retained_batches, 1, args=(_overrides(
+        tiny_model, tmp_path / "run", code, steps=2, extra=DAPO),), timeout=300)
+    assert outcome == 0
+    assert len(alive) >= 2, alive  # steps of several generation batches
+    assert max(alive) <= 1, alive
+
 # ---------------------------------------------------------------------------------------------
 # The producer's pieces, without a run (well under a second)
 
