@@ -36,7 +36,7 @@ import torch
 
 from verl_mcore.distributed.agree import decided_on_one_rank
 from verl_mcore.reward.manager import COUNT_METRICS
-from verl_mcore.rollout.batch import Rollout, rollout_from_part
+from verl_mcore.rollout.batch import Rollout, response_pad, rollout_from_part
 from verl_mcore.rollout.gather import _cut
 from verl_mcore.rollout.group_filter import (METRICS, FilterExhaustedError, GroupFilterError,
                                              GroupFilters)
@@ -70,18 +70,17 @@ class Producer:
     """The step's rollout batch: samples with `sampler` (sampler.py) the prompt batches `loader`
     draws, `ahead` of the batch trained on (rollout.max_staleness in one_step_off, else 0).
     `make_room()` frees the training state's memory for generation (the learner's offload);
-    `scorer` scores the trained batches (scoring.py), `filters` the run's group filters, `info`
-    the actor's ModelInfo, `device` the training device. Every rank calls it alike."""
+    `scorer` scores the trained batches (scoring.py), `filters` the run's group filters. Every
+    rank calls it alike."""
 
     def __init__(self, sampler, loader, place, cfg, make_room, ahead: int, scorer=None,
-                 filters: Optional[GroupFilters] = None, info=None, device=None):
+                 filters: Optional[GroupFilters] = None):
         self.sampler, self.loader, self.place, self.cfg = sampler, loader, place, cfg
         self.make_room = make_room
         # The scorer of the trained batches (scoring.py), and the group filters
         # (algorithm.filter_groups, rollout.group_filter): with a filter, each generation batch
         # is scored here and more are sampled until the step's batch is full.
-        self.scorer, self.filters, self.device = scorer, filters or GroupFilters(), device
-        self.info = info  # the actor's ModelInfo: its tokenizer decodes the responses
+        self.scorer, self.filters = scorer, filters or GroupFilters()
         self.generated = 0  # generation batches sampled so far (their sampling seeds)
         self.ahead = ahead  # k: batches sampled ahead of the one trained on
         self.queue: deque[Sampled] = deque()  # training ranks: sampled, not yet trained on
@@ -91,6 +90,16 @@ class Producer:
         # An error of this rank's part (the weights' way to the engine, a training phase) not
         # yet told to the others: the next hand-over of a batch carries it to every rank.
         self.failure: Optional[BaseException] = None
+
+    @property
+    def info(self):
+        """The actor's ModelInfo (its tokenizer decodes the responses): the sampler's."""
+        return self.sampler.info
+
+    @property
+    def device(self):
+        """The training device, where the batches go: the scorer's."""
+        return self.scorer.device
 
     # ------------------------------------------------------------------ the step
 
@@ -227,11 +236,9 @@ class Producer:
             idx = [where[i] for g in groups if g.gen_batch == b for i in g.samples]
             if idx:
                 pieces.append(rollout.select(idx))
-        info = self.info
-        pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
         metrics = {**kept.metrics(), **_merged(reward_metrics)}
         metrics[METRICS + "trained_groups"] = float(len(groups))
-        rollout = Rollout.concat(pieces, pad).to(self.device)
+        rollout = Rollout.concat(pieces, response_pad(self.info)).to(self.device)
         return before, Sampled(index, step - 1, None, rollout=rollout), metrics
 
     def _whole_mini_batches(self, groups: list) -> list:

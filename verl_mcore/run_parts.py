@@ -151,7 +151,7 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
                     info.tokenizer, device, rank)
     producer = Producer(sampler, loader, place, cfg, learner.offload_training_state,
                         cfg.rollout.max_staleness if cfg.rollout.mode == "one_step_off" else 0,
-                        scorer, inputs.group_filters, info, device)
+                        scorer, inputs.group_filters)
     checkpoints = build.build_checkpointers(
         cfg, run_dir, info,
         role_ranks=None if placement.colocated else place.role_ranks())

@@ -28,6 +28,7 @@ import base64
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import pickle
@@ -284,3 +285,85 @@ def _after_output(output: str, where: str, error: str, lines: int = 15) -> str:
         return f"{where}: {error}"
     tail = "\n".join(output.splitlines()[-lines:])
     return f"{where}: the process printed (its last lines):\n{tail}\n{where}: {error}"
+
+
+# ------------------------------------------------------------------ a user's function in the trainer
+
+class _Argument:
+    """What the start-up check binds a user function's positional parameters to (no engine,
+    batch or group exists yet)."""
+
+
+def check_user_function(obj: Any, key: str, path: str, name: str, kwargs: dict,
+                        params: tuple[str, ...], signature_text: str,
+                        construct: bool = False) -> str:
+    """That `obj` (the config key `key`'s) can be called as name(*params, **kwargs): in the
+    import probe (check_import, which passes `construct`; a function constructs nothing).
+    Raises ValueError naming the file, the function and `signature_text`, the signature
+    expected."""
+    what = f"{key}.name={name!r} in {path}"
+    if inspect.isclass(obj) or not callable(obj):
+        kind = "a class" if inspect.isclass(obj) else f"an object of type {type(obj).__name__}"
+        raise ValueError(f"{what} is {kind}, not a function: {key} is {signature_text}")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without signature data: the first call will tell
+        return "function"
+    try:
+        signature.bind(*(_Argument() for _ in params), **kwargs)
+    except TypeError as e:
+        call = ", ".join(list(params) + [f"{k}=..." for k in kwargs])
+        raise ValueError(f"{what}: {name}{signature} cannot be called as {name}({call}) "
+                         f"({key}.kwargs go to each call; {key} is {signature_text}): "
+                         f"{e}") from None
+    return "function"
+
+
+def load_user_function(cfg, key: str, params: tuple[str, ...],
+                       signature_text: str) -> Optional[tuple[Callable, str]]:
+    """(the function, its file's absolute path) of a UserFunctionConfig at `key`, or None when
+    none is configured. The file is imported first in a fresh interpreter under
+    cfg.import_timeout_s, where the signature is checked (check_user_function), so a file that
+    blocks, exits or fails, a missing name or a wrong signature fail here, before any model is
+    built, naming the file and the function."""
+    if not (cfg.path or cfg.name or cfg.kwargs):
+        return None
+    check_import(cfg.path, cfg.name, key, cfg.import_timeout_s, f"{key}.import_timeout_s",
+                 check=(check_user_function, (key, cfg.path, cfg.name, dict(cfg.kwargs), params,
+                                              signature_text)))
+    rule = (f"{key} ({cfg.path}, importing it in the trainer)",
+            "the trainer would have ended without a word: its file must not exit at import")
+    try:
+        with exit_raises_in_this_thread(rule):
+            fn = load_user_object(cfg.path, cfg.name, key)
+    except ExitCalled as e:
+        raise ValueError(str(e)) from None
+    return fn, os.path.abspath(os.path.expanduser(cfg.path))
+
+
+class UserFunction:
+    """A user's function (the config key `key`'s, `name` in the file `path`), called in the
+    trainer with its kwargs: what it raises, and an exit it attempts, stop the run naming the
+    key, the file, the function and the line."""
+
+    def __init__(self, key: str, fn: Callable, kwargs, path: str, name: str):
+        self.fn, self.kwargs, self.path, self.name = fn, dict(kwargs), path, name
+        self.label = f"{key} {path}:{name}"
+
+    def call(self, *args, doing_what: str, returns: str, error: type, where: str = "") -> Any:
+        """fn(*args, **kwargs) under a `doing` note ("calling <label> <doing_what>"); `returns`
+        says what it should do instead of exiting, `error` is raised for what it raises, with
+        `where` appended."""
+        rule = (self.label, f"it runs in the trainer, which this would have ended: {returns}")
+        try:
+            with doing(f"calling {self.label} {doing_what}"), exit_raises_in_this_thread(rule):
+                return self.fn(*args, **self.kwargs)
+        except (Exception, SystemExit) as e:  # ExitCalled for an os._exit; sys.exit too
+            raise error(f"{self.label} raised {type(e).__name__}: {e}"
+                        f"{user_line(e, self.path)}{where}") from e
+
+
+def user_line(error: BaseException, path: str) -> str:
+    """' (at <path>, line N, in fn)' for the deepest frame of `error` in the user's file."""
+    mine = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
+    return f" (at {path}, line {mine[-1].lineno}, in {mine[-1].name})" if mine else ""

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 from torch import Tensor
 
-from verl_mcore.rollout.batch import Rollout
+from verl_mcore.rollout.batch import Rollout, response_pad
 
 
 @dataclass
@@ -99,9 +99,8 @@ class Experiences:
             return first
         if len({p.baseline is None for p in parts}) > 1:
             raise ValueError("Experiences.concat: some parts have greedy baselines and some not")
-        info = first.policy.info
-        pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id  # rollout_from_part's
-        return cls(Rollout.concat([p.rollout for p in parts], pad), {}, first.cfg, first.policy)
+        rollout = Rollout.concat([p.rollout for p in parts], response_pad(first.policy.info))
+        return cls(rollout, {}, first.cfg, first.policy)
 
     def select_groups(self, groups: Sequence[int]) -> "Experiences":
         """The samples of the prompts with these group ids, in that order (whole groups)."""

@@ -145,12 +145,17 @@ def make_rollout(samples, group_ids, info) -> Rollout:
     return rollout_from_part(part, torch.as_tensor(group_ids, dtype=torch.int64), info)
 
 
+def response_pad(info) -> int:
+    """The token that fills a batch's rows past their end and stands for an empty response (the
+    engine stopped at once), masked: the first EOS id, else the pad id (`info`: ModelInfo)."""
+    return info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
+
+
 def rollout_from_part(part, group_ids: torch.Tensor, info, version: int = 0) -> Rollout:
     """A Rollout from flat samples (rollout.gather.RolloutPart) and their group ids [B], drawn
     with the policy of `version`; its response mask is the samples' loss mask
     (rollout/token_fields.py)."""
-    # An empty response (the engine stopped at once) gets one masked EOS token.
-    pad = info.eos_token_ids[0] if info.eos_token_ids else info.pad_token_id
+    pad = response_pad(info)
     train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
                                  part.response_lens, pad, prompt_of=part.prompt_of,
                                  loss_mask=part.token_field("loss_mask"))

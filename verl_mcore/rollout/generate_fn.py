@@ -29,18 +29,13 @@ start-up in a probe process and its signature checked, before any model is built
 """
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
-import os
-import traceback
 import typing
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from verl_mcore.rollout.base import FinishReason, SampleOutput, SamplingParams
-from verl_mcore.user_code import (ExitCalled, check_import, exit_raises_in_this_thread,
-                                  load_user_object)
-from verl_mcore.utils.doing import doing
+from verl_mcore.user_code import UserFunction, load_user_function
 
 _KEY = "rollout.generate_fn"
 SIGNATURE = "fn(engine, prompts, sampling, **kwargs) -> list[SampleOutput]"
@@ -64,23 +59,17 @@ class GenerateHandle:
         return self._generation.generate(prompt_ids, sampling)
 
 
-class UserGenerateFn:
+class UserGenerateFn(UserFunction):
     """rollout.generate_fn's function, called as fn(engine, prompts, sampling, **kwargs)."""
 
     def __init__(self, fn: Callable, kwargs: Mapping[str, Any], path: str, name: str):
-        self.fn, self.kwargs, self.path, self.name = fn, dict(kwargs), path, name
-        self.label = f"{_KEY} {path}:{name}"
+        super().__init__(_KEY, fn, kwargs, path, name)
 
     def __call__(self, engine: GenerateHandle, prompts, sampling: SamplingParams,
                  vocab_size: int) -> list[SampleOutput]:
-        rule = (self.label, "it runs in the trainer, which this would have ended: return samples")
-        try:
-            with doing(f"calling {self.label} on {len(prompts.input_ids)} prompts"), \
-                    exit_raises_in_this_thread(rule):
-                outputs = self.fn(engine, prompts, sampling, **self.kwargs)
-        except (Exception, SystemExit) as e:  # ExitCalled for an os._exit; sys.exit too
-            raise GenerateFnError(f"{self.label} raised {type(e).__name__}: {e}"
-                                  f"{_line_in(e, self.path)}") from e
+        outputs = self.call(engine, prompts, sampling,
+                            doing_what=f"on {len(prompts.input_ids)} prompts",
+                            returns="return samples", error=GenerateFnError)
         check_outputs(outputs, len(prompts.input_ids), sampling, vocab_size, self.label)
         return outputs
 
@@ -169,53 +158,13 @@ def _is_finite(value: Any) -> bool:
             and math.isfinite(value))
 
 
-def _line_in(error: BaseException, path: str) -> str:
-    """' (at <path>, line N, in fn)' for the deepest frame of `error` in the user's file."""
-    mine = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
-    return f" (at {path}, line {mine[-1].lineno}, in {mine[-1].name})" if mine else ""
-
-
-class _Placeholder:
-    """What the start-up check binds the signature to (no engine or batch exists yet)."""
-
-
-def check_signature(obj: Any, path: str, name: str, kwargs: Mapping[str, Any],
-                    construct: bool = False) -> str:
-    """That `obj` can be called as fn(engine, prompts, sampling, **kwargs): in the import probe
-    (user_code.check_import). Raises ValueError naming the file, the function and the signature
-    expected."""
-    what = f"{_KEY}.name={name!r} in {path}"
-    if inspect.isclass(obj) or not callable(obj):
-        kind = "a class" if inspect.isclass(obj) else f"an object of type {type(obj).__name__}"
-        raise ValueError(f"{what} is {kind}, not a function: a generate function is {SIGNATURE}")
-    try:
-        signature = inspect.signature(obj)
-    except (TypeError, ValueError):  # a builtin without signature data: the first call will tell
-        return "function"
-    try:
-        signature.bind(_Placeholder(), _Placeholder(), _Placeholder(), **kwargs)
-    except TypeError as e:
-        named = "".join(f", {k}=..." for k in kwargs)
-        raise ValueError(f"{what}: {name}{signature} cannot be called as "
-                         f"{name}(engine, prompts, sampling{named}) ({_KEY}.kwargs go to each "
-                         f"call; a generate function is {SIGNATURE}): {e}") from None
-    return "function"
-
-
 def load_generate_fn(cfg) -> Optional[UserGenerateFn]:
     """rollout.generate_fn's function (cfg: its UserFunctionConfig), or None when none is
     configured. Its file is imported first in a fresh interpreter under import_timeout_s, where
     the signature is checked, so a file that blocks, exits or fails, a missing name or a wrong
     signature fail before any model is built, naming the file and the function."""
-    if not (cfg.path or cfg.name or cfg.kwargs):
+    loaded = load_user_function(cfg, _KEY, ("engine", "prompts", "sampling"), SIGNATURE)
+    if loaded is None:
         return None
-    check_import(cfg.path, cfg.name, _KEY, cfg.import_timeout_s, f"{_KEY}.import_timeout_s",
-                 check=(check_signature, (cfg.path, cfg.name, dict(cfg.kwargs))))
-    rule = (f"{_KEY} ({cfg.path}, importing it in the trainer)",
-            "the trainer would have ended without a word: its file must not exit at import")
-    try:
-        with exit_raises_in_this_thread(rule):
-            fn = load_user_object(cfg.path, cfg.name, _KEY)
-    except ExitCalled as e:
-        raise ValueError(str(e)) from None
-    return UserGenerateFn(fn, cfg.kwargs, os.path.abspath(os.path.expanduser(cfg.path)), cfg.name)
+    fn, path = loaded
+    return UserGenerateFn(fn, cfg.kwargs, path, cfg.name)

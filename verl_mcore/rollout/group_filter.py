@@ -55,19 +55,14 @@ takes and counts alike.
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import os
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from verl_mcore.config.schema import Config, UserFunctionConfig
 from verl_mcore.errors import ConfigError
 from verl_mcore.rollout.prompt_group import PromptGroup
-from verl_mcore.user_code import (ExitCalled, check_import, exit_raises_in_this_thread,
-                                  load_user_object)
-from verl_mcore.utils.doing import doing
+from verl_mcore.user_code import UserFunction, load_user_function
 from verl_mcore.utils.metric_names import name_fragment
 
 log = logging.getLogger(__name__)
@@ -188,7 +183,7 @@ class ZeroStdFilter:
 
 # ------------------------------------------------------------------ the user's filter
 
-class UserGroupFilter:
+class UserGroupFilter(UserFunction):
     """rollout.group_filter: the user's function, called as fn(group, **kwargs) in the trainer.
     What it raises, or returns other than a bool or (bool, reason str), stops the run naming
     the file, the function, the line and the group."""
@@ -196,20 +191,13 @@ class UserGroupFilter:
     reasons = (USER_REASON,)
 
     def __init__(self, fn: Callable, kwargs: Mapping[str, Any], path: str, name: str):
-        self.fn, self.kwargs, self.path, self.name = fn, dict(kwargs), path, name
-        self.label = f"{_KEY} {path}:{name}"
+        super().__init__(_KEY, fn, kwargs, path, name)
 
     def __call__(self, group: PromptGroup) -> tuple[bool, Optional[str]]:
         where = (f"on prompt group {group.index} of generation batch {group.gen_batch} "
                  f"(data_source={group.row.get('data_source')!r})")
-        rule = (self.label, "it runs in the trainer, which this would have ended: return a "
-                            "decision")
-        try:
-            with doing(f"calling {self.label} {where}"), exit_raises_in_this_thread(rule):
-                result = self.fn(group, **self.kwargs)
-        except (Exception, SystemExit) as e:  # ExitCalled for an os._exit; sys.exit too
-            raise GroupFilterError(f"{self.label} raised {type(e).__name__}: {e}{_line_in(e, self.path)}, "
-                                   f"{where}") from e
+        result = self.call(group, doing_what=where, returns="return a decision",
+                           error=GroupFilterError, where=f", {where}")
         return self._decision(result, where)
 
     def _decision(self, result: Any, where: str) -> tuple[bool, Optional[str]]:
@@ -227,56 +215,16 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or type(value).__name__ == "bool_"
 
 
-def _line_in(error: BaseException, path: str) -> str:
-    """' (at <path>, line N, in fn)' for the deepest frame of `error` in the user's file."""
-    mine = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
-    return f" (at {path}, line {mine[-1].lineno}, in {mine[-1].name})" if mine else ""
-
-
-class _Group:
-    """What the start-up check binds a filter's signature to (no group exists yet)."""
-
-
-def check_user_filter(obj: Any, path: str, name: str, kwargs: Mapping[str, Any],
-                      construct: bool = False) -> str:
-    """That `obj`, rollout.group_filter's, can be called as fn(group, **kwargs): in the import
-    probe (user_code.check_import, which passes `construct`; a function constructs nothing).
-    Raises ValueError naming the file, the function and the signature expected."""
-    what = f"{_KEY}.name={name!r} in {path}"
-    if inspect.isclass(obj) or not callable(obj):
-        kind = "a class" if inspect.isclass(obj) else f"an object of type {type(obj).__name__}"
-        raise ValueError(f"{what} is {kind}, not a function: a group filter is {SIGNATURE}")
-    try:
-        signature = inspect.signature(obj)
-    except (TypeError, ValueError):  # a builtin without signature data: the first call will tell
-        return "function"
-    try:
-        signature.bind(_Group(), **kwargs)
-    except TypeError as e:
-        named = "".join(f", {k}=..." for k in kwargs)
-        raise ValueError(f"{what}: {name}{signature} cannot be called as {name}(group{named}) "
-                         f"({_KEY}.kwargs go to each call; a group filter is {SIGNATURE}): "
-                         f"{e}") from None
-    return "function"
-
-
 def load_user_filter(cfg: UserFunctionConfig) -> Optional[UserGroupFilter]:
     """rollout.group_filter's function, or None when none is configured. Its file is imported
     first in a fresh interpreter under import_timeout_s, where the signature is checked
-    (check_user_filter), so a file that blocks, exits or fails, a missing name or a wrong
+    (user_code.check_user_function), so a file that blocks, exits or fails, a missing name or a wrong
     signature fail here, before any model is built, naming the file and the function."""
-    if not (cfg.path or cfg.name or cfg.kwargs):
+    loaded = load_user_function(cfg, _KEY, ("group",), SIGNATURE)
+    if loaded is None:
         return None
-    check_import(cfg.path, cfg.name, _KEY, cfg.import_timeout_s, f"{_KEY}.import_timeout_s",
-                 check=(check_user_filter, (cfg.path, cfg.name, dict(cfg.kwargs))))
-    rule = (f"{_KEY} ({cfg.path}, importing it in the trainer)",
-            "the trainer would have ended without a word: a filter's file must not exit at import")
-    try:
-        with exit_raises_in_this_thread(rule):
-            fn = load_user_object(cfg.path, cfg.name, _KEY)
-    except ExitCalled as e:
-        raise ValueError(str(e)) from None
-    return UserGroupFilter(fn, cfg.kwargs, os.path.abspath(os.path.expanduser(cfg.path)), cfg.name)
+    fn, path = loaded
+    return UserGroupFilter(fn, cfg.kwargs, path, cfg.name)
 
 
 # ------------------------------------------------------------------ the filters of a run
