@@ -87,6 +87,7 @@ class SampleOutput:
     versions: the policy version (steps completed) that sampled each token, for a trajectory
         sampled over weight updates. None: every token the batch's version.
     extras: values of the other declared per-token fields by name (MoE routing...).
+    turns: the model's turns in the response (an agent loop's; 1 for one continuation).
     """
 
     prompt_index: int
@@ -97,6 +98,7 @@ class SampleOutput:
     loss_mask: Optional[Sequence[int]] = None
     versions: Optional[Sequence[int]] = None
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    turns: int = 1
 
     def __post_init__(self):
         own = sorted(set(self.extras) & set(_OWN_TOKEN_FIELDS))
