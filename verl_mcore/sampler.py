@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from verl_mcore.config.seeds import rollout_seed
 from verl_mcore.rollout.base import SamplingParams
-from verl_mcore.rollout.batch import Rollout, rollout_from_part
-from verl_mcore.rollout.gather import RolloutPart, agreed_failure, gather_rollout, share_rollout
+from verl_mcore.rollout.batch import Rollout
+from verl_mcore.rollout.gather import agreed_failure, gather_rollout, share_rollout
 from verl_mcore.rollout.generate_fn import GenerateHandle, UserGenerateFn
 
 # The step's phases of sampling (timed by the producer); the others are the training's.
@@ -88,7 +88,7 @@ class Sampler:
         """Sample responses for this replica's prompts; the global rollout batch on every
         rank (sample_part, then share_part)."""
         batch = self.share_part(prompts, *self.sample_part(prompts, sampling))
-        return rollout_from_part(batch, batch.prompt_of, self.info)
+        return batch.for_learner(self.info)
 
     def sample_part(self, prompts, sampling, failure: Optional[BaseException] = None):
         """(the generating set's batch, None) on its ranks, (None, the error) where its
@@ -107,7 +107,7 @@ class Sampler:
             if failure is None:
                 outputs = self._outputs(prompts, sampling)
                 if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
-                    mine = RolloutPart.from_outputs(prompts, outputs, vocab)
+                    mine = Rollout.from_outputs(prompts, outputs, vocab)
         except Exception as e:  # noqa: BLE001 - raised on every rank by share_part
             failure = e
         # A replica that failed would leave the others waiting in the gather: agree first.

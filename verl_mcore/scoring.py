@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from verl_mcore.algo.overlong import overlong_scores
 from verl_mcore.reward.manager import COUNT_METRICS
-from verl_mcore.rollout.batch import Rollout, prompt_texts, token_ids
+from verl_mcore.rollout.batch import Rollout
 from verl_mcore.tracking import MetricAccumulator
 
 log = logging.getLogger("verl_mcore.scoring")
@@ -46,10 +46,10 @@ class Scorer:
             name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
                 rollout.train, rollout.rows, rollout.responses), [n]).cpu()
             for name in self.names}
-        ids = token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
+        ids = rollout.token_ids(mine) if self.rewards.needs_token_ids else (None, None)
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
-            prompts = prompt_texts(self.tokenizer, rollout.train, mine)
+            prompts = rollout.prompt_texts(self.tokenizer, mine)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
                                  *ids, indices=mine, prompts=prompts,
                                  model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
