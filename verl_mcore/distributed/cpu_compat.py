@@ -90,6 +90,23 @@ PATCHES: tuple[Patch, ...] = (
         "synchronous and the gloo requests are waited on, so there is nothing to wait for.",
     ),
     Patch(
+        "torch.cuda",
+        "Stream",
+        ("device", "priority", "kwargs"),
+        "The MoE all-to-all dispatcher (transformer/moe/token_dispatcher.py) creates a side "
+        "stream in __init__ for its device-to-host copies of the split sizes; a CPU build cannot "
+        "create one. On CPU: a stream whose waits and events do nothing (CPU ops are synchronous).",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        ("self", "point", "tokens_per_expert"),
+        "Copies the split sizes to the host on that side stream (torch.cuda.current_stream / "
+        "torch.cuda.stream, which raise on a CPU build) and turns them into numpy arrays, which "
+        "the all-to-all then takes as split lists. On CPU the tensors are already on the host: "
+        "only the numpy conversion is kept, at the same point of the dispatch.",
+    ),
+    Patch(
         "megatron.core.tensor_parallel.random",
         "_get_cuda_rng_state",
         ("device", "clone", "graph_safe"),
@@ -223,6 +240,41 @@ def _current_device() -> int:
     return 0
 
 
+class _HostStream:
+    """torch.cuda.Stream on CPU: every operation is already complete when it returns, so waiting
+    on, recording or synchronising a stream has nothing to do."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_HostStream":
+        return self  # an "event" whose synchronize() returns at once
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _dispatcher_splits_to_host(self, point: str, tokens_per_expert: Any = None) -> Any:
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on CPU: at the point where the GPU
+    path copies the split sizes to the host, turn them into the numpy arrays that path hands the
+    all-to-all (maybe_move_tensor_to_cpu(..., as_numpy=True)); there is no stream to sync."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for attr in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, attr, None)
+            if torch.is_tensor(value):
+                setattr(self, attr, value.numpy())
+    return tokens_per_expert
+
+
 # ---------------------------------------------------------------- 3. RNG tracker on the CPU generator
 
 
@@ -353,6 +405,10 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
     return {
         ("torch.cuda", "current_device"): lambda orig: _current_device,
         ("torch.cuda", "synchronize"): lambda orig: _synchronize,
+        ("torch.cuda", "Stream"): lambda orig: _HostStream,
+        ("megatron.core.transformer.moe.token_dispatcher",
+         "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"):
+            lambda orig: _dispatcher_splits_to_host,
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): lambda orig: _get_cpu_rng_state,
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda orig: _set_cpu_rng_state,
         ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add"): lambda orig: _tracker_add,
