@@ -35,3 +35,45 @@ def logits_body(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: i
                               expert_tensor_parallel_size=etp or tp)
     out = megatron_logits(model, tokens)
     return {"out": out if parallel_state.get_tensor_model_parallel_rank() == 0 else None}
+
+
+def sharded_keys_body(rank: int, world_size: int, hf_dir: str):
+    """{checkpoint key: (global shape, [(offsets of each chunk)])} megatron's own
+    sharded_state_dict gives the model at TP = PP = EP = 1 (tensors; `_extra_state` objects
+    as their unique keys with shape None)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    from verl_mcore.models.load import build_and_load
+
+    setup_megatron(1, 1, 1)
+    model, _ = build_and_load("actor", hf_path=hf_dir, dtype="fp32")
+    out: dict = {}
+    for value in model.sharded_state_dict().values():
+        if isinstance(value, ShardedTensorFactory):
+            value = value.build()  # the SwiGLU factory: gate and up chunks
+        for sh in nested_values(value) if isinstance(value, (dict, list)) else [value]:
+            if isinstance(sh, ShardedObject):
+                out[sh.unique_key] = (None, [])
+            else:
+                entry = out.setdefault(sh.key, (tuple(sh.global_shape), []))
+                entry[1].append(tuple(sh.global_offset))
+    return out
+
+
+def save_body(rank: int, world_size: int, hf_dir: str, tp: int, ep: int, ckpt_dir: str):
+    """Build at TP x EP from the HF directory and save with megatron's own
+    dist_checkpointing.save, as the trainer's checkpoints are written."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from verl_mcore.models.load import build_and_load
+
+    setup_megatron(tp, 1, ep)
+    model, _ = build_and_load("actor", hf_path=hf_dir, dtype="fp32", tp=tp,
+                              expert_model_parallel_size=ep)
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
