@@ -144,6 +144,30 @@ PATCHES: tuple[Patch, ...] = (
         "not reach it. On CPU: the original backward inside the device mode.",
     ),
     Patch(
+        "megatron.core.tensor_parallel.mappings",
+        "_AllToAll.backward",
+        ("ctx", "grad_output"),
+        "The MoE all-to-all dispatcher's backward is another all-to-all, whose output buffer is "
+        "allocated with device=torch.cuda.current_device(); autograd runs it without the device "
+        "mode. On CPU: the original backward inside the device mode.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings",
+        "_GatherFromSequenceParallelRegion.backward",
+        ("ctx", "grad_output"),
+        "The MoE dispatcher gathers tokens over the expert-TP group (and sequence parallelism "
+        "over TP); the backward reduce-scatters into a buffer on torch.cuda.current_device(). "
+        "On CPU: the original backward inside the device mode.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings",
+        "_ReduceScatterToSequenceParallelRegion.backward",
+        ("ctx", "grad_output"),
+        "Counterpart of the gather above (the dispatcher's combine over the expert-TP group): "
+        "its backward all-gathers into a buffer on torch.cuda.current_device(). On CPU: the "
+        "original backward inside the device mode.",
+    ),
+    Patch(
         "megatron.core.optimizer.distrib_optimizer",
         "DistributedOptimizer.__init__",
         (
@@ -415,6 +439,11 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
         ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork"): lambda orig: _tracker_fork,
         ("megatron.core.tensor_parallel.layers",
          "LinearWithGradAccumulationAndAsyncCommunication.backward"): _backward_in_device_mode,
+        ("megatron.core.tensor_parallel.mappings", "_AllToAll.backward"): _backward_in_device_mode,
+        ("megatron.core.tensor_parallel.mappings",
+         "_GatherFromSequenceParallelRegion.backward"): _backward_in_device_mode,
+        ("megatron.core.tensor_parallel.mappings",
+         "_ReduceScatterToSequenceParallelRegion.backward"): _backward_in_device_mode,
         ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"): _with_cuda_type_names,
         ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"): _with_cuda_type_names,
     }
