@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import secrets
 import statistics
 import time
@@ -48,8 +47,7 @@ from verl_mcore.agent.loop import AgentContext, Turn, TrajectoryEnded, check_age
 from verl_mcore.rollout.base import SampleOutput, SamplingParams
 from verl_mcore.rollout.generate_fn import GenerateFnError, check_outputs
 from verl_mcore.rollout.serving import Request, Server, stream_key
-from verl_mcore.user_code import (ExitCalled, check_import, exit_raises_in_this_thread, load_user_object,
-                                  user_line)
+from verl_mcore.user_code import exit_raises_in_this_thread, load_checked, user_line
 from verl_mcore.utils.doing import doing
 
 _KEY = "rollout.agent_loop"
@@ -305,17 +303,9 @@ def load_agent_loop(cfg, tokenizer, eos_token_ids: Sequence[int], vocab_size: in
     """rollout.agent_loop's runtime (cfg: its AgentLoopConfig), or None when none is configured.
     The file is imported first in a fresh interpreter under import_timeout_s, where the class is
     checked and built once with the kwargs (check_agent_loop), before any model is built."""
-    if not (cfg.path or cfg.name or cfg.kwargs):
+    loaded = load_checked(cfg, _KEY, (check_agent_loop, (_KEY, cfg.path, cfg.name, dict(cfg.kwargs))))
+    if loaded is None:
         return None
-    check_import(cfg.path, cfg.name, _KEY, cfg.import_timeout_s, f"{_KEY}.import_timeout_s",
-                 check=(check_agent_loop, (_KEY, cfg.path, cfg.name, dict(cfg.kwargs))))
-    rule = (f"{_KEY} ({cfg.path}, importing it in the trainer)",
-            "the trainer would have ended without a word: its file must not exit at import")
-    try:
-        with exit_raises_in_this_thread(rule):
-            cls = load_user_object(cfg.path, cfg.name, _KEY)
-    except ExitCalled as e:
-        raise ValueError(str(e)) from None
-    return AgentRuntime(cls, cfg.kwargs, os.path.abspath(os.path.expanduser(cfg.path)), cfg.name,
-                        max_turns=cfg.max_turns, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
-                        vocab_size=vocab_size)
+    cls, path = loaded
+    return AgentRuntime(cls, cfg.kwargs, path, cfg.name, max_turns=cfg.max_turns, tokenizer=tokenizer,
+                        eos_token_ids=eos_token_ids, vocab_size=vocab_size)
