@@ -227,9 +227,10 @@ def _cases() -> list[Case]:
         Case("agent-loop", ("data.max_response_length=20",
                             "rollout.agent_loop.path={root}/tests/agent/toy_loop.py",
                             "rollout.agent_loop.name=ToyLoop",
-                            "rollout.agent_loop.kwargs={turns: 3, per_turn: 4, sleep_s: 0.01}"),
+                            "rollout.agent_loop.kwargs={turns: 3, per_turn: 4, sleep_s: 0.01}",
+                            "trainer.val_every=3"),
              expect=("agent/turns_mean", "agent/masked_share", "agent/tool_wait_seconds_mean",
-                     "rollout/slot_occupancy", "actor/pg_loss")),
+                     "rollout/slot_occupancy", "actor/pg_loss", "val/*")),
         # The reference's weights in host memory between its passes.
         Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
              expect=("actor/kl_loss",)),

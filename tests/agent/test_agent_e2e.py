@@ -84,11 +84,14 @@ def _zero_runs(mask):
 
 @pytest.mark.distributed
 def test_grpo_with_the_toy_agent_loop_on_one_rank(tiny_model, tmp_path):
-    """About 15 s."""
+    """About 15 s; validation at step 2 runs the loop too."""
+    val = [f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]", "trainer.val_every=2"]
     [(outcome, trained, served)] = run_on_ranks(
-        _train_recording, 1, args=(_overrides(tiny_model, tmp_path / "run"),), timeout=300)
+        _train_recording, 1, args=(_overrides(tiny_model, tmp_path / "run", extra=val),), timeout=300)
     assert outcome == 0, outcome
     assert len(trained) == 2 and all(len(step) == 8 for step in trained)
+    # validation ran the same loop: its 10 prompts, greedy, one sample each, after step 2
+    assert len(served) == 3 and len(served[2]) == 10 and all(o[1] == 0 for o in served[2])
     for step in trained:
         for mask in step:  # two observations of 4 tokens between three model turns
             assert _zero_runs(mask) == [len(OBSERVATION)] * 2, mask
@@ -101,6 +104,7 @@ def test_grpo_with_the_toy_agent_loop_on_one_rank(tiny_model, tmp_path):
         assert row["agent/observation_tokens_mean"] == 2 * len(OBSERVATION)
         assert 0 < row["agent/masked_share"] < 1 and row["actor/pg_loss"] == row["actor/pg_loss"]
         assert "rollout/slot_occupancy" in row and "rollout/logprob_diff_max" in row
+    assert any(k.startswith("val/") for k in rows[-1])
 
 
 @pytest.mark.slow  # ~22 s: two ranks build and train
