@@ -82,11 +82,13 @@ class AgentContext:
     prompt_ids, row: the dataset row's prompt (chat template applied) and the row itself.
     tokenizer, eos_token_ids: the actor's.
     max_turns, max_tokens: the trajectory's limits (model turns; response tokens).
+    index: the trajectory's place in its replica's batch (prompt * n + sample).
     """
 
     def __init__(self, prompt_ids: Sequence[int], row: dict, *, tokenizer, eos_token_ids: Sequence[int],
                  max_turns: int, max_tokens: int,
-                 request: Callable[["AgentContext", int], Awaitable[Turn]]):
+                 request: Callable[["AgentContext", int], Awaitable[Turn]], index: int = 0):
+        self.index = index
         self.prompt_ids = list(prompt_ids)
         self.row = row
         self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)

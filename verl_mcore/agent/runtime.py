@@ -181,10 +181,8 @@ class _Leader:
         contexts = [AgentContext(self.prompts.input_ids[t // self.n], self.prompts.rows[t // self.n],
                                  tokenizer=self.rt.tokenizer, eos_token_ids=self.rt.eos_token_ids,
                                  max_turns=self.rt.max_turns, max_tokens=self.sp.max_new_tokens,
-                                 request=self._turn)
+                                 request=self._turn, index=t)
                     for t in range(len(self.prompts.input_ids) * self.n)]
-        for t, ctx in enumerate(contexts):
-            ctx.index = t
         tasks = [asyncio.ensure_future(self._trajectory(t, ctx)) for t, ctx in enumerate(contexts)]
         for task in tasks:
             task.add_done_callback(lambda _: self.wake.set())

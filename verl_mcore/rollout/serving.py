@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional
 
 import numpy as np
 
