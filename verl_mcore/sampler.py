@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from verl_mcore.agent.runtime import AgentRuntime
 from verl_mcore.config.seeds import rollout_seed
 from verl_mcore.rollout.base import SamplingParams
 from verl_mcore.rollout.batch import Rollout
@@ -32,12 +33,14 @@ class Sampler:
     place: the run's RolePlacement; generation: this rank's GenerationPhase (None where no engine
     runs); sender: the WeightSender of an actor rank of a rollout set of its own, else None;
     generate_fn: rollout.generate_fn's function (rollout/generate_fn.py), which samples each
-    batch in place of one engine call, or None."""
+    batch in place of one engine call, or None; agent_loop: rollout.agent_loop's runtime
+    (agent/runtime.py), which runs each batch's trajectories over the engine instead, or None."""
 
     def __init__(self, cfg, info, place, generation=None, sender=None,
-                 generate_fn: Optional[UserGenerateFn] = None):
+                 generate_fn: Optional[UserGenerateFn] = None, agent_loop: Optional[AgentRuntime] = None):
         self.cfg, self.info, self.place = cfg, info, place
         self.generation, self.sender, self.generate_fn = generation, sender, generate_fn
+        self.agent_loop = agent_loop
 
     @property
     def generates(self) -> bool:
@@ -122,8 +125,10 @@ class Sampler:
         return gather_rollout(mine, groups, vocab), None
 
     def _outputs(self, prompts, sampling):
-        """The engine's samples of this replica's prompts: one engine call, or rollout.generate_fn's
-        (its output checked before it enters the batch)."""
+        """The engine's samples of this replica's prompts: one engine call, rollout.generate_fn's,
+        or rollout.agent_loop's trajectories (their output checked before it enters the batch)."""
+        if self.agent_loop is not None:
+            return self.agent_loop(self.generation, prompts, sampling)
         if self.generate_fn is None:
             return self.generation.generate(prompts.input_ids, sampling)
         engine = GenerateHandle(self.generation, self.info.tokenizer, self.info.eos_token_ids,

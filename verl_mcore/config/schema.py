@@ -123,6 +123,20 @@ class UserFunctionConfig:
 
 
 @dataclass
+class AgentLoopConfig(UserFunctionConfig):
+    """rollout.agent_loop (agent/loop.py): a class in a Python file, subclassing
+    verl_mcore.agent.loop.AgentLoop with `async def run(self, ctx, row, prompt_ids)`, that runs
+    one multi-turn trajectory (model turns, tools, observations); constructed with `kwargs` once
+    per trajectory. Every trajectory of a replica's batch runs at once over the engine
+    (agent/runtime.py), and their SampleOutputs (loss mask 0 on observation tokens) are the
+    batch, in place of one engine call; validation runs it too. Its file is imported first in a
+    fresh interpreter and the class checked and built once there, before any model is built."""
+
+    # Model turns per trajectory at most; a loop asking for one more ends with "length".
+    max_turns: int = 8
+
+
+@dataclass
 class OffPolicyCorrectionConfig:
     """rollout.correction: per-token corrections for sampling with the engine's policy (pi_engine:
     older weights in one_step_off, another numeric path always) while the loss is that of the
@@ -186,6 +200,7 @@ class RolloutConfig:
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
     group_filter: UserFunctionConfig = field(default_factory=UserFunctionConfig)
     generate_fn: UserFunctionConfig = field(default_factory=UserFunctionConfig)
+    agent_loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     # Validation sampling
     val_n: int = 1
     val_temperature: float = 0.0  # 0: greedy

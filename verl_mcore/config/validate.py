@@ -66,6 +66,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
     "rollout.group_filter.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.generate_fn.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.max_turns": ("[1, inf)", "model turns per trajectory"),
     "rollout.val_n": ("[1, inf)", ""),
     "rollout.val_temperature": ("[0, inf)", "0: greedy"),
     "data.max_prompt_length": ("[1, inf)", ""),
@@ -450,6 +452,11 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                     f"top-p / top-k truncated distribution (rollout.top_p={r.top_p}, "
                     f"rollout.top_k={r.top_k}), not the model's: set rollout.top_p=1 and "
                     f"rollout.top_k=-1, use rollout.engine=native, or turn {what} off")
+    a, g = r.agent_loop, r.generate_fn
+    if (a.path or a.name) and (g.path or g.name):
+        errs.append(f"rollout.agent_loop ({a.path}:{a.name}) and rollout.generate_fn ({g.path}:"
+                    f"{g.name}) both sample the batch: keep one (an agent loop's turns can do what "
+                    "a generate function's engine calls do)")
     return errs
 
 
