@@ -8,6 +8,7 @@ rank holds the same [B] scores, the scorers' extras and the metrics. A rollout s
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -46,13 +47,18 @@ class Scorer:
             name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
                 rollout.train, rollout.rows, rollout.responses), [n]).cpu()
             for name in self.names}
+        outside = {k: v[mine].tolist() for k, v in model_scores.items()}
+        if self.rewards.environment_sources:  # the rewards the sampling gave (None: none)
+            sampled = [None if math.isnan(v) else v for v in rollout.sampled_rewards.tolist()]
+            outside.update({name: [sampled[i] for i in mine]
+                            for name in self.rewards.environment_sources})
         ids = rollout.token_ids(mine) if self.rewards.needs_token_ids else (None, None)
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
             prompts = rollout.prompt_texts(self.tokenizer, mine)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
                                  *ids, indices=mine, prompts=prompts,
-                                 model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
+                                 model_scores=outside)
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
                 out.extras, out.metrics)
         gathered: list = [None] * len(scorers)

@@ -84,8 +84,10 @@ def _zero_runs(mask):
 
 @pytest.mark.distributed
 def test_grpo_with_the_toy_agent_loop_on_one_rank(tiny_model, tmp_path):
-    """About 15 s; validation at step 2 runs the loop too."""
-    val = [f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]", "trainer.val_every=2"]
+    """About 15 s; validation at step 2 runs the loop too. The loop's run result (its reward:
+    the turns it saw, 3) is a reward source of its own beside the rule."""
+    val = [f"data.val_files=[{ROOT}/examples/data/quickstart_val.parquet]", "trainer.val_every=2",
+           "reward.sources=[{name: rule, type: rule}, {name: env, type: environment, weight: 0.5}]"]
     [(outcome, trained, served)] = run_on_ranks(
         _train_recording, 1, args=(_overrides(tiny_model, tmp_path / "run", extra=val),), timeout=300)
     assert outcome == 0, outcome
@@ -104,6 +106,11 @@ def test_grpo_with_the_toy_agent_loop_on_one_rank(tiny_model, tmp_path):
         assert row["agent/observation_tokens_mean"] == 2 * len(OBSERVATION)
         assert 0 < row["agent/masked_share"] < 1 and row["actor/pg_loss"] == row["actor/pg_loss"]
         assert "rollout/slot_occupancy" in row and "rollout/logprob_diff_max" in row
+        assert row["reward/env/mean"] == 3.0 and row["reward/failed"] == 0.0
+        assert row["critic/score/mean"] == pytest.approx(row["reward/rule/mean"] + 1.5)
+        # The trajectory type's own view of the same batch (Rollout.trajectory_metrics).
+        assert row["rollout/turns/mean"] == 3.0 and row["rollout/turns/max"] == 3.0
+        assert row["rollout/masked_token_share"] == pytest.approx(row["agent/masked_share"])
     assert any(k.startswith("val/") for k in rows[-1])
 
 
@@ -136,6 +143,17 @@ def test_a_bad_agent_loop_fails_at_start_naming_the_file(tiny_model, tmp_path, n
     with pytest.raises(ConfigError) as e:
         build.build_inputs(cfg, 1)
     assert error in str(e.value) and str(TOY) in str(e.value), str(e.value)
+
+
+def test_an_environment_reward_needs_a_sampling_that_gives_one(tiny_model, tmp_path):
+    from verl_mcore.config import Config, ConfigError, validate
+
+    env = "reward.sources=[{name: env, type: environment}]"
+    cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), _overrides(
+        tiny_model, tmp_path / "run", extra=["rollout.agent_loop.path=null", env]))
+    with pytest.raises(ConfigError, match=r"reward.sources\[0\] \('env'\) is an environment "
+                                          "reward.*rollout.agent_loop"):
+        validate(cfg, 1)
 
 
 def test_an_agent_loop_and_a_generate_fn_are_refused_together(tiny_model, tmp_path):

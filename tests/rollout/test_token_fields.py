@@ -49,7 +49,8 @@ def _outputs(replica: int, count: int, n: int = 2, mask: bool = True, extra: boo
             k = (replica + p + s) % 5
             ids = [100 * replica + 10 * p + s + t for t in range(k)]
             o = SampleOutput(p, s, ids, [-0.1 * (t + 1) - replica for t in range(k)],
-                             ["stop", "length", "aborted"][(p + s) % 3], turns=1 + (p + s) % 3)
+                             ["stop", "length", "aborted"][(p + s) % 3], turns=1 + (p + s) % 3,
+                             reward=None if s else 0.5 * p - replica)
             if mask and k >= 3:
                 o.loss_mask = [1] + [0] * (k - 2) + [1]  # tool output inside the response
             if extra:
@@ -131,7 +132,8 @@ def _plain(part):
     return {"fields": {k: (str(v.dtype), tuple(v.shape), v.tolist())
                        for k, v in part.token_fields.items()},
             "response_ids": part.response_ids.tolist(), "finish": part.finish,
-            "rows": part.prompt_rows, "turns": part.turns.tolist()}
+            "rows": part.prompt_rows, "turns": part.turns.tolist(),
+            "rewards": [None if r != r else r for r in part.sampled_rewards.tolist()]}
 
 
 @pytest.mark.distributed
@@ -153,8 +155,9 @@ def test_a_declared_field_crosses_the_gather_the_broadcast_and_a_checkpoint():
     assert fields["loss_mask"] == ("torch.uint8", (len(mask),), mask) and 0 in mask
     assert fields["logprobs"][2] == pytest.approx(
         torch.cat([w.logprobs for w in want]).tolist())
-    assert results[0]["gathered"]["turns"] == [o.turns for r in (0, 1)
-                                               for o in _outputs(r, 3, mask=r == 0)]
+    want_outs = [o for r in (0, 1) for o in _outputs(r, 3, mask=r == 0)]
+    assert results[0]["gathered"]["turns"] == [o.turns for o in want_outs]
+    assert results[0]["gathered"]["rewards"] == [o.reward for o in want_outs]
     for r in results:
         assert r["gathered"] == results[0]["gathered"]
         assert r["broadcast"] == results[0]["gathered"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def _batch(seed: int, prompts: int = 3, n: int = 2, mask: bool = True, versions=
                 o.loss_mask = [1] + ints(0, 2, k - 1)
             if versions is not None:
                 o.versions = [versions + t % 2 for t in range(k)]
+            if s % 2:  # an environment's reward on some samples only
+                o.reward = 0.25 * p - s
             outs.append(o)
     return batch, outs
 
@@ -51,8 +54,9 @@ def _samples(r: Rollout):
     for i in range(r.num_samples):
         lo, hi = ends[i] - int(r.response_lens[i]), ends[i]
         fields = {k: v[lo:hi].tolist() for k, v in r.token_fields.items()}
+        reward = float(r.sampled_rewards[i])
         out.append((prompts[i], responses[i], r.rows[i], r.finish[i], int(r.turns[i]),
-                    int(r.group_ids[i]), fields))
+                    int(r.group_ids[i]), fields, None if math.isnan(reward) else reward))
     return out
 
 
@@ -84,7 +88,7 @@ def test_concat_renumbers_groups_and_fills_what_one_part_lacks():
     assert "logprobs" not in joined.token_fields  # one part lacks them: no default exists
     sa, sb = _samples(a), _samples(b)
     for got, want, version in zip(_samples(joined), sa + sb, [None] * len(sa) + [6] * len(sb)):
-        assert got[:5] == want[:5]
+        assert got[:5] == want[:5] and got[7] == want[7]
         fields = got[6]
         if version is None:  # a's own versions and mask
             assert fields["versions"] == want[6]["versions"]
@@ -135,6 +139,15 @@ def test_trajectory_metrics_only_where_they_say_something():
     assert m["rollout/turns/max"] == max(turns)
     holes = [mask for o in outs for mask in (o.loss_mask or [1] * len(o.token_ids))]
     assert m["rollout/masked_token_share"] == pytest.approx(1 - sum(holes) / len(holes))
+
+
+def test_sampled_rewards_come_from_the_outputs():
+    prompts, outs = _batch(9)
+    got = [s[7] for s in _samples(Rollout.from_outputs(prompts, outs, VOCAB))]
+    assert got == [o.reward for o in outs] and any(g is None for g in got)
+    outs[1].reward = float("inf")
+    with pytest.raises(ValueError, match="reward of prompt 0 sample 1 is inf"):
+        Rollout.from_outputs(prompts, outs, VOCAB)
 
 
 def test_bad_turns_name_the_sample():

@@ -268,7 +268,10 @@ class DataConfig:
 class RewardSourceConfig:
     name: str = "rule"
     weight: float = 1.0
-    type: Literal["rule", "custom", "reward_model"] = "rule"
+    # environment: the reward the sampling gave each trajectory (an agent loop's run result, an
+    # environment's: rollout.agent_loop; or a generate function's SampleOutput.reward); a
+    # trajectory without one fails that sample's score (reward.fallback_score, counted)
+    type: Literal["rule", "custom", "reward_model", "environment"] = "rule"
     # custom: Python file; reward_model: HF directory, Hub id `org/name` (as model.path) or
     # dist checkpoint
     path: Optional[str] = None

@@ -599,6 +599,14 @@ def _reward_errors(cfg: Config) -> list[str]:
     r, errs = cfg.reward, []
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for i, s in enumerate(r.sources):
+        if s.type == "environment" and not (cfg.rollout.agent_loop.path
+                                            or cfg.rollout.generate_fn.path):
+            errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it reads the "
+                        "reward each trajectory's sampling gave, which only rollout.agent_loop "
+                        "(or a rollout.generate_fn setting SampleOutput.reward) gives; set one")
+        if s.type == "environment" and (s.path or s.function):
+            errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it has no "
+                        "path or function (the agent loop's run returns the reward)")
         if s.type == "reward_model" and not s.path:
             errs.append(f"reward.sources[{i}] ({s.name!r}) is a reward_model: set its path (an HF "
                         "*ForSequenceClassification directory or a dist checkpoint)")

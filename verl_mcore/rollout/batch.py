@@ -17,6 +17,7 @@ checkpoints iterate the declaration.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -58,6 +59,9 @@ class Rollout:
                    the engine's log-probs, the loss mask, the policy versions, extras); one not
                    carried has its default on every token (`token_field`)
     turns          [B] int64   the model's turns in each response (an agent loop's; 1 otherwise)
+    sampled_rewards [B] float64 the reward the sampling itself gave each response (an agent
+                   loop's environment: SampleOutput.reward), NaN where it gave none; a reward
+                   source of type `environment` reads it
     group_ids      [B] int64   one id per prompt: samples of the same prompt share it (GRPO,
                    RLOO); the global prompt index once gathered
 
@@ -86,6 +90,7 @@ class Rollout:
     prompt_rows: list
     token_fields: dict[str, Tensor] = field(default_factory=dict)
     turns: Optional[Tensor] = None
+    sampled_rewards: Optional[Tensor] = None
     group_ids: Optional[Tensor] = None
     index: int = 0
     version: int = 0
@@ -103,9 +108,11 @@ class Rollout:
                                                "Rollout")
         if self.turns is None:
             self.turns = torch.ones(b, dtype=torch.int64)
+        if self.sampled_rewards is None:
+            self.sampled_rewards = torch.full((b,), math.nan, dtype=torch.float64)
         if self.group_ids is None:
             self.group_ids = self.prompt_of.to(torch.int64)
-        for name in ("prompt_of", "finish_codes", "turns", "group_ids"):
+        for name in ("prompt_of", "finish_codes", "turns", "sampled_rewards", "group_ids"):
             t = getattr(self, name)
             if t.shape != (b,):
                 raise ValueError(f"Rollout.{name} must be [B]=[{b}] (one per sample), got "
@@ -127,7 +134,7 @@ class Rollout:
                    prompt_of=torch.tensor([o.prompt_index for o in outputs], dtype=torch.int64),
                    finish_codes=finish_codes([o.finish_reason for o in outputs]),
                    prompt_rows=list(prompts.rows[:count]), token_fields=_fields_of(outputs),
-                   turns=_turns_of(outputs))
+                   turns=_turns_of(outputs), sampled_rewards=_rewards_of(outputs))
 
     @classmethod
     def from_samples(cls, samples, vocab_size: int, group_ids=None) -> "Rollout":
@@ -271,7 +278,8 @@ class Rollout:
             finish_codes=self.finish_codes[idx],
             prompt_rows=[self.prompt_rows[p] for p in used.tolist()],
             token_fields={k: v[tokens] for k, v in self.token_fields.items()},
-            turns=self.turns[idx], group_ids=pick(self.group_ids),
+            turns=self.turns[idx], sampled_rewards=self.sampled_rewards[idx],
+            group_ids=pick(self.group_ids),
             train=None if self.train is None else self.train.select(idx),
             engine_log_probs=pick(self.engine_log_probs),
             responses=None if self.responses is None else [self.responses[i] for i in rows],
@@ -326,9 +334,10 @@ class Rollout:
     # ------------------------------------------------------------------ the wire, checkpoints
 
     def integers(self) -> Tensor:
-        """[P + 4B] int64: prompt_lens | response_lens | prompt_of | finish codes | turns."""
+        """[P + 5B] int64: prompt_lens | response_lens | prompt_of | finish codes | turns |
+        sampled rewards (their float64 bits: one buffer, one collective, exact)."""
         return torch.cat([self.prompt_lens, self.response_lens, self.prompt_of,
-                          self.finish_codes, self.turns])
+                          self.finish_codes, self.turns, self.sampled_rewards.view(torch.int64)])
 
     def tokens(self) -> Tensor:
         """[prompt tokens + response tokens]: prompt_ids | response_ids."""
@@ -343,16 +352,19 @@ class Rollout:
     def cut(cls, integers: Tensor, tokens: Tensor, rows: list, prompts: int, samples: int,
             prompt_tokens: int, fields: Optional[dict[str, Tensor]] = None) -> "Rollout":
         """A batch from its `integers` and `tokens` buffers and per-token fields (views, no
-        copies). Integers of P + 3B (no turns) are those of checkpoints before turns existed."""
+        copies). Integers of P + 3B (no turns, no sampled rewards) are those of checkpoints from
+        before they were carried."""
         lens = integers[:prompts]
         rest = integers[prompts:]
-        per_sample = rest.numel() // samples if samples else 4
-        if per_sample not in (3, 4) or rest.numel() != per_sample * samples:
+        per_sample = rest.numel() // samples if samples else _PER_SAMPLE
+        if per_sample not in (3, _PER_SAMPLE) or rest.numel() != per_sample * samples:
             raise ValueError(f"a rollout batch's integers hold {integers.numel()} values, not "
-                             f"{prompts} prompts + 4 x {samples} samples")
+                             f"{prompts} prompts + {_PER_SAMPLE} x {samples} samples")
         columns = rest.view(per_sample, samples)
+        new = per_sample == _PER_SAMPLE
         return cls(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], columns[0], columns[1],
-                   columns[2], rows, fields or {}, turns=columns[3] if per_sample == 4 else None)
+                   columns[2], rows, fields or {}, turns=columns[3] if new else None,
+                   sampled_rewards=columns[4].view(torch.float64) if new else None)
 
     def state(self) -> dict:
         """What a checkpoint keeps of a batch sampled ahead, as plain tensors: everything but the
@@ -389,6 +401,10 @@ class Rollout:
         return dataclasses.replace(part(saved["part"]), greedy=greedy)
 
 
+# Integers per sample on the wire and in checkpoints (Rollout.integers).
+_PER_SAMPLE = 5
+
+
 def _runs(lens: Tensor, which: Tensor) -> Tensor:
     """Indices into a flat buffer of runs of `lens` of the runs `which`, one after another."""
     lens = lens.long()
@@ -420,7 +436,8 @@ def joined(parts: Sequence[Rollout]) -> Rollout:
         prompt_of=torch.cat([p.prompt_of + b for p, b in zip(parts, base)]),
         finish_codes=torch.cat([p.finish_codes for p in parts]),
         prompt_rows=[row for p in parts for row in p.prompt_rows], token_fields=fields,
-        turns=torch.cat([p.turns for p in parts]), version=parts[0].version)
+        turns=torch.cat([p.turns for p in parts]),
+        sampled_rewards=torch.cat([p.sampled_rewards for p in parts]), version=parts[0].version)
 
 
 def _fields_of(outputs: Sequence[SampleOutput]) -> dict[str, Tensor]:
@@ -457,6 +474,18 @@ def _turns_of(outputs: Sequence[SampleOutput]) -> Tensor:
         raise ValueError(f"SampleOutput.turns of (prompt, sample) {bad[:4]} is not a whole "
                          f"number >= 0")
     return torch.tensor(turns, dtype=torch.int64)
+
+
+def _rewards_of(outputs: Sequence[SampleOutput]) -> Tensor:
+    values = []
+    for o in outputs:
+        r = o.reward
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float, np.number))
+                              or not math.isfinite(r)):
+            raise ValueError(f"SampleOutput.reward of prompt {o.prompt_index} sample "
+                             f"{o.sample_index} is {r!r}: a finite number or None")
+        values.append(math.nan if r is None else float(r))
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def finish_codes(reasons: Sequence[str]) -> Tensor:

@@ -10,7 +10,7 @@ TP_g = 8 a world-wide gather would receive 7 padding parts for every real one.
 
 What crosses ranks, in this order: the sizes of each part (one int64 row per replica, with the
 per-token fields it carries), then the per-prompt and per-sample integers (lengths, local prompt
-of each sample, finish reason, turns) in one int64 buffer, then all token ids in one flat buffer, then
+of each sample, finish reason, turns, sampled reward) in one int64 buffer, then all token ids in one flat buffer, then
 the per-token fields (rollout/token_fields.py: log-probs, loss mask, versions, extras) in one
 flat buffer per dtype, then the dataset rows once per prompt (small dicts: the only pickled
 object). Prompt tokens are sent once per prompt, not once per sample.
@@ -31,7 +31,7 @@ from verl_mcore.config.placement import format_ranks
 from verl_mcore.distributed.groups import collective_device
 from verl_mcore.errors import RoleSetFailure, failure_class
 from verl_mcore.rollout import token_fields
-from verl_mcore.rollout.batch import Rollout, joined, token_dtype
+from verl_mcore.rollout.batch import _PER_SAMPLE, Rollout, joined, token_dtype
 
 # A part's sizes row: replica, prompts, samples, prompt tokens, response tokens, and the per-token
 # fields it carries (token_fields.carried_bits).
@@ -60,7 +60,7 @@ def gather_rollout(mine: Optional[Rollout], groups, vocab_size: int) -> Rollout:
     prompts, samples, prompt_tokens, response_tokens, carried = (sizes[:, i].tolist()
                                                                   for i in range(1, 6))
     integers = gather.tensors(mine.integers() if lead else None,
-                              [p + 4 * s for p, s in zip(prompts, samples)], torch.int64)
+                              [p + _PER_SAMPLE * s for p, s in zip(prompts, samples)], torch.int64)
     tokens = gather.tensors(mine.tokens() if lead else None,
                             [p + r for p, r in zip(prompt_tokens, response_tokens)],
                             token_dtype(vocab_size))
@@ -189,7 +189,8 @@ def broadcast_part(part: Optional[Rollout], src: int, group, vocab_size: int,
         dist.broadcast(buf, src=src, group=group)
         return buf.cpu()[:n]
 
-    integers = cast(part.integers() if sending else None, prompts_n + 4 * samples, torch.int64)
+    integers = cast(part.integers() if sending else None, prompts_n + _PER_SAMPLE * samples,
+                    torch.int64)
     tokens = cast(part.tokens() if sending else None, prompt_tokens + response_tokens,
                   token_dtype(vocab_size))
     names = token_fields.names_of(carried)
