@@ -64,5 +64,5 @@ def test_grpo_with_fp8_rollout_runs_and_reports_the_gap(tiny_model, tmp_path):
         # fp32 engine vs fp32 trainer differ by ~1e-7 (tests/e2e/drift); FP8 by far more, and
         # still little on this model (bench/RESULTS.md: the real model's numbers)
         assert 1e-4 < gap < 0.2, gap
-        assert row["rollout/logprob_diff_max"] < 2.5  # the check ran and passed its FP8 bound
+        assert row["rollout/logprob_diff_max"] < 3.5  # the check ran and passed its FP8 bound (fp32 + 3.0)
         assert math.isfinite(row["actor/pg_loss"])

@@ -472,9 +472,21 @@ class ActorConfig:
 # random-weight models (small logits) never reached (bench/RESULTS.md 2026-12-07). Weights that
 # do not match (a wrong shard, a missed update) are off by whole nats on most tokens.
 LOGPROB_CHECK_BOUND = {"fp32": 0.5, "bf16": 2.0, "fp16": 2.0}
-# Added to it with rollout.dtype=fp8 (rollout/sync_check.py: FP8_LOGPROB_ALLOWANCE, where it is
-# derived and measured).
-FP8_LOGPROB_ALLOWANCE = 2.0
+# Added to it with rollout.dtype=fp8. Where it comes from: a quantized element is off by at most
+# 2^-4 of itself (e4m3's 3 mantissa bits, ops/fp8.py), so each of the ~4 x layers GEMMs between
+# the embedding and the logits computes with both operands a few percent off, errors that no
+# per-GEMM bound carries usefully through the layers. A token's log-prob moves by at most twice
+# the largest logit change (|d log p_t| <= |dz_t| + |d logsumexp z| <= 2 max |dz|), but the
+# logit changes themselves are only known by measuring: bench/fp8_logprob_gap.py on the
+# real-model fixture (SmolLM2-135M-Instruct, fp32 trainer, CPU, 16 chat prompts x 2 seeds x up to
+# 64 sampled tokens, 2026-12-07): FP8 vs trainer max 2.31, p99.9 1.60, p99 1.10, mean 0.20 over
+# 1,706 tokens (weights alone in FP8: mean 0.16; activations alone: 0.12); the same engine in
+# fp32: max 3e-5. 3.0 keeps an fp32 actor's bound (3.5) 1.5x above the measured max and a bf16
+# actor's (5.0) 1.6x above bf16's measured 0.85 plus FP8's 2.31. The max of a heavy tail grows with
+# the tokens checked: a GPU measurement at bf16 (bench/RESULTS.md, owed) should confirm or
+# replace it. Under FP8 the max is a weaker detector of a broken sync than under bf16 (the
+# mean, 0.20 here, separates better).
+FP8_LOGPROB_ALLOWANCE = 3.0
 
 
 def logprob_check_bound(cfg: "Config") -> float:

@@ -64,7 +64,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16; "
-                                             "+ 2.0 with rollout.dtype=fp8"),
+                                             "+ 3.0 with rollout.dtype=fp8"),
     "rollout.group_filter.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.generate_fn.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.val_n": ("[1, inf)", ""),

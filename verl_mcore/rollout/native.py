@@ -34,6 +34,11 @@ write), and attention is torch's flash kernel over the paged cache (`seqused_k` 
 table: it reads only each sequence's own blocks, so one graph serves every mix of lengths; its
 blocks are 256 tokens). Elsewhere (CPU, fp32) attention is the reference, which reads all of a
 row's blocks and masks.
+
+With rollout.dtype=fp8 the decoder layers' four linears read an e4m3 copy of their weights
+(rollout/fp8_weights.py, `_CachedGPT._linear`): the GEMMs quantize their input per token and run
+torch._scaled_mm (ops/fp8.py) in both the plain and the fused step; the embedding, norms and LM
+head stay in the model's dtype.
 """
 from __future__ import annotations
 
