@@ -1,6 +1,6 @@
 """Each part of the native engine's decode step against its own bytes, on one GPU.
 
-    python bench/bench_decode_parts.py [--batch 128] [--context 512]
+    python bench/bench_decode_parts.py [--batch 128] [--context 512] [--rollout-dtype fp8]
 
 Builds the Qwen2.5-1.5B-shaped model of bench/bench_rollout.py, fills an engine's paged cache to
 `context` tokens per sequence, and times (CUDA graph of 20 calls, median of 5 replays, after a
@@ -11,6 +11,9 @@ kernels one eager step launches (torch.profiler: count and device time by name, 
 against the replayed step: the gaps between launches).
 Each part's share = (bytes it must read and write) / (time x the copy bandwidth measured in this
 run); the whole step against the weights + KV bytes one step must read (bench/roofline.py).
+With --rollout-dtype fp8 the engine reads an e4m3 copy of the linear weights (rollout.dtype=fp8):
+the four GEMMs run through it (activation quantization included) and every byte count -- the
+GEMMs' and the whole step's bound -- is the copy's, 1 byte a weight and 4 per output row.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--json", default=None)
+    p.add_argument("--rollout-dtype", choices=["auto", "fp8"], default="auto")
     args = p.parse_args(argv)
 
     from bench.bench_rollout import QWEN25_1P5B, build_models, init_single_rank
@@ -79,7 +83,12 @@ def main(argv=None) -> dict:
     _, model, arch = build_models(QWEN25_1P5B)
     bw = copy_bandwidth()
     b, ctx = args.batch, args.context
-    engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=b)
+    fp8 = None
+    if args.rollout_dtype == "fp8":
+        from verl_mcore.rollout.fp8_weights import Fp8LinearWeights
+
+        fp8 = Fp8LinearWeights.copy_of(model)
+    engine = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=b, fp8_weights=fp8)
     # Fill the cache: prompts of ctx - 1 tokens and one new token leave every slot at `ctx`.
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, arch.vocab_size, (b, ctx - 1), generator=g).tolist()
@@ -111,11 +120,18 @@ def main(argv=None) -> dict:
     mlp = layer.mlp
 
     kv_bytes = 2 * b * ctx * net.groups * net.head_dim * e
-    parts = {
-        "linear_qkv": (lambda: layer.self_attention.linear_qkv(x), e * (h * qkv_out + b * (h + qkv_out))),
-        "linear_proj": (lambda: layer.self_attention.linear_proj(attn_in), e * (h * h + 2 * b * h)),
-        "mlp fc1": (lambda: mlp.linear_fc1(x), e * (h * 2 * ffn + b * (h + 2 * ffn))),
-        "mlp fc2": (lambda: mlp.linear_fc2(act), e * (ffn * h + b * (ffn + h))),
+
+    def wbytes(n: int, k: int) -> int:
+        """A [n, k] linear weight's bytes as the engine reads it (e4m3 + a scale per row)."""
+        return n * k + 4 * n if fp8 is not None else e * n * k
+
+    parts = {  # net._linear: the engine's call (megatron's, or the FP8 copy's GEMM)
+        "linear_qkv": (lambda: net._linear(layer.self_attention.linear_qkv, x),
+                       wbytes(qkv_out, h) + e * b * (h + qkv_out)),
+        "linear_proj": (lambda: net._linear(layer.self_attention.linear_proj, attn_in),
+                        wbytes(h, h) + e * 2 * b * h),
+        "mlp fc1": (lambda: net._linear(mlp.linear_fc1, x), wbytes(2 * ffn, h) + e * b * (h + 2 * ffn)),
+        "mlp fc2": (lambda: net._linear(mlp.linear_fc2, act), wbytes(h, ffn) + e * b * (ffn + h)),
         "rmsnorm (+ residual)": (lambda: ops.rmsnorm(resid, delta, norm_w, eps), e * 4 * b * h),
         "rotary + cache write": (lambda: ops.rope_cache(qkv, net._cos, net._sin, pos, rows, kc, vc, net.groups,
                                                         r, net.head_dim), e * 2 * b * qkv_out),
@@ -123,9 +139,9 @@ def main(argv=None) -> dict:
                                                                  net.scale, flash=engine.attention), kv_bytes),
         "gated activation (torch)": (lambda: ops.swiglu_reference(fc1_out), e * 3 * b * ffn),
         "gated activation (swiglu kernel)": (lambda: ops.swiglu(fc1_out), e * 3 * b * ffn),
-        "megatron mlp (fc1, act, fc2)": (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
         # what the engine runs (a plain SwiGLU MLP: fc1, the csrc swiglu kernel, fc2)
-        "engine mlp (fc1, swiglu, fc2)": (lambda: net._mlp(mlp, x), e * (3 * h * ffn + b * (h + 3 * ffn + h))),
+        "engine mlp (fc1, swiglu, fc2)": (lambda: net._mlp(mlp, x),
+                                          wbytes(2 * ffn, h) + wbytes(h, ffn) + e * b * (h + 3 * ffn + h)),
         "lm head": (lambda: net.logits(logits_h), e * (model.vocab_size * (h + b) + b * h)),
     }
     if ops.kernel_available(q):
@@ -140,7 +156,14 @@ def main(argv=None) -> dict:
         parts["paged attention (triton)"] = (
             lambda: ops.paged_attention(q, net.cache[0, 0], net.cache[0, 1], table, lens, net.scale, flash="triton"),
             2 * int(lens.sum()) * net.groups * net.head_dim * e + 2 * q.numel() * e)
+    if fp8 is None:  # megatron's own MLP forward (bf16 weights only)
+        parts["megatron mlp (fc1, act, fc2)"] = (lambda: mlp(x), e * (3 * h * ffn + b * (h + 3 * ffn + h)))
+    else:  # the activation quantization alone (per token, before each GEMM)
+        from verl_mcore.ops import fp8 as fp8_ops
+
+        parts["fp8 activation quantization"] = (lambda: fp8_ops.quantize_tokens(x.view(b, h)), b * h * (e + 1) + 4 * b)
     out = {"device": torch.cuda.get_device_name(), "batch": b, "context": ctx, "copy_bytes_per_s": bw,
+           "rollout_dtype": args.rollout_dtype,
            "attention": engine.attention, "fused": engine.fused, "parts": {}}
     print(f"{out['device']}: copy {bw / 1e12:.2f} TB/s; batch {b}, context {ctx}; per call:")
     with torch.no_grad():
@@ -163,7 +186,7 @@ def main(argv=None) -> dict:
             engine._graph_body(ds)
 
         step_ms = graph_time_ms(step, calls=5)
-        bound_bytes = weight_bytes(arch) + kv_bytes_per_token(arch) * b * ctx
+        bound_bytes = weight_bytes(arch, fp8=fp8 is not None) + kv_bytes_per_token(arch) * b * ctx
         out["step"] = {"ms": step_ms, "bound_bytes": bound_bytes, "share": bound_bytes / (step_ms / 1e3) / bw,
                        "slots": slots}
         print(f"  {'whole decode step':32s} {step_ms * 1e3:8.1f} us  {bound_bytes / 1e6:8.2f} MB  "

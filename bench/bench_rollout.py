@@ -5,6 +5,7 @@
     python bench/bench_rollout.py --json $OUT/rollout.json          # for bench/report.py
     python bench/bench_rollout.py --batch 256 --prompt-len 512 --new-tokens 4096 \
         --stop-tokens 100 --max-num-seqs 128     # long responses ending at varied lengths
+    python bench/bench_rollout.py --rollout-dtype fp8 --skip-hf   # an FP8 generation copy
 
 Both generate `batch` x `new_tokens` tokens from the same random `prompt_len`-token prompts with
 plain sampling (temperature 1, no top-p/top-k) and forced lengths (no stop token), from the same
@@ -14,6 +15,10 @@ Each is run once to warm up (CUDA graphs, kernels, allocator), then timed betwee
 the hardware's bound for the setting (bench/roofline.py: weights + KV per decoding step at the
 copy bandwidth, prefill at the matmul ceiling, both measured in this run), plus one JSON line
 (also written to --json).
+
+--rollout-dtype fp8 generates from an e4m3 copy of the linear weights (rollout/fp8_weights.py,
+as rollout.dtype=fp8 in the training layout) and the bound counts its bytes (roofline.weight_bytes
+with fp8: 1 byte a linear weight, 4 per output row).
 
 Needs one CUDA GPU and megatron-core (no TransformerEngine: the local spec with SDPA attention).
 """
@@ -100,7 +105,8 @@ def compare_unfused(engine, model, arch, args, prompt_lists, sp, tokens) -> dict
 
     engine.sleep()
     plain = NativeEngine(model, vocab_size=arch.vocab_size, max_num_seqs=args.batch,
-                         gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs, fused_decode=False)
+                         gpu_memory_utilization=0.5, cuda_graphs=not args.no_graphs, fused_decode=False,
+                         fp8_weights=engine.fp8_weights)
     timed(lambda: plain.generate(prompt_lists, sp))
     _, secs = timed(lambda: plain.generate(prompt_lists, sp))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=32)
@@ -212,6 +218,8 @@ def main(argv=None) -> int:
                         "CUDA graph capture)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the result here (bench/report.py reads it)")
+    p.add_argument("--rollout-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the generation copy's linear weights (rollout.dtype): the model's bf16, or e4m3")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_rollout needs a CUDA GPU")
@@ -232,16 +240,29 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "layers": arch.num_layers, "cuda_graphs": not args.no_graphs, "n": args.n,
-              "gpu_memory_utilization": args.gpu_memory_utilization}
+              "gpu_memory_utilization": args.gpu_memory_utilization, "rollout_dtype": args.rollout_dtype}
+    fp8_weights = None
+    if args.rollout_dtype == "fp8":
+        from verl_mcore.ops import fp8 as fp8_ops
+        from verl_mcore.rollout.fp8_weights import Fp8LinearWeights
+
+        fp8_weights = Fp8LinearWeights.copy_of(model)
+        gemm = fp8_ops.scaled_mm_supported(torch.device("cuda"))
+        quant = fp8_ops.quantize_kernel_supported(torch.device("cuda"))
+        result.update(fp8_gemm=gemm or "torch._scaled_mm", fp8_quantize=quant or "triton",
+                      fp8_weight_bytes=fp8_weights.nbytes)
+        print(f"FP8 linears: {fp8_weights.nbytes / 1e9:.2f} GB; GEMM: {gemm or 'torch._scaled_mm'}; "
+              f"activation quantization: {quant or 'the Triton kernel'}")
 
     # The hardware's bound for this setting, from this run's copy bandwidth and matmul ceiling.
     from bench.roofline import copy_bandwidth, generation_bound, matmul_ceiling
 
     bw, ceiling = copy_bandwidth(), matmul_ceiling()
     distinct = [args.prompt_len] * (args.batch // args.n)  # prefilled once for their n samples
+    fp8 = fp8_weights is not None  # the bound reads the bytes of the copy the engine reads
     bound = generation_bound(arch, [args.prompt_len] * args.batch, args.new_tokens, bw, ceiling,
-                             prefilled=distinct)
-    result.update(copy_bytes_per_s=bw, matmul_flops_per_s=ceiling, bound_seconds=bound.seconds,
+                             prefilled=distinct, fp8=fp8)
+    result.update(bound_weight_bytes=bound.weight_bytes, copy_bytes_per_s=bw, matmul_flops_per_s=ceiling, bound_seconds=bound.seconds,
                   bound_decode_seconds=bound.decode_seconds,
                   bound_prefill_seconds=bound.prefill_seconds,
                   bound_tokens_per_s=tokens / bound.seconds)
@@ -253,7 +274,7 @@ def main(argv=None) -> int:
     engine = NativeEngine(model, vocab_size=arch.vocab_size,
                           max_num_seqs=args.max_num_seqs or args.batch,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          cuda_graphs=not args.no_graphs, **extra)
+                          cuda_graphs=not args.no_graphs, fp8_weights=fp8_weights, **extra)
     result["fused_decode"] = engine.fused
     print(f"fused decode: {engine.fused} ({engine.fused_decode_reason or 'supported'})")
     result["attention"] = engine.attention
@@ -272,7 +293,7 @@ def main(argv=None) -> int:
     if stops:  # the bound of the lengths the engine produced (the same seeds: the same samples)
         tokens = sum(lengths)
         bound = generation_bound(arch, [args.prompt_len] * args.batch, lengths, bw, ceiling,
-                                 prefilled=distinct)
+                                 prefilled=distinct, fp8=fp8)
         result.update(bound_seconds=bound.seconds, bound_decode_seconds=bound.decode_seconds,
                       bound_prefill_seconds=bound.prefill_seconds,
                       bound_tokens_per_s=tokens / bound.seconds, stop_tokens=len(stops),

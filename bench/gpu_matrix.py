@@ -187,6 +187,19 @@ def _cases() -> list[Case]:
              expect=("rollout/token_mask_fraction", "rollout/seq_mask_fraction",
                      "rollout/masked_token_fraction", "rollout/ratio_max",
                      "rollout/tis_weight_mean")),
+        # The FP8 generation copy (rollout.dtype=fp8): bf16 activations so that the GEMMs take
+        # torch._scaled_mm (fp32 ones run the dequantizing reference); the training model
+        # serves generation here (one GPU), its e4m3 copy requantized every step. Then with the
+        # masked correction (IcePop's form) weighing the FP8 engine against the trainer.
+        Case("rollout-fp8", ("rollout.dtype=fp8", "actor.dtype=bf16", "reference.dtype=bf16",
+                             "rollout.tis_cap=2.0"),
+             expect=("rollout/engine_vs_trainer_logp_diff", "rollout/logprob_diff_max",
+                     "rollout/tis_weight_mean")),
+        Case("rollout-fp8-token-mask", ("rollout.dtype=fp8", "actor.dtype=bf16",
+                                        "reference.dtype=bf16", "rollout.tis_cap=2.0",
+                                        "rollout.correction.token_mask=2.0"),
+             expect=("rollout/engine_vs_trainer_logp_diff", "rollout/token_mask_fraction",
+                     "rollout/masked_token_fraction")),
         Case("rollout-decoupled", ("rollout.correction.decoupled=true",
                                    "rollout.correction.decoupled_cap=2.0"),
              expect=("rollout/decoupled_weight_mean", "rollout/decoupled_capped_fraction",

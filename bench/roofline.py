@@ -38,15 +38,20 @@ def kv_bytes_per_token(arch, dtype_bytes: int = 2) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes
 
 
-def weight_bytes(arch, dtype_bytes: int = 2) -> int:
+def weight_bytes(arch, dtype_bytes: int = 2, fp8: bool = False) -> int:
     """Bytes a decoding step reads: every decoder-layer weight, the final norm and the output
-    layer ([V, h], the embedding itself when tied); the input embedding only by rows."""
+    layer ([V, h], the embedding itself when tied); the input embedding only by rows. fp8: the
+    generation copy of rollout.dtype=fp8 (rollout/fp8_weights.py), its four linears per layer
+    in e4m3 (1 byte a weight) with a 4-byte scale per output row, the rest in dtype_bytes."""
     h, f, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
     q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
-    layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h  # qkv, proj, gate/up/down, two norms
+    linear = h * (q + 2 * kv) + q * h + 3 * h * f  # qkv, proj, gate/up/down
+    rows = (q + 2 * kv) + h + 2 * f + h  # their output channels
+    other = 2 * h  # two norms
     if getattr(arch, "qkv_bias", False):
-        layer += q + 2 * kv
-    return dtype_bytes * (arch.num_layers * layer + h + arch.vocab_size * h)
+        other += q + 2 * kv
+    linear_bytes = linear + 4 * rows if fp8 else dtype_bytes * linear
+    return arch.num_layers * (linear_bytes + dtype_bytes * other) + dtype_bytes * (h + arch.vocab_size * h)
 
 
 def prefill_flops(arch, prompt_len: int) -> float:
@@ -59,14 +64,17 @@ def prefill_flops(arch, prompt_len: int) -> float:
 
 def generation_bound(arch, prompt_lens: Sequence[int], new_tokens: Sequence[int] | int,
                      copy_bytes_per_s: float, matmul_flops_per_s: float,
-                     dtype_bytes: int = 2, prefilled: Optional[Sequence[int]] = None) -> Bound:
+                     dtype_bytes: int = 2, prefilled: Optional[Sequence[int]] = None,
+                     fp8: bool = False) -> Bound:
     """The bound of generating new_tokens[i] tokens after prompt i, all sequences decoding
     together (as continuous batching keeps them while they last). prefilled: the prompts an
     engine must prefill (default: every sequence's; the distinct prompts where the n samples
-    of a prompt share its prefill)."""
+    of a prompt share its prefill). fp8: the engine reads an FP8 generation copy
+    (`weight_bytes`); prefill stays at the bf16 matmul ceiling (FP8 GEMMs could go faster: the
+    bound is then generous to FP8 by the prefill's share)."""
     if isinstance(new_tokens, int):
         new_tokens = [new_tokens] * len(prompt_lens)
-    w = weight_bytes(arch, dtype_bytes)
+    w = weight_bytes(arch, dtype_bytes, fp8)
     per_token = kv_bytes_per_token(arch, dtype_bytes)
     steps = max(new_tokens) - 1  # the first new token of each sequence comes from its prefill
     decode_bytes = 0

@@ -56,6 +56,7 @@ from verl_mcore.reward import RewardManager
 from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
 from verl_mcore.rollout.generate_fn import UserGenerateFn, load_generate_fn
 from verl_mcore.rollout.group_filter import GroupFilters
+from verl_mcore.rollout.fp8_weights import Fp8LinearWeights
 from verl_mcore.rollout.native import NativeEngine
 from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
 from verl_mcore.rollout.vllm_engine import VLLMEngine
@@ -506,7 +507,17 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
                          training_device())
     chunks = [unwrap(m) for m in actor.engine.model]
     merge = lora_merge(cfg, chunks)
-    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True, merge=merge)
+    return gen, Repartitioner(chunks, gen, groups, gated_linear_unit=True, merge=merge,
+                              fp8=fp8_generation_weights(cfg, gen, in_place=True))
+
+
+def fp8_generation_weights(cfg: Config, model, in_place: bool) -> Optional[Fp8LinearWeights]:
+    """The e4m3 copy of the generation model's linear weights under rollout.dtype=fp8 (None
+    otherwise): in place for a generation model of its own (the repartition or transfer
+    quantizes into it), a copy of the training model's when that serves generation."""
+    if cfg.rollout.dtype != "fp8":
+        return None
+    return Fp8LinearWeights.in_place(model) if in_place else Fp8LinearWeights.copy_of(model)
 
 
 def generation_gpt(cfg: Config, info: ModelInfo, pg_collection, tp_g: int, vocab: int, device):
@@ -548,11 +559,15 @@ def _rollout_engine(cfg, groups, info, model, repartitioner):
     if r.engine == "vllm":
         return VLLMEngine.from_config(cfg, groups, info, model, repartitioner)
 
+    fp8 = None
+    if r.dtype == "fp8":  # the repartition's (or transfer's) store, or a copy of the training model's
+        fp8 = (repartitioner.fp8 if repartitioner is not None
+               else fp8_generation_weights(cfg, model, in_place=False))
     engine = NativeEngine(model, vocab_size=info.arch.vocab_size,
                           tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
                           repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
                           max_num_seqs=r.max_num_seqs,
-                          gpu_memory_utilization=r.gpu_memory_utilization)
+                          gpu_memory_utilization=r.gpu_memory_utilization, fp8_weights=fp8)
     if dist.get_rank() == 0:
         log.info("native engine: decode attention %s (%s), fused decode step %s, CUDA graphs %s",
                  engine.attention or "reference", engine.attention_reason,
@@ -574,7 +589,8 @@ def build_rollout_set_phase(cfg, place, info, actor):
         gen = generation_gpt(cfg, info, groups.gen, r.tensor_parallel_size,
                              role_padded_vocab(cfg, info.arch, "rollout", r.tensor_parallel_size),
                              training_device())
-        transfer = CrossSetTransfer(plan, place.rank, True, gen_model=gen, group=place.link)
+        transfer = CrossSetTransfer(plan, place.rank, True, gen_model=gen, group=place.link,
+                                    fp8=fp8_generation_weights(cfg, gen, in_place=True))
         return RolloutSetPhase(_rollout_engine(cfg, groups, info, gen, transfer), groups, r,
                                info.eos_token_ids, cfg.data.max_response_length,
                                info.pad_token_id, cross_check)

@@ -31,7 +31,9 @@ bounds it, per replica of TP_g GPUs; the R / TP_g replicas run in parallel:
                 matmul_flops_per_s.
   decode        per GPU: waves·D·W_g + S·K_g·(D·P + D·(D+1)/2) bytes at copy_bytes_per_s, where
                 W_g = 2·(L·layer_params(TP_g) + h + V·h/TP_g) is the bf16 weight shard a decode
-                step reads (the output layer whole, the embedding only by rows) and
+                step reads (the output layer whole, the embedding only by rows; with
+                rollout.dtype=fp8 the layers' linears count 1 byte a weight and 4 per output
+                row, `decode_weight_bytes`) and
                 K_g = 2·L·max(kv/TP_g, 1)·hd·2 the KV bytes per token on one GPU (planning/memory.py's KV
                 cache term; heads replicate when TP_g > kv); decode step d reads P + d tokens
                 of every live sequence.
@@ -182,13 +184,28 @@ def generation_seconds(cfg: Config, dims: ModelDims, gpus: int, hw: Hardware,
     waves = math.ceil(seqs / r.max_num_seqs)
     steps = max(round(d.max_response_length * response_fraction) - 1, 0)  # D
     h, v, prompt = dims.hidden_size, dims.vocab_size, d.max_prompt_length
-    weights = 2 * (dims.num_layers * layer_params(dims, tp_g) + h + v * h / tp_g)  # W_g
+    weights = decode_weight_bytes(dims, tp_g, r.dtype == "fp8")  # W_g
     kv_token = 2 * dims.num_layers * max(dims.num_key_value_heads // tp_g, 1) * dims.head_dim * 2
     decode = waves * steps * weights + seqs * kv_token * (steps * prompt + steps * (steps + 1) / 2)
     attention = 2 * dims.num_layers * dims.num_attention_heads * dims.head_dim * prompt ** 2
     prefill = seqs * (2 * _linear_weights(dims) * prompt + attention + 2 * v * h) / tp_g
     bound = decode / hw.copy_bytes_per_s + prefill / hw.matmul_flops_per_s
     return bound / hw.rollout_efficiency
+
+
+def decode_weight_bytes(dims: ModelDims, tp_g: int, fp8: bool) -> float:
+    """W_g: the weight bytes one GPU reads per decode step (bf16; an FP8 generation copy's
+    linears at 1 byte a weight plus a 4-byte scale per output row, rollout/fp8_weights.py)."""
+    h, v, hd = dims.hidden_size, dims.vocab_size, dims.head_dim
+    per_layer = 2 * layer_params(dims, tp_g)
+    if fp8:
+        q = dims.num_attention_heads * hd // tp_g
+        kv = max(dims.num_key_value_heads // tp_g, 1) * hd
+        f = dims.ffn_hidden_size // tp_g
+        linear = h * (q + 2 * kv) + q * h + 3 * h * f
+        rows = (q + 2 * kv) + h + 2 * f + h
+        per_layer -= 2 * linear - (linear + 4 * rows)
+    return dims.num_layers * per_layer + 2 * (h + v * h / tp_g)
 
 
 def _needs_old_log_probs(cfg: Config, stale: bool = False) -> bool:

@@ -49,3 +49,20 @@ def test_decode_parts_groups_a_steps_kernels_by_name():
     assert out["launches"] == sum(v["count"] for v in out["by_name"].values())
     assert out["kernel_us"] == pytest.approx(sum(v["us"] for v in out["by_name"].values()))
     assert out["graph_step_us"] == 10_000.0
+
+
+def test_an_fp8_copy_halves_the_linear_bytes_and_adds_a_scale_per_row():
+    """rollout.dtype=fp8: the 28 layers' linears (1.31 G weights, 27,776 output rows a layer)
+    at 1 byte plus 4 per row; norms, biases, the final norm and the tied head stay bf16."""
+    h, f, q, kv = 1536, 8960, 1536, 256
+    linear = h * (q + 2 * kv) + q * h + 3 * h * f
+    rows = (q + 2 * kv) + h + 2 * f + h
+    assert rows == 23_040
+    assert weight_bytes(ARCH) - weight_bytes(ARCH, fp8=True) == 28 * (linear - 4 * rows)
+    assert weight_bytes(ARCH, fp8=True) / weight_bytes(ARCH) == pytest.approx(0.576, abs=0.001)
+    bw = 1e12
+    plain = generation_bound(ARCH, [8], 4, bw, 1e15)
+    fp8 = generation_bound(ARCH, [8], 4, bw, 1e15, fp8=True)
+    assert fp8.weight_bytes == weight_bytes(ARCH, fp8=True)
+    assert plain.decode_seconds - fp8.decode_seconds == pytest.approx(
+        3 * (weight_bytes(ARCH) - weight_bytes(ARCH, fp8=True)) / bw)

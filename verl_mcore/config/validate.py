@@ -63,7 +63,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.correction.decoupled_cap": ("(0, inf)", "null: no cap"),
     "rollout.logprob_check.num_sequences": ("[1, inf)", ""),
     "rollout.logprob_check.max_new_tokens": ("[0, inf)", "0: the rollout's length"),
-    "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
+    "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16; "
+                                             "+ 3.0 with rollout.dtype=fp8"),
     "rollout.group_filter.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.generate_fn.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.agent_loop.import_timeout_s": ("(0, inf)", "seconds"),
@@ -428,7 +429,8 @@ def _batch_errors(cfg: Config, world: int, critic_set=None,
 
 
 def _rollout_mode_errors(cfg: Config) -> list[str]:
-    """rollout.mode / tis_cap / correction against the placement and each other."""
+    """rollout.mode / tis_cap / correction / dtype against the placement, the engine and each
+    other."""
     r, errs = cfg.rollout, []
     if r.mode == "one_step_off" and cfg.placement.rollout is None:
         errs.append("rollout.mode=one_step_off overlaps generation with training on GPUs of their "
@@ -445,6 +447,10 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
         errs.append(f"rollout.correction.decoupled_cap={c.decoupled_cap} caps the weights of "
                     "the decoupled objective, which is off: set rollout.correction.decoupled=true "
                     "or remove decoupled_cap (rollout.tis_cap truncates the weights instead)")
+    if r.dtype == "fp8" and r.engine != "native":
+        errs.append(f"rollout.dtype=fp8 is the native engine's FP8 generation copy; "
+                    f"rollout.engine={r.engine} loads the weights its own way: use "
+                    "rollout.engine=native or rollout.dtype=auto")
     if r.weighs_engine_log_probs and r.engine == "vllm" and (r.top_p < 1 or r.top_k > 0) \
             and r.temperature > 0:
         what = "rollout.tis_cap" if r.tis_cap is not None else "rollout.correction"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from verl_mcore.distributed.groups import GroupLayout
 from verl_mcore.models.weight_map import ParamMap, tp_merge, tp_slice
 from verl_mcore.rollout.repartition import (FlatParameterBuffer, RepartitionStats, _Entry,
-                                            global_param_names, tensor_kind)
+                                            global_param_names, store_into, tensor_kind)
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,15 @@ class CrossSetTransfer:
     all of them each time the weights move. train_chunks: this actor rank's training chunks (None
     on rollout ranks); gen_model: this rollout rank's generation model, built at TP_g over the
     rollout set's generation groups (None on actor ranks); merge: {global weight name:
-    LoRAAdapter} on actor ranks, sent as W + (alpha/r)·B·A (models/lora.merged_weights).
+    LoRAAdapter} on actor ranks, sent as W + (alpha/r)·B·A (models/lora.merged_weights);
+    fp8: on rollout ranks with rollout.dtype=fp8, `Fp8LinearWeights.in_place(gen_model)`: the
+    linear weights are quantized into it as they arrive (the actor still sends its own dtype).
     """
 
     def __init__(self, plan: CrossSetPlan, rank: int, gated_linear_unit: bool, *,
                  train_chunks: Optional[Iterable[torch.nn.Module]] = None,
                  gen_model: Optional[torch.nn.Module] = None, merge: Optional[dict] = None,
-                 group=None):
+                 group=None, fp8=None):
         self.plan, self.rank = plan, rank
         self.sends = rank in plan.actor.members
         self.receives = rank in plan.rollout_ranks
@@ -133,7 +135,9 @@ class CrossSetTransfer:
             for chunk in train_chunks:
                 self.train_params.update(global_param_names(chunk))
             self.stage = plan.actor.coords(plan.actor.index(rank))["pp"]
-        self.buffer = FlatParameterBuffer(gen_model) if self.receives else None
+        self.fp8 = fp8
+        self.buffer = (FlatParameterBuffer(gen_model, exclude=fp8.parameters() if fp8 else ())
+                       if self.receives else None)
         self.gen_params = global_param_names(gen_model) if self.receives else {}
         self.entries = self._catalog(gated_linear_unit, group)
         self.routes = [plan.routes(e.owner_stage, e.kind) for e in self.entries]  # fixed per run
@@ -188,6 +192,9 @@ class CrossSetTransfer:
         if self.receives:
             self.buffer.restore()
             stats.generation_bytes = self.buffer.nbytes
+            if self.fp8 is not None:
+                self.fp8.restore()
+                stats.generation_bytes += self.fp8.nbytes
         for entry, routes in zip(self.entries, self.routes):
             works, outgoing, incoming = [], {}, []
             for route in routes:
@@ -212,10 +219,10 @@ class CrossSetTransfer:
             if self.receives:
                 target = self.gen_params[entry.name]
                 full = tp_merge(ParamMap(entry.name, (), entry.kind), incoming)
-                target.copy_(full)
+                temp += store_into(target, full, self.fp8)
                 got = sum(p.numel() * p.element_size() for p in incoming)
                 stats.bytes_received += got
-                stats.min_bytes_received += target.numel() * target.element_size()
+                stats.min_bytes_received += target.numel() * entry.dtype.itemsize
                 temp += got + (got if len(incoming) > 1 else 0)
             stats.peak_temp_bytes = max(stats.peak_temp_bytes, temp)
         stats.seconds = time.perf_counter() - start
@@ -225,6 +232,8 @@ class CrossSetTransfer:
         """Free the rollout model's weights between generations (the next `run` refills them)."""
         if self.buffer is not None:
             self.buffer.release()
+        if self.fp8 is not None:
+            self.fp8.release()
 
 
 def _piece_shape(entry: _Entry, piece: tuple[int, int]) -> tuple:

@@ -34,6 +34,11 @@ write), and attention is torch's flash kernel over the paged cache (`seqused_k` 
 table: it reads only each sequence's own blocks, so one graph serves every mix of lengths; its
 blocks are 256 tokens). Elsewhere (CPU, fp32) attention is the reference, which reads all of a
 row's blocks and masks.
+
+With rollout.dtype=fp8 the decoder layers' four linears read an e4m3 copy of their weights
+(rollout/fp8_weights.py, `_CachedGPT._linear`): the GEMMs quantize their input per token and run
+torch._scaled_mm (ops/fp8.py) in both the plain and the fused step; the embedding, norms and LM
+head stay in the model's dtype.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ from verl_mcore.rollout import sampling as sampling_mod
 from verl_mcore.rollout import serving
 from verl_mcore.rollout import tp_sampling
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
+from verl_mcore.rollout.fp8_weights import Fp8LinearWeights
 
 _SP_FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
 
@@ -82,10 +88,15 @@ def _sequence_parallel_off(model: torch.nn.Module):
 
 
 class _CachedGPT:
-    """The layer-by-layer forward of a megatron GPTModel with a slot-indexed KV cache."""
+    """The layer-by-layer forward of a megatron GPTModel with a slot-indexed KV cache.
 
-    def __init__(self, model: torch.nn.Module):
+    fp8: the e4m3 copy of the decoder layers' linear weights (rollout.dtype=fp8,
+    rollout/fp8_weights.py): the four linears of each layer run through it (`_linear`), the
+    embedding, norms and LM head through the model's own modules."""
+
+    def __init__(self, model: torch.nn.Module, fp8: Optional[Fp8LinearWeights] = None):
         self.model = model
+        self.fp8 = fp8
         cfg = model.config
         unsupported = {
             "rotary_interleaved": cfg.rotary_interleaved,
@@ -112,7 +123,9 @@ class _CachedGPT:
         self.scale = (cfg.softmax_scale if getattr(cfg, "softmax_scale", None)
                       else 1.0 / math.sqrt(self.head_dim))
         self.fp32_residual = cfg.fp32_residual_connection
-        param = next(model.parameters())
+        # The activations' dtype: the embedding's (an in-place FP8 store turned the linear
+        # weights into e4m3).
+        param = model.embedding.word_embeddings.weight if hasattr(model, "embedding") else next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self._rope_len = 0
         self._cos = self._sin = None
@@ -126,6 +139,14 @@ class _CachedGPT:
             and not getattr(cfg, "glu_linear_offset", 0.0)
             and getattr(cfg, "activation_func_clamp_value", None) is None
             and all(type(layer.mlp) is MLP for layer in self.layers))
+        if fp8 is not None:
+            bad = [k for k, v in (("use_te_activation_func", getattr(cfg, "use_te_activation_func", False)),
+                                  ("glu_linear_offset", getattr(cfg, "glu_linear_offset", 0.0)),
+                                  ("activation_func_clamp_value",
+                                   getattr(cfg, "activation_func_clamp_value", None))) if v]
+            if bad:
+                raise ValueError(f"native rollout engine: rollout.dtype=fp8 computes the MLP itself "
+                                 f"(fc1, activation, fc2), without {bad}; use rollout.dtype=auto")
 
     def rope_tables(self, length: int) -> bool:
         """cos/sin [length, hd] in the activation dtype, from the model's inv_freq (which
@@ -150,7 +171,7 @@ class _CachedGPT:
         """x [s, b, H] (normed) -> q [s, b, nh, hd], k/v [s, b, ng, hd], RoPE applied."""
         attn = layer.self_attention
         s, b = x.shape[0], x.shape[1]
-        mixed, _ = attn.linear_qkv(x)  # bias (if any) is added inside: skip_bias_add=False
+        mixed, _ = self._linear(attn.linear_qkv, x)  # bias (if any) is added inside: skip_bias_add=False
         r = self.heads // self.groups
         mixed = mixed.view(s, b, self.groups, (r + 2) * self.head_dim)
         q, k, v = torch.split(mixed, [r * self.head_dim, self.head_dim, self.head_dim], dim=-1)
@@ -160,6 +181,32 @@ class _CachedGPT:
         if attn.k_layernorm is not None:
             k = attn.k_layernorm(k)
         return decode_ops.rotary(q, cos, sin), decode_ops.rotary(k, cos, sin), v
+
+    def _linear(self, module, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(output, bias) of one of the layers' parallel linears: the FP8 copy's GEMM where it
+        holds the module's weight, megatron's own forward otherwise."""
+        if self.fp8 is not None and self.fp8.serves(module):
+            return self.fp8.forward(module, x)
+        return module(x)
+
+    def _mlp_out(self, mlp, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The MLP's (output, fc2 bias): megatron's forward, or with FP8 linears the same steps
+        -- fc1 (+ its bias), the (gated) activation, fc2 -- through `_linear` (the variants
+        megatron adds around them are refused at construction)."""
+        if self.fp8 is None:
+            return mlp(x)
+        h, bias = self._linear(mlp.linear_fc1, x)
+        if bias is not None:
+            h = h + bias
+        cfg = self.model.config
+        if self.plain_swiglu:
+            h = decode_ops.swiglu(h)
+        elif cfg.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = cfg.activation_func(gate) * up
+        else:
+            h = cfg.activation_func(h)
+        return self._linear(mlp.linear_fc2, h)
 
     @staticmethod
     def _add(residual, out_bias):
@@ -174,8 +221,8 @@ class _CachedGPT:
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer, x, cos, sin)
-            h = self._add(h, layer.self_attention.linear_proj(attend(i, q, k, v)))
-            h = self._add(h, layer.mlp(layer.pre_mlp_layernorm(h)))
+            h = self._add(h, self._linear(layer.self_attention.linear_proj, attend(i, q, k, v)))
+            h = self._add(h, self._mlp_out(layer.mlp, layer.pre_mlp_layernorm(h)))
         return self.final_norm(h)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -223,12 +270,12 @@ class _CachedGPT:
         delta = None
         for i, layer in enumerate(self.layers):
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.input_layernorm))
-            mixed, _ = layer.self_attention.linear_qkv(x)
+            mixed, _ = self._linear(layer.self_attention.linear_qkv, x)
             kc, vc = self.cache_rows(i)
             q = decode_ops.rope_cache(mixed.view(b, -1), self._cos, self._sin, positions, rows, kc, vc,
                                       self.groups, r, self.head_dim)
             out = attend(i, q)
-            delta, _ = layer.self_attention.linear_proj(out.view(1, b, self.heads * self.head_dim))
+            delta, _ = self._linear(layer.self_attention.linear_proj, out.view(1, b, self.heads * self.head_dim))
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.pre_mlp_layernorm))
             delta = self._mlp(layer.mlp, x)
         return decode_ops.rmsnorm(h, delta, *_rmsnorm_params(self.model.decoder.final_layernorm))
@@ -238,11 +285,11 @@ class _CachedGPT:
         forward, or for a plain SwiGLU MLP fc1, the one-kernel gated activation and fc2 (megatron's
         activation is two kernels and Python around them)."""
         if not self.plain_swiglu:
-            return mlp(x)[0]
-        gate_up, bias = mlp.linear_fc1(x)
+            return self._mlp_out(mlp, x)[0]
+        gate_up, bias = self._linear(mlp.linear_fc1, x)
         if bias is not None:
             gate_up = gate_up + bias
-        return mlp.linear_fc2(decode_ops.swiglu(gate_up))[0]
+        return self._linear(mlp.linear_fc2, decode_ops.swiglu(gate_up))[0]
 
     def cache_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values as [cache rows, groups, hd] (blocks flattened)."""
@@ -308,16 +355,29 @@ class NativeEngine(RolloutEngine):
         on a GPU the kernels' sums may run in another order at another batch size (GEMM tiles,
         the Triton kernel's split count): the tokens are those of the uncompacted run up to float
         rounding at sampling boundaries, and the same from run to run.
+    fp8_weights: the e4m3 copy of the decoder layers' linear weights to generate with
+        (rollout.dtype=fp8, rollout/fp8_weights.py): `Fp8LinearWeights.in_place(model)` when
+        `repartitioner` fills the model (it quantizes into the store), `.copy_of(model)` when the
+        model is the training model (load_weights requantizes it from the training weights).
+        Released and restored with the repartition buffer (keep_weights_buffer keeps both).
     """
 
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, tp_group=None,
                  repartitioner=None, keep_weights_buffer: bool = False, max_num_seqs: int = 256,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, fused_decode: bool = True,
-                 block_size: Optional[int] = None, steps_per_sync: int = 16, min_compact_slots: int = 16):
+                 block_size: Optional[int] = None, steps_per_sync: int = 16, min_compact_slots: int = 16,
+                 fp8_weights: Optional[Fp8LinearWeights] = None):
         while not hasattr(model, "decoder") and hasattr(model, "module"):
             model = model.module  # DDP / Float16Module wrappers of the training model
-        self.net = _CachedGPT(model)
+        if fp8_weights is not None:
+            if fp8_weights.model is not model:
+                raise ValueError("NativeEngine: fp8_weights were made for another model")
+            if fp8_weights.in_place == (repartitioner is None):
+                raise ValueError("NativeEngine: fp8_weights must be Fp8LinearWeights.in_place(model) "
+                                 "with a repartitioner (it fills them), .copy_of(model) without one")
+        self.fp8_weights = fp8_weights
+        self.net = _CachedGPT(model, fp8_weights)
         self.model = model
         self.vocab_size = vocab_size
         padded = model.vocab_size if hasattr(model, "vocab_size") else None
@@ -429,7 +489,11 @@ class NativeEngine(RolloutEngine):
 
     def load_weights(self) -> dict[str, float]:
         if self.repartitioner is None:
-            return {}  # the model is the training model: its weights are current
+            # The model is the training model: its weights are current; an FP8 copy of them is
+            # requantized in place (the CUDA graphs read the same addresses).
+            if self.fp8_weights is not None:
+                self.fp8_weights.refresh()
+            return {}
         stats = self.repartitioner.run()
         return {"rollout/repartition_seconds": stats.seconds,
                 "rollout/repartition_bytes_received": float(stats.bytes_received),
@@ -448,7 +512,7 @@ class NativeEngine(RolloutEngine):
         take at most `keep_cache_bytes` and the weights stay where the graphs read them (the
         training model's own, or a kept buffer): the next call then neither allocates nor
         captures again (`kept_bytes` says how much stayed)."""
-        weights_stay = self.repartitioner is None or self.keep_weights_buffer
+        weights_stay = (self.repartitioner is None and self.fp8_weights is None) or self.keep_weights_buffer
         self.kept_bytes = self.cache_bytes if weights_stay and self.cache_bytes <= self.keep_cache_bytes else 0
         if self.kept_bytes:
             return
@@ -457,12 +521,16 @@ class NativeEngine(RolloutEngine):
         self.net.cache, self.pool = None, None
         if self.repartitioner is not None and not self.keep_weights_buffer:
             self.repartitioner.buffer.release()
+        if self.fp8_weights is not None and not self.keep_weights_buffer:
+            self.fp8_weights.release()
         if self.net.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
         if self.repartitioner is not None:
             self.repartitioner.buffer.restore()
+        if self.fp8_weights is not None:
+            self.fp8_weights.restore()  # refilled by load_weights (the repartition or a refresh)
 
     def _block_bytes(self) -> int:
         net = self.net

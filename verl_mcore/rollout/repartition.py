@@ -14,6 +14,11 @@ Bytes received per rank: Σ over tensors of (what this rank lacks of its TP_g sh
 model/TP_g − model/(TP_t·PP) for a model with uniform stages, the minimum any scheme can do since
 a rank starts with model/(TP_t·PP) and must end with model/TP_g.
 
+With rollout.dtype=fp8 the generation model's linear weights are e4m3 views into an
+`Fp8LinearWeights` store (rollout/fp8_weights.py) instead of the flat buffer: each one is
+quantized as soon as it is assembled (`quantize_into`, a few thousand rows at a time), so no
+full-precision copy of them exists beside the tensor in flight.
+
 Layouts with TP_g = TP_t and PP = 1 need no copy: the training model serves generation as it is
 (see `generation_model_is_training_model`).
 """
@@ -93,11 +98,13 @@ class FlatParameterBuffer:
     """Re-homes a module's parameters into one contiguous buffer (one allocation, reusable).
 
     `release()` frees the storage between generation phases (parameters keep their shapes but
-    must not be read), `restore()` re-allocates it; the next repartition refills it.
+    must not be read), `restore()` re-allocates it; the next repartition refills it. `exclude`:
+    parameters whose storage lives elsewhere (an FP8 store's e4m3 weights).
     """
 
-    def __init__(self, module: torch.nn.Module):
-        params = [p for p in module.parameters()]
+    def __init__(self, module: torch.nn.Module, exclude: Iterable[torch.nn.Parameter] = ()):
+        skip = {id(p) for p in exclude}
+        params = [p for p in module.parameters() if id(p) not in skip]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"generation model mixes parameter dtypes {sorted(map(str, dtypes))}")
@@ -126,6 +133,16 @@ class FlatParameterBuffer:
             storage.resize_(self.numel * self.buffer.element_size())
 
 
+def store_into(gen_param: torch.Tensor, full: torch.Tensor, fp8) -> int:
+    """Write an assembled generation tensor into its place: copied into the parameter, or
+    quantized into `fp8`'s slot for it (an Fp8LinearWeights or None). Returns the bytes of the
+    temporaries the write took (the quantization's)."""
+    if fp8 is None or fp8.slot_of(gen_param) is None:
+        gen_param.copy_(full)
+        return 0
+    return fp8.quantize_into(gen_param, full)
+
+
 @dataclass(frozen=True)
 class _Entry:
     name: str
@@ -144,10 +161,11 @@ class Repartitioner:
     """
 
     def __init__(self, train_chunks: Iterable[torch.nn.Module], gen_model: torch.nn.Module, groups,
-                 gated_linear_unit: bool, merge: Optional[dict] = None):
+                 gated_linear_unit: bool, merge: Optional[dict] = None, fp8=None):
         """merge: {global weight name: LoRAAdapter} (models/lora.merged_weights): those weights
         are sent as W + (alpha/r)·B·A, merged into one new tensor as each one's turn comes
-        (the base weight is not modified)."""
+        (the base weight is not modified). fp8: `Fp8LinearWeights.in_place(gen_model)`
+        (rollout.dtype=fp8): the linear weights it holds are quantized into it."""
         train_chunks = list(train_chunks)
         self.merge = dict(merge or {})
         check_same_padded_vocab(train_chunks, gen_model)
@@ -158,7 +176,8 @@ class Repartitioner:
         for chunk in train_chunks:
             self.train_params.update(global_param_names(chunk))
         self.gen_params = global_param_names(gen_model)
-        self.buffer = FlatParameterBuffer(gen_model)
+        self.fp8 = fp8
+        self.buffer = FlatParameterBuffer(gen_model, exclude=fp8.parameters() if fp8 else ())
         self.gen_params = global_param_names(gen_model)  # now views into the buffer
         self.rank = groups.rank  # global; the groups below are in global ranks
         coords = self.layout.coords(groups.index)  # coordinates inside the actor's set
@@ -193,6 +212,9 @@ class Repartitioner:
         start = time.perf_counter()
         self.buffer.restore()
         stats = RepartitionStats(generation_bytes=self.buffer.nbytes)
+        if self.fp8 is not None:
+            self.fp8.restore()
+            stats.generation_bytes += self.fp8.nbytes
         k = len(self.micro_ranks)
         pp = len(self.pp_ranks)
         for entry in self.entries:
@@ -228,7 +250,7 @@ class Repartitioner:
             if full.shape != gen_param.shape:
                 raise RuntimeError(f"repartition: {entry.name}: assembled {tuple(full.shape)}, "
                                    f"generation model expects {tuple(gen_param.shape)}")
-            gen_param.copy_(full)
+            temp += store_into(gen_param, full, self.fp8)
             stats.peak_temp_bytes = max(stats.peak_temp_bytes, temp)
             # The lower bound: what this rank lacked of its TP_g piece of this tensor.
             stats.min_bytes_received += gen_param.numel() * esize - (shard_bytes if held else 0)
