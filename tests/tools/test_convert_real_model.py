@@ -34,7 +34,7 @@ def test_round_trip_is_bit_exact_and_verify_is_within_fp32_rounding(smollm2, tmp
     capsys.readouterr()
     assert main(["verify", "--hf", smollm2, "--ckpt", ckpt, "--tp", "3"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    m = re.fullmatch(r"verify tp=3 pp=1: max_abs=(\S+) max_rel=(\S+) tolerance=\S+ -> OK", line)
+    m = re.fullmatch(r"verify tp=3 pp=1 ep=1: max_abs=(\S+) max_rel=(\S+) tolerance=\S+ -> OK", line)
     assert m, line
     max_abs, max_rel = float(m[1]), float(m[2])
     # fp32 on both sides from the same bf16 weights: only the order of float operations differs
