@@ -155,3 +155,40 @@ def test_bad_turns_name_the_sample():
     outs[3].turns = -1
     with pytest.raises(ValueError, match=r"turns of \(prompt, sample\) \[\(1, 1\)\]"):
         Rollout.from_outputs(prompts, outs, VOCAB)
+
+
+def test_concat_of_parts_sampled_with_other_weights_keeps_each_tokens_version():
+    """Neither part carries per-token versions, but they were sampled with other weights: the
+    joined batch's version is the oldest, and each token still says which weights sampled it
+    (the learner's token ages see the mix). Parts of one version stay without the field."""
+    a = dataclasses.replace(Rollout.from_outputs(*_batch(2, mask=False), VOCAB), version=4)
+    b = dataclasses.replace(Rollout.from_outputs(*_batch(3, mask=False), VOCAB), version=6)
+    joined = Rollout.concat([a, b], PAD)
+    assert joined.version == 4
+    want = [4] * a.num_tokens + [6] * b.num_tokens
+    assert joined.token_field("versions").tolist() == want
+    m = joined.trajectory_metrics(6)
+    assert m["rollout/token_age/max"] == 2 and m["rollout/token_version/min"] == 4
+    assert m["rollout/token_age/mean"] == pytest.approx(2 * a.num_tokens / len(want))
+    same = Rollout.concat([a, dataclasses.replace(b, version=4)], PAD)
+    assert "versions" not in same.token_fields
+    assert not any(k.startswith("rollout/token_") for k in same.trajectory_metrics(4))
+
+
+def test_concat_a_part_without_response_tokens_has_no_say_in_the_fields():
+    """A part whose responses are all empty carries no log-probs (from_outputs: nothing to give),
+    as an empty replica in the gather: joined with parts that carry them, the batch keeps the
+    engine's log-probs (flat and the learner's [B, R]) instead of dropping them for everyone."""
+    prompts, outs = _batch(10, prompts=2, n=2)
+    for o in outs:
+        o.token_ids, o.logprobs, o.loss_mask = [], [], None
+    empty = Rollout.from_outputs(prompts, outs, VOCAB)
+    assert "logprobs" not in empty.token_fields and empty.num_tokens == 0
+    full = Rollout.from_outputs(*_batch(11), VOCAB)
+    for parts in ([empty, full], [full, empty]):
+        joined = Rollout.concat(parts, PAD)
+        assert torch.equal(joined.logprobs, full.logprobs)
+        views = Rollout.concat([p.for_learner(INFO) for p in parts], PAD)
+        again = dataclasses.replace(views, train=None).for_learner(INFO)
+        assert torch.equal(views.engine_log_probs, again.engine_log_probs)
+        assert torch.equal(views.train.response_mask, again.train.response_mask)

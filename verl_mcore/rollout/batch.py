@@ -29,7 +29,7 @@ from torch import Tensor
 from verl_mcore.engine.batch import TrainBatch, flatten_token_ids, response_aligned
 from verl_mcore.rollout import token_fields
 from verl_mcore.rollout.base import FinishReason, SampleOutput
-from verl_mcore.rollout.token_fields import TOKEN_FIELDS
+from verl_mcore.rollout.token_fields import BATCH_VERSION, TOKEN_FIELDS
 
 FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)  # code = index
 
@@ -293,8 +293,9 @@ class Rollout:
         views are joined where every part has them (widened as TrainBatch.concat widens them,
         `pad_token_id` in input_ids); scores and baselines must be set in every part or in none.
         A per-token field some parts lack gets its default there (a part's own version for
-        `versions`), or is dropped where it has none (the engine's log-probs); the batch's
-        version is the oldest part's."""
+        `versions`), or is dropped where it has none (the engine's log-probs); a part without
+        response tokens has no say. The batch's version is the oldest part's; parts of other
+        versions carry theirs on their tokens (`versions`)."""
         if not parts:
             raise ValueError("Rollout.concat: no parts")
         for name in ("scores", "baseline", "train"):
@@ -313,11 +314,9 @@ class Rollout:
         if parts[0].train is not None:
             train = TrainBatch.concat([p.train for p in parts], pad_token_id)
             responses = [r for p in parts for r in p.responses]
-            if all(p.engine_log_probs is not None for p in parts):  # widened like the batch
-                engine = torch.cat([torch.nn.functional.pad(p.engine_log_probs,
-                                                            (0, train.response_width
-                                                             - p.engine_log_probs.shape[1]))
-                                    for p in parts])
+            if joined_parts.logprobs is not None:  # laid out as for_learner lays them out
+                engine = response_aligned(joined_parts.logprobs, joined_parts.response_lens,
+                                          train.response_width).to(train.response_mask.device)
         names = list(dict.fromkeys(k for p in parts for k in p.extras))
 
         def cat(name):
@@ -419,15 +418,21 @@ def _runs(lens: Tensor, which: Tensor) -> Tensor:
 
 def joined(parts: Sequence[Rollout]) -> Rollout:
     """Parts one after another as one batch: prompt indices shifted by the prompts before each
-    part; a per-token field some parts lack gets its default there (Rollout.concat)."""
+    part; a per-token field some parts lack gets its default there (Rollout.concat). A part
+    without response tokens has no say (token_fields.merged), and parts sampled with other
+    weights carry their versions on their tokens (the batch's version is one number)."""
     base = np.cumsum([0] + [len(p.prompt_lens) for p in parts[:-1]]).tolist()
     fields = {}
+    speaking = [p for p in parts if p.num_tokens]
     for name, f in TOKEN_FIELDS.items():
-        carried = [name in p.token_fields for p in parts]
-        if not any(carried) or (not all(carried) and f.default is None):
+        carried = [name in p.token_fields for p in speaking]
+        versions_differ = (f.default == BATCH_VERSION
+                           and len({p.version for p in speaking}) > 1)
+        if not (any(carried) or versions_differ) or (not all(carried) and f.default is None):
             continue
         fields[name] = torch.cat([token_fields.filled(p.token_fields, name, p.num_tokens,
-                                                      p.version) for p in parts])
+                                                      p.version) if p.num_tokens
+                                  else f.fill(0) for p in parts])
     return Rollout(
         prompt_ids=torch.cat([p.prompt_ids for p in parts]),
         prompt_lens=torch.cat([p.prompt_lens for p in parts]),
