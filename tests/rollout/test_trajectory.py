@@ -192,3 +192,17 @@ def test_concat_a_part_without_response_tokens_has_no_say_in_the_fields():
         again = dataclasses.replace(views, train=None).for_learner(INFO)
         assert torch.equal(views.engine_log_probs, again.engine_log_probs)
         assert torch.equal(views.train.response_mask, again.train.response_mask)
+
+
+def test_a_saved_batch_keeps_its_groups_and_refuses_too_few_rows():
+    """Groups that are not one per prompt (from_samples' group ids) survive a checkpoint; a
+    loader that hands back fewer dataset rows than the saved batch has prompts (another data
+    file) fails at the load naming the batch, not later as an IndexError in the scorer."""
+    pairs = Rollout.from_samples([([1], {"i": i}, [2, 3], "stop") for i in range(4)], VOCAB,
+                                 group_ids=[0, 0, 1, 1])
+    saved = dataclasses.replace(pairs, index=7).state()
+    assert Rollout.from_state(saved, pairs.prompt_rows).group_ids.tolist() == [0, 0, 1, 1]
+    del saved["part"]["group_ids"]  # a checkpoint from before: one group per prompt
+    assert Rollout.from_state(saved, pairs.prompt_rows).group_ids.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="batch 7 sampled ahead.*4 prompts.*2 dataset rows"):
+        Rollout.from_state(saved, pairs.prompt_rows[:2])

@@ -117,6 +117,9 @@ class Rollout:
             if t.shape != (b,):
                 raise ValueError(f"Rollout.{name} must be [B]=[{b}] (one per sample), got "
                                  f"{tuple(t.shape)}")
+        if len(self.prompt_rows) != len(self.prompt_lens):
+            raise ValueError(f"Rollout: {len(self.prompt_lens)} prompts, but "
+                             f"{len(self.prompt_rows)} dataset rows (prompt_rows: one per prompt)")
 
     # ------------------------------------------------------------------ made from
 
@@ -368,9 +371,10 @@ class Rollout:
     def state(self) -> dict:
         """What a checkpoint keeps of a batch sampled ahead, as plain tensors: everything but the
         dataset rows (they come from the loader again): each per-token field it carries under
-        its declared name, the greedy baseline's samples."""
+        its declared name, the group ids, the greedy baseline's samples."""
         out = {"index": self.index, "version": self.version,
                "part": {"integers": self.integers(), "tokens": self.tokens(),
+                        "group_ids": self.group_ids.cpu(),
                         "sizes": torch.tensor([len(self.prompt_lens), self.num_samples,
                                                self.prompt_ids.numel()], dtype=torch.int64),
                         "token_fields": {name: self.token_fields[name] for name in TOKEN_FIELDS
@@ -390,9 +394,11 @@ class Rollout:
             if "logprobs" in d:  # a checkpoint from before the fields were declared
                 fields["logprobs"] = d["logprobs"]
             try:
+                # Older checkpoints have no group ids: one group per prompt (prompt_of).
                 return dataclasses.replace(
                     cls.cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
-                            prompt_tokens, fields), index=index, version=version)
+                            prompt_tokens, fields), index=index, version=version,
+                    group_ids=d.get("group_ids"))
             except ValueError as e:
                 raise ValueError(f"the checkpoint's batch {index} sampled ahead: {e}") from e
 
