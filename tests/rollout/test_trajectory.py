@@ -206,3 +206,13 @@ def test_a_saved_batch_keeps_its_groups_and_refuses_too_few_rows():
     assert Rollout.from_state(saved, pairs.prompt_rows).group_ids.tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="batch 7 sampled ahead.*4 prompts.*2 dataset rows"):
         Rollout.from_state(saved, pairs.prompt_rows[:2])
+
+
+def test_select_refuses_a_mask_it_would_read_as_indices_0_and_1():
+    r = Rollout.from_outputs(*_batch(12), VOCAB)
+    keep = torch.tensor([True, False] * (r.num_samples // 2))
+    with pytest.raises(ValueError, match="sample indices, not a mask.*nonzero"):
+        r.select(keep)
+    with pytest.raises(ValueError, match="sample indices, not a mask"):
+        r.select(keep.tolist())
+    assert _samples(r.select(keep.nonzero().flatten())) == _samples(r)[::2]

@@ -266,7 +266,11 @@ class Rollout:
         if self.greedy is not None:
             raise ValueError("Rollout.select: the batch still carries ReMax's unscored greedy "
                              "samples; score it first")
-        idx = torch.as_tensor(samples, dtype=torch.long).cpu()
+        idx = torch.as_tensor(samples).cpu()
+        if idx.dtype == torch.bool:  # as long it would be indices 0 and 1, silently
+            raise ValueError("Rollout.select takes sample indices, not a mask: pass "
+                             "mask.nonzero().flatten()")
+        idx = idx.long()
         rows = idx.tolist()
         used, prompt_of = torch.unique(self.prompt_of[idx], return_inverse=True)
         tokens = _runs(self.response_lens, idx)
