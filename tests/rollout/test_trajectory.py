@@ -96,8 +96,11 @@ def test_concat_renumbers_groups_and_fills_what_one_part_lacks():
         else:  # b carried neither: its version on every token, every token trains
             assert fields["versions"] == [version] * len(want[1])
             assert fields["loss_mask"] == [1] * len(want[1])
-    with pytest.raises(ValueError, match="scores are set in some parts"):
+    with pytest.raises(ValueError, match=r"scores is set in parts \[0\] and not in the others"):
         Rollout.concat([a.scored(torch.zeros(a.num_samples), {}), b], PAD)
+    with pytest.raises(ValueError, match=r"train \(the learner's view: Rollout.for_learner\) is "
+                                         r"set in parts \[1\]"):
+        Rollout.concat([a, b.for_learner(INFO)], PAD)
 
 
 def test_a_saved_batch_loads_whole_and_old_checkpoints_without_turns_load():

@@ -295,20 +295,23 @@ class Rollout:
 
     @classmethod
     def concat(cls, parts: Sequence["Rollout"], pad_token_id: int) -> "Rollout":
-        """The samples of `parts` one after another, their group ids renumbered 0.. in order of
-        first appearance per part, so that groups of different parts stay apart. The learner's
-        views are joined where every part has them (widened as TrainBatch.concat widens them,
-        `pad_token_id` in input_ids); scores and baselines must be set in every part or in none.
+        """The samples of `parts` one after another, each part's group ids renumbered 0.. (in
+        the order of the ids) after the parts' before it, so that groups of different parts stay
+        apart. The learner's views, scores and baselines must be set in every part or in none;
+        the views are joined (widened as TrainBatch.concat widens them, `pad_token_id` in
+        input_ids).
         A per-token field some parts lack gets its default there (a part's own version for
         `versions`), or is dropped where it has none (the engine's log-probs); a part without
         response tokens has no say. The batch's version is the oldest part's; parts of other
         versions carry theirs on their tokens (`versions`)."""
         if not parts:
             raise ValueError("Rollout.concat: no parts")
-        for name in ("scores", "baseline", "train"):
-            have = {getattr(p, name) is None for p in parts}
-            if len(have) > 1:
-                raise ValueError(f"Rollout.concat: {name} are set in some parts and not in others")
+        for name, what in (("scores", ""), ("baseline", ""),
+                           ("train", " (the learner's view: Rollout.for_learner)")):
+            have = [i for i, p in enumerate(parts) if getattr(p, name) is not None]
+            if 0 < len(have) < len(parts):
+                raise ValueError(f"Rollout.concat: {name}{what} is set in parts {have[:8]} and "
+                                 f"not in the others: set it in every part or in none")
         if any(p.greedy is not None for p in parts):
             raise ValueError("Rollout.concat: a part still carries ReMax's unscored greedy samples")
         ids, offset = [], 0
