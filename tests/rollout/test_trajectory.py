@@ -195,6 +195,7 @@ def test_concat_a_part_without_response_tokens_has_no_say_in_the_fields():
         again = dataclasses.replace(views, train=None).for_learner(INFO)
         assert torch.equal(views.engine_log_probs, again.engine_log_probs)
         assert torch.equal(views.train.response_mask, again.train.response_mask)
+    assert Rollout.concat([empty.for_learner(INFO)] * 2, PAD).engine_log_probs is None
 
 
 def test_a_saved_batch_keeps_its_groups_and_refuses_too_few_rows():

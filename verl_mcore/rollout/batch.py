@@ -324,9 +324,14 @@ class Rollout:
         if parts[0].train is not None:
             train = TrainBatch.concat([p.train for p in parts], pad_token_id)
             responses = [r for p in parts for r in p.responses]
-            if joined_parts.logprobs is not None:  # laid out as for_learner lays them out
-                engine = response_aligned(joined_parts.logprobs, joined_parts.response_lens,
-                                          train.response_width).to(train.response_mask.device)
+            # A part without response tokens has none to give: zeros (its rows are masked).
+            engines = [p.engine_log_probs if p.engine_log_probs is not None or p.num_tokens
+                       else torch.zeros(p.train.response_mask.shape,
+                                        device=p.train.response_mask.device) for p in parts]
+            if (all(e is not None for e in engines)  # widened like the batch
+                    and any(p.engine_log_probs is not None for p in parts)):
+                engine = torch.cat([torch.nn.functional.pad(e, (0, train.response_width
+                                                               - e.shape[1])) for e in engines])
         names = list(dict.fromkeys(k for p in parts for k in p.extras))
 
         def cat(name):
