@@ -386,11 +386,11 @@ class Rollout:
         its declared name, the group ids, the greedy baseline's samples."""
         out = {"index": self.index, "version": self.version,
                "part": {"integers": self.integers(), "tokens": self.tokens(),
-                        "group_ids": self.group_ids.cpu(),
+                        "group_ids": _own(self.group_ids.cpu()),
                         "sizes": torch.tensor([len(self.prompt_lens), self.num_samples,
                                                self.prompt_ids.numel()], dtype=torch.int64),
-                        "token_fields": {name: self.token_fields[name] for name in TOKEN_FIELDS
-                                         if name in self.token_fields}}}
+                        "token_fields": {name: _own(self.token_fields[name])
+                                         for name in TOKEN_FIELDS if name in self.token_fields}}}
         if self.greedy is not None:
             out["baseline"] = self.greedy.state()["part"]
         return out
@@ -420,6 +420,13 @@ class Rollout:
 
 # Integers per sample on the wire and in checkpoints (Rollout.integers).
 _PER_SAMPLE = 5
+
+
+def _own(t: Tensor) -> Tensor:
+    """`t` with a storage of its own: torch.save writes a view's whole storage, and a batch
+    received over the wire holds its fields and group ids as views of shared buffers (one per
+    dtype: the versions beside an extra such as MoE routing)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def _runs(lens: Tensor, which: Tensor) -> Tensor:
