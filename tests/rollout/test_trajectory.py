@@ -115,8 +115,14 @@ def test_a_saved_batch_loads_whole_and_old_checkpoints_without_turns_load():
     assert (got.index, got.version, got.greedy.index, got.greedy.version) == (7, 2, 7, 2)
     assert _samples(got) == _samples(r)
     assert _samples(got.greedy)[0][:2] == _samples(r.greedy)[0][:2]
-    # Before turns were carried: P + 3B integers; every sample one turn.
     p = len(r.prompt_lens)
+    # Saved with turns, before sampled rewards were carried (2b9386c..0c01e50): P + 4B
+    # integers; the turns kept, no sampled reward (NaN).
+    four = dict(saved["part"], integers=saved["part"]["integers"][:p + 4 * r.num_samples])
+    with_turns = Rollout.from_state(dict(saved, part=four), prompts.rows)
+    assert with_turns.turns.tolist() == r.turns.tolist() and 1 < max(r.turns.tolist())
+    assert bool(with_turns.sampled_rewards.isnan().all())
+    # Before turns were carried: P + 3B integers; every sample one turn.
     saved["part"]["integers"] = saved["part"]["integers"][:p + 3 * r.num_samples]
     old = Rollout.from_state(saved, prompts.rows)
     assert old.turns.tolist() == [1] * r.num_samples

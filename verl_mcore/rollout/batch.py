@@ -366,19 +366,20 @@ class Rollout:
     def cut(cls, integers: Tensor, tokens: Tensor, rows: list, prompts: int, samples: int,
             prompt_tokens: int, fields: Optional[dict[str, Tensor]] = None) -> "Rollout":
         """A batch from its `integers` and `tokens` buffers and per-token fields (views, no
-        copies). Integers of P + 3B (no turns, no sampled rewards) are those of checkpoints from
-        before they were carried."""
+        copies). Integers of P + 3B (no turns, no sampled rewards) and P + 4B (turns, no sampled
+        rewards) are those of checkpoints from before they were carried."""
         lens = integers[:prompts]
         rest = integers[prompts:]
         per_sample = rest.numel() // samples if samples else _PER_SAMPLE
-        if per_sample not in (3, _PER_SAMPLE) or rest.numel() != per_sample * samples:
+        if per_sample not in (3, 4, _PER_SAMPLE) or rest.numel() != per_sample * samples:
             raise ValueError(f"a rollout batch's integers hold {integers.numel()} values, not "
                              f"{prompts} prompts + {_PER_SAMPLE} x {samples} samples")
         columns = rest.view(per_sample, samples)
-        new = per_sample == _PER_SAMPLE
         return cls(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], columns[0], columns[1],
-                   columns[2], rows, fields or {}, turns=columns[3] if new else None,
-                   sampled_rewards=columns[4].view(torch.float64) if new else None)
+                   columns[2], rows, fields or {},
+                   turns=columns[3] if per_sample >= 4 else None,
+                   sampled_rewards=columns[4].view(torch.float64) if per_sample == _PER_SAMPLE
+                   else None)
 
     def state(self) -> dict:
         """What a checkpoint keeps of a batch sampled ahead, as plain tensors: everything but the
