@@ -226,3 +226,16 @@ def test_select_refuses_a_mask_it_would_read_as_indices_0_and_1():
     with pytest.raises(ValueError, match="sample indices, not a mask"):
         r.select(keep.tolist())
     assert _samples(r.select(keep.nonzero().flatten())) == _samples(r)[::2]
+
+
+def test_sampled_rewards_of_another_float_dtype_cross_as_float64():
+    """The wire carries the sampled rewards' float64 bits among the integers: float32 rewards
+    (torch.tensor of a list of floats) viewed as int64 gave half as many, and every value after
+    them was cut in the wrong place."""
+    prompts, outs = _batch(13)
+    r = Rollout.from_outputs(prompts, outs, VOCAB)
+    rewards = torch.arange(r.num_samples, dtype=torch.float32) / 4
+    r = dataclasses.replace(r, sampled_rewards=rewards)
+    assert r.integers().numel() == len(r.prompt_lens) + 5 * r.num_samples
+    got = Rollout.from_state(r.state(), prompts.rows)
+    assert got.sampled_rewards.tolist() == rewards.tolist() and _samples(got) == _samples(r)

@@ -110,6 +110,8 @@ class Rollout:
             self.turns = torch.ones(b, dtype=torch.int64)
         if self.sampled_rewards is None:
             self.sampled_rewards = torch.full((b,), math.nan, dtype=torch.float64)
+        # float64: integers() carries their bits as int64, one value each
+        self.sampled_rewards = self.sampled_rewards.to(torch.float64)
         if self.group_ids is None:
             self.group_ids = self.prompt_of.to(torch.int64)
         for name in ("prompt_of", "finish_codes", "turns", "sampled_rewards", "group_ids"):
