@@ -56,7 +56,8 @@ class Scorer:
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
             prompts = rollout.prompt_texts(self.tokenizer, mine)
-        out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
+        rows = rollout.rows  # laid out on each read: once, not once per sample
+        out = self.rewards.score([rollout.responses[i] for i in mine], [rows[i] for i in mine],
                                  *ids, indices=mine, prompts=prompts,
                                  model_scores=outside)
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,

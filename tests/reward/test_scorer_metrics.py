@@ -90,3 +90,43 @@ def test_a_reward_models_std_is_pooled_over_the_batches():
 
     merged = _merged([(stats(a), 3, {}), (stats(b), 2, {})])
     assert merged == pytest.approx(stats(torch.cat([a, b])))
+
+
+def _rows_read_body(rank, world_size, path):
+    """Scorer.score of a real rollout batch of 64 samples: (its scores, how often it built the
+    batch's per-sample rows, Rollout.rows: a property laid out from the prompts' rows)."""
+    import dataclasses
+
+    from verl_mcore.rollout.batch import Rollout
+    from verl_mcore.scoring import Scorer
+
+    n = 64
+    rollout = Rollout.from_samples([([1, 2], row("math", truth=str(i)), [3], "stop")
+                                    for i in range(n)], vocab_size=16)
+    rollout = dataclasses.replace(rollout, responses=[str(i % 5) for i in range(n)])
+    reads, rows = [0], Rollout.rows
+
+    def counted(self):
+        reads[0] += 1
+        return rows.fget(self)
+
+    Rollout.rows = property(counted)
+    try:
+        with RewardManager.from_config(_config(path)) as manager:
+            place = SimpleNamespace(training_ranks=tuple(range(world_size)), training=None)
+            scores, _, _ = Scorer(None, manager, {}, [], place, None, torch.device("cpu"),
+                                  rank).score(rollout)
+    finally:
+        Rollout.rows = rows  # the ranks are pooled processes
+    return scores.tolist(), reads[0]
+
+
+def test_the_scorer_reads_a_batchs_rows_once_not_once_per_sample(tmp_path):
+    """Rollout.rows lays out [B] rows each time it is read: read per sample, a batch of B
+    samples cost O(B^2) (4 s a step at B = 8192 on one scoring rank)."""
+    path = tmp_path / "partial.py"
+    path.write_text(PARTIAL)
+    results = run_on_ranks(_rows_read_body, 2, args=(str(path),), timeout=180)
+    for scores, reads in results:
+        assert scores == [float(i % 5) for i in range(64)]
+        assert reads == 1

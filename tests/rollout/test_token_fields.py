@@ -200,3 +200,29 @@ def test_a_field_gloo_cannot_send_is_refused_at_its_declaration():
             SampleOutput(0, 1, [], None, "stop")]
     assert Rollout.from_outputs(_prompts(1), outs, VOCAB).token_fields["versions"].tolist() \
         == [3, 3]
+
+
+def test_a_checkpoint_saves_each_field_not_the_wire_buffer_it_was_cut_from():
+    """A batch received over the wire holds its fields as views of one buffer per dtype (the
+    versions and a declared int32 extra share one): its checkpoint saves each field's own
+    values, not the whole buffer once per field."""
+    with _Declared():
+        part = Rollout.from_outputs(_prompts(40), _outputs(1, 40), VOCAB)
+        names = list(part.token_fields)
+        tokens = part.num_tokens
+        buffers = {d: part.field_buffer(names, d) for d in token_fields.dtypes_of(names)}
+        received = Rollout.cut(part.integers(), part.tokens(), part.prompt_rows,
+                               len(part.prompt_lens), part.num_samples, part.prompt_ids.numel(),
+                               token_fields.unpack(buffers, names, tokens))
+        saved = received.state()["part"]
+
+        def nbytes(t):
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            return len(buf.getvalue())
+
+        for name in ("versions", "group_ids"):
+            t = saved["token_fields"][name] if name == "versions" else saved[name]
+            # its values, not a whole buffer (3 ints a token, the group ids' 4 per sample)
+            assert nbytes(t) < nbytes(t.clone()) + t.nbytes // 2, name
+        assert torch.equal(saved["token_fields"]["versions"], part.token_fields["versions"])

@@ -96,8 +96,11 @@ def test_concat_renumbers_groups_and_fills_what_one_part_lacks():
         else:  # b carried neither: its version on every token, every token trains
             assert fields["versions"] == [version] * len(want[1])
             assert fields["loss_mask"] == [1] * len(want[1])
-    with pytest.raises(ValueError, match="scores are set in some parts"):
+    with pytest.raises(ValueError, match=r"scores is set in parts \[0\] and not in the others"):
         Rollout.concat([a.scored(torch.zeros(a.num_samples), {}), b], PAD)
+    with pytest.raises(ValueError, match=r"train \(the learner's view: Rollout.for_learner\) is "
+                                         r"set in parts \[1\]"):
+        Rollout.concat([a, b.for_learner(INFO)], PAD)
 
 
 def test_a_saved_batch_loads_whole_and_old_checkpoints_without_turns_load():
@@ -112,8 +115,14 @@ def test_a_saved_batch_loads_whole_and_old_checkpoints_without_turns_load():
     assert (got.index, got.version, got.greedy.index, got.greedy.version) == (7, 2, 7, 2)
     assert _samples(got) == _samples(r)
     assert _samples(got.greedy)[0][:2] == _samples(r.greedy)[0][:2]
-    # Before turns were carried: P + 3B integers; every sample one turn.
     p = len(r.prompt_lens)
+    # Saved with turns, before sampled rewards were carried (2b9386c..0c01e50): P + 4B
+    # integers; the turns kept, no sampled reward (NaN).
+    four = dict(saved["part"], integers=saved["part"]["integers"][:p + 4 * r.num_samples])
+    with_turns = Rollout.from_state(dict(saved, part=four), prompts.rows)
+    assert with_turns.turns.tolist() == r.turns.tolist() and 1 < max(r.turns.tolist())
+    assert bool(with_turns.sampled_rewards.isnan().all())
+    # Before turns were carried: P + 3B integers; every sample one turn.
     saved["part"]["integers"] = saved["part"]["integers"][:p + 3 * r.num_samples]
     old = Rollout.from_state(saved, prompts.rows)
     assert old.turns.tolist() == [1] * r.num_samples
@@ -155,3 +164,78 @@ def test_bad_turns_name_the_sample():
     outs[3].turns = -1
     with pytest.raises(ValueError, match=r"turns of \(prompt, sample\) \[\(1, 1\)\]"):
         Rollout.from_outputs(prompts, outs, VOCAB)
+
+
+def test_concat_of_parts_sampled_with_other_weights_keeps_each_tokens_version():
+    """Neither part carries per-token versions, but they were sampled with other weights: the
+    joined batch's version is the oldest, and each token still says which weights sampled it
+    (the learner's token ages see the mix). Parts of one version stay without the field."""
+    a = dataclasses.replace(Rollout.from_outputs(*_batch(2, mask=False), VOCAB), version=4)
+    b = dataclasses.replace(Rollout.from_outputs(*_batch(3, mask=False), VOCAB), version=6)
+    joined = Rollout.concat([a, b], PAD)
+    assert joined.version == 4
+    want = [4] * a.num_tokens + [6] * b.num_tokens
+    assert joined.token_field("versions").tolist() == want
+    m = joined.trajectory_metrics(6)
+    assert m["rollout/token_age/max"] == 2 and m["rollout/token_version/min"] == 4
+    assert m["rollout/token_age/mean"] == pytest.approx(2 * a.num_tokens / len(want))
+    same = Rollout.concat([a, dataclasses.replace(b, version=4)], PAD)
+    assert "versions" not in same.token_fields
+    assert not any(k.startswith("rollout/token_") for k in same.trajectory_metrics(4))
+
+
+def test_concat_a_part_without_response_tokens_has_no_say_in_the_fields():
+    """A part whose responses are all empty carries no log-probs (from_outputs: nothing to give),
+    as an empty replica in the gather: joined with parts that carry them, the batch keeps the
+    engine's log-probs (flat and the learner's [B, R]) instead of dropping them for everyone."""
+    prompts, outs = _batch(10, prompts=2, n=2)
+    for o in outs:
+        o.token_ids, o.logprobs, o.loss_mask = [], [], None
+    empty = Rollout.from_outputs(prompts, outs, VOCAB)
+    assert "logprobs" not in empty.token_fields and empty.num_tokens == 0
+    full = Rollout.from_outputs(*_batch(11), VOCAB)
+    for parts in ([empty, full], [full, empty]):
+        joined = Rollout.concat(parts, PAD)
+        assert torch.equal(joined.logprobs, full.logprobs)
+        views = Rollout.concat([p.for_learner(INFO) for p in parts], PAD)
+        again = dataclasses.replace(views, train=None).for_learner(INFO)
+        assert torch.equal(views.engine_log_probs, again.engine_log_probs)
+        assert torch.equal(views.train.response_mask, again.train.response_mask)
+    assert Rollout.concat([empty.for_learner(INFO)] * 2, PAD).engine_log_probs is None
+
+
+def test_a_saved_batch_keeps_its_groups_and_refuses_too_few_rows():
+    """Groups that are not one per prompt (from_samples' group ids) survive a checkpoint; a
+    loader that hands back fewer dataset rows than the saved batch has prompts (another data
+    file) fails at the load naming the batch, not later as an IndexError in the scorer."""
+    pairs = Rollout.from_samples([([1], {"i": i}, [2, 3], "stop") for i in range(4)], VOCAB,
+                                 group_ids=[0, 0, 1, 1])
+    saved = dataclasses.replace(pairs, index=7).state()
+    assert Rollout.from_state(saved, pairs.prompt_rows).group_ids.tolist() == [0, 0, 1, 1]
+    del saved["part"]["group_ids"]  # a checkpoint from before: one group per prompt
+    assert Rollout.from_state(saved, pairs.prompt_rows).group_ids.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="batch 7 sampled ahead.*4 prompts.*2 dataset rows"):
+        Rollout.from_state(saved, pairs.prompt_rows[:2])
+
+
+def test_select_refuses_a_mask_it_would_read_as_indices_0_and_1():
+    r = Rollout.from_outputs(*_batch(12), VOCAB)
+    keep = torch.tensor([True, False] * (r.num_samples // 2))
+    with pytest.raises(ValueError, match="sample indices, not a mask.*nonzero"):
+        r.select(keep)
+    with pytest.raises(ValueError, match="sample indices, not a mask"):
+        r.select(keep.tolist())
+    assert _samples(r.select(keep.nonzero().flatten())) == _samples(r)[::2]
+
+
+def test_sampled_rewards_of_another_float_dtype_cross_as_float64():
+    """The wire carries the sampled rewards' float64 bits among the integers: float32 rewards
+    (torch.tensor of a list of floats) viewed as int64 gave half as many, and every value after
+    them was cut in the wrong place."""
+    prompts, outs = _batch(13)
+    r = Rollout.from_outputs(prompts, outs, VOCAB)
+    rewards = torch.arange(r.num_samples, dtype=torch.float32) / 4
+    r = dataclasses.replace(r, sampled_rewards=rewards)
+    assert r.integers().numel() == len(r.prompt_lens) + 5 * r.num_samples
+    got = Rollout.from_state(r.state(), prompts.rows)
+    assert got.sampled_rewards.tolist() == rewards.tolist() and _samples(got) == _samples(r)

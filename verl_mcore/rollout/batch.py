@@ -29,7 +29,7 @@ from torch import Tensor
 from verl_mcore.engine.batch import TrainBatch, flatten_token_ids, response_aligned
 from verl_mcore.rollout import token_fields
 from verl_mcore.rollout.base import FinishReason, SampleOutput
-from verl_mcore.rollout.token_fields import TOKEN_FIELDS
+from verl_mcore.rollout.token_fields import BATCH_VERSION, TOKEN_FIELDS
 
 FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)  # code = index
 
@@ -110,6 +110,8 @@ class Rollout:
             self.turns = torch.ones(b, dtype=torch.int64)
         if self.sampled_rewards is None:
             self.sampled_rewards = torch.full((b,), math.nan, dtype=torch.float64)
+        # float64: integers() carries their bits as int64, one value each
+        self.sampled_rewards = self.sampled_rewards.to(torch.float64)
         if self.group_ids is None:
             self.group_ids = self.prompt_of.to(torch.int64)
         for name in ("prompt_of", "finish_codes", "turns", "sampled_rewards", "group_ids"):
@@ -117,6 +119,9 @@ class Rollout:
             if t.shape != (b,):
                 raise ValueError(f"Rollout.{name} must be [B]=[{b}] (one per sample), got "
                                  f"{tuple(t.shape)}")
+        if len(self.prompt_rows) != len(self.prompt_lens):
+            raise ValueError(f"Rollout: {len(self.prompt_lens)} prompts, but "
+                             f"{len(self.prompt_rows)} dataset rows (prompt_rows: one per prompt)")
 
     # ------------------------------------------------------------------ made from
 
@@ -263,7 +268,11 @@ class Rollout:
         if self.greedy is not None:
             raise ValueError("Rollout.select: the batch still carries ReMax's unscored greedy "
                              "samples; score it first")
-        idx = torch.as_tensor(samples, dtype=torch.long).cpu()
+        idx = torch.as_tensor(samples).cpu()
+        if idx.dtype == torch.bool:  # as long it would be indices 0 and 1, silently
+            raise ValueError("Rollout.select takes sample indices, not a mask: pass "
+                             "mask.nonzero().flatten()")
+        idx = idx.long()
         rows = idx.tolist()
         used, prompt_of = torch.unique(self.prompt_of[idx], return_inverse=True)
         tokens = _runs(self.response_lens, idx)
@@ -288,19 +297,23 @@ class Rollout:
 
     @classmethod
     def concat(cls, parts: Sequence["Rollout"], pad_token_id: int) -> "Rollout":
-        """The samples of `parts` one after another, their group ids renumbered 0.. in order of
-        first appearance per part, so that groups of different parts stay apart. The learner's
-        views are joined where every part has them (widened as TrainBatch.concat widens them,
-        `pad_token_id` in input_ids); scores and baselines must be set in every part or in none.
+        """The samples of `parts` one after another, each part's group ids renumbered 0.. (in
+        the order of the ids) after the parts' before it, so that groups of different parts stay
+        apart. The learner's views, scores and baselines must be set in every part or in none;
+        the views are joined (widened as TrainBatch.concat widens them, `pad_token_id` in
+        input_ids).
         A per-token field some parts lack gets its default there (a part's own version for
-        `versions`), or is dropped where it has none (the engine's log-probs); the batch's
-        version is the oldest part's."""
+        `versions`), or is dropped where it has none (the engine's log-probs); a part without
+        response tokens has no say. The batch's version is the oldest part's; parts of other
+        versions carry theirs on their tokens (`versions`)."""
         if not parts:
             raise ValueError("Rollout.concat: no parts")
-        for name in ("scores", "baseline", "train"):
-            have = {getattr(p, name) is None for p in parts}
-            if len(have) > 1:
-                raise ValueError(f"Rollout.concat: {name} are set in some parts and not in others")
+        for name, what in (("scores", ""), ("baseline", ""),
+                           ("train", " (the learner's view: Rollout.for_learner)")):
+            have = [i for i, p in enumerate(parts) if getattr(p, name) is not None]
+            if 0 < len(have) < len(parts):
+                raise ValueError(f"Rollout.concat: {name}{what} is set in parts {have[:8]} and "
+                                 f"not in the others: set it in every part or in none")
         if any(p.greedy is not None for p in parts):
             raise ValueError("Rollout.concat: a part still carries ReMax's unscored greedy samples")
         ids, offset = [], 0
@@ -313,11 +326,14 @@ class Rollout:
         if parts[0].train is not None:
             train = TrainBatch.concat([p.train for p in parts], pad_token_id)
             responses = [r for p in parts for r in p.responses]
-            if all(p.engine_log_probs is not None for p in parts):  # widened like the batch
-                engine = torch.cat([torch.nn.functional.pad(p.engine_log_probs,
-                                                            (0, train.response_width
-                                                             - p.engine_log_probs.shape[1]))
-                                    for p in parts])
+            # A part without response tokens has none to give: zeros (its rows are masked).
+            engines = [p.engine_log_probs if p.engine_log_probs is not None or p.num_tokens
+                       else torch.zeros(p.train.response_mask.shape,
+                                        device=p.train.response_mask.device) for p in parts]
+            if (all(e is not None for e in engines)  # widened like the batch
+                    and any(p.engine_log_probs is not None for p in parts)):
+                engine = torch.cat([torch.nn.functional.pad(e, (0, train.response_width
+                                                               - e.shape[1])) for e in engines])
         names = list(dict.fromkeys(k for p in parts for k in p.extras))
 
         def cat(name):
@@ -352,30 +368,32 @@ class Rollout:
     def cut(cls, integers: Tensor, tokens: Tensor, rows: list, prompts: int, samples: int,
             prompt_tokens: int, fields: Optional[dict[str, Tensor]] = None) -> "Rollout":
         """A batch from its `integers` and `tokens` buffers and per-token fields (views, no
-        copies). Integers of P + 3B (no turns, no sampled rewards) are those of checkpoints from
-        before they were carried."""
+        copies). Integers of P + 3B (no turns, no sampled rewards) and P + 4B (turns, no sampled
+        rewards) are those of checkpoints from before they were carried."""
         lens = integers[:prompts]
         rest = integers[prompts:]
         per_sample = rest.numel() // samples if samples else _PER_SAMPLE
-        if per_sample not in (3, _PER_SAMPLE) or rest.numel() != per_sample * samples:
+        if per_sample not in (3, 4, _PER_SAMPLE) or rest.numel() != per_sample * samples:
             raise ValueError(f"a rollout batch's integers hold {integers.numel()} values, not "
                              f"{prompts} prompts + {_PER_SAMPLE} x {samples} samples")
         columns = rest.view(per_sample, samples)
-        new = per_sample == _PER_SAMPLE
         return cls(tokens[:prompt_tokens], lens, tokens[prompt_tokens:], columns[0], columns[1],
-                   columns[2], rows, fields or {}, turns=columns[3] if new else None,
-                   sampled_rewards=columns[4].view(torch.float64) if new else None)
+                   columns[2], rows, fields or {},
+                   turns=columns[3] if per_sample >= 4 else None,
+                   sampled_rewards=columns[4].view(torch.float64) if per_sample == _PER_SAMPLE
+                   else None)
 
     def state(self) -> dict:
         """What a checkpoint keeps of a batch sampled ahead, as plain tensors: everything but the
         dataset rows (they come from the loader again): each per-token field it carries under
-        its declared name, the greedy baseline's samples."""
+        its declared name, the group ids, the greedy baseline's samples."""
         out = {"index": self.index, "version": self.version,
                "part": {"integers": self.integers(), "tokens": self.tokens(),
+                        "group_ids": _own(self.group_ids.cpu()),
                         "sizes": torch.tensor([len(self.prompt_lens), self.num_samples,
                                                self.prompt_ids.numel()], dtype=torch.int64),
-                        "token_fields": {name: self.token_fields[name] for name in TOKEN_FIELDS
-                                         if name in self.token_fields}}}
+                        "token_fields": {name: _own(self.token_fields[name])
+                                         for name in TOKEN_FIELDS if name in self.token_fields}}}
         if self.greedy is not None:
             out["baseline"] = self.greedy.state()["part"]
         return out
@@ -391,9 +409,11 @@ class Rollout:
             if "logprobs" in d:  # a checkpoint from before the fields were declared
                 fields["logprobs"] = d["logprobs"]
             try:
+                # Older checkpoints have no group ids: one group per prompt (prompt_of).
                 return dataclasses.replace(
                     cls.cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
-                            prompt_tokens, fields), index=index, version=version)
+                            prompt_tokens, fields), index=index, version=version,
+                    group_ids=d.get("group_ids"))
             except ValueError as e:
                 raise ValueError(f"the checkpoint's batch {index} sampled ahead: {e}") from e
 
@@ -403,6 +423,13 @@ class Rollout:
 
 # Integers per sample on the wire and in checkpoints (Rollout.integers).
 _PER_SAMPLE = 5
+
+
+def _own(t: Tensor) -> Tensor:
+    """`t` with a storage of its own: torch.save writes a view's whole storage, and a batch
+    received over the wire holds its fields and group ids as views of shared buffers (one per
+    dtype: the versions beside an extra such as MoE routing)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def _runs(lens: Tensor, which: Tensor) -> Tensor:
@@ -419,15 +446,21 @@ def _runs(lens: Tensor, which: Tensor) -> Tensor:
 
 def joined(parts: Sequence[Rollout]) -> Rollout:
     """Parts one after another as one batch: prompt indices shifted by the prompts before each
-    part; a per-token field some parts lack gets its default there (Rollout.concat)."""
+    part; a per-token field some parts lack gets its default there (Rollout.concat). A part
+    without response tokens has no say (token_fields.merged), and parts sampled with other
+    weights carry their versions on their tokens (the batch's version is one number)."""
     base = np.cumsum([0] + [len(p.prompt_lens) for p in parts[:-1]]).tolist()
     fields = {}
+    speaking = [p for p in parts if p.num_tokens]
     for name, f in TOKEN_FIELDS.items():
-        carried = [name in p.token_fields for p in parts]
-        if not any(carried) or (not all(carried) and f.default is None):
+        carried = [name in p.token_fields for p in speaking]
+        versions_differ = (f.default == BATCH_VERSION
+                           and len({p.version for p in speaking}) > 1)
+        if not (any(carried) or versions_differ) or (not all(carried) and f.default is None):
             continue
         fields[name] = torch.cat([token_fields.filled(p.token_fields, name, p.num_tokens,
-                                                      p.version) for p in parts])
+                                                      p.version) if p.num_tokens
+                                  else f.fill(0) for p in parts])
     return Rollout(
         prompt_ids=torch.cat([p.prompt_ids for p in parts]),
         prompt_lens=torch.cat([p.prompt_lens for p in parts]),
