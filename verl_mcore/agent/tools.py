@@ -258,8 +258,11 @@ def resolve_schema(obj: Any, name: str, kwargs: dict, given: dict, where: str) -
     its schema given / its `schema` attribute / derived, checked, and checked to fit the
     signature that will be called."""
     if inspect.isclass(obj):
-        kind, call = "class", getattr(obj, "__call__", None)
-        if call is None or call is object.__call__:
+        # Its instances' __call__ (getattr on the class would give type.__call__).
+        call = next((vars(k)["__call__"] for k in obj.__mro__
+                     if k is not object and "__call__" in vars(k)), None)
+        kind = "class"
+        if not callable(call):
             raise ToolSchemaError(f"{where}: class {name} has no __call__ method: its instances "
                                   "are what the model calls")
         fit = inspect.signature(call)
@@ -274,8 +277,11 @@ def resolve_schema(obj: Any, name: str, kwargs: dict, given: dict, where: str) -
     elif isinstance(getattr(obj, "schema", None), dict):
         schema = obj.schema
     else:
-        skip = tuple(kwargs) if kind == "function" else ()
-        doc = (inspect.getdoc(obj) or inspect.getdoc(call)) if kind == "class" else None
+        # A function's config kwargs are not the model's; a class's __call__ has `self` first.
+        skip = tuple(kwargs) if kind == "function" else (next(iter(inspect.signature(call).parameters)),)
+        # A class: its __call__'s own docstring, else the class's (not inspect.getdoc, which
+        # would find object's "Call self as a function." for a __call__ without one).
+        doc = (call.__doc__ or obj.__doc__ or "") if kind == "class" else None
         schema = derive_schema(call, name, skip=skip, doc=doc, where=where)
     schema = check_schema(schema, where)
     _check_fits(fit, schema, kwargs if kind == "function" else {}, name, where)
