@@ -70,12 +70,16 @@ class _Layout:
     between: list[list[int]]  # k + 1 delimiter pieces around the k contents
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
-           **kwargs: Any) -> str:
-    """The chat template's text of `messages` (kwargs: tools=, enable_thinking=, ...)."""
+def _check_has_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template: "
                             "agent loops need one to delimit turns")
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+           **kwargs: Any) -> str:
+    """The chat template's text of `messages` (kwargs: tools=, enable_thinking=, ...)."""
+    _check_has_template(tokenizer)
     return tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **kwargs)
 
@@ -95,9 +99,12 @@ class ObservationTokens:
         # one-character one is that character).
         added = {tok.content: i for i, tok in tokenizer.added_tokens_decoder.items()
                  if len(tok.content) >= 2}
-        self._added_ids = set(added.values()) | set(tokenizer.all_special_ids)
+        # (The unknown token is what a word-level vocabulary gives a word it lacks: no leak.)
+        self._added_ids = (set(added.values()) | set(tokenizer.all_special_ids)) - {
+            tokenizer.unk_token_id}
         self._added = re.compile("(?=(" + "|".join(
             re.escape(t) for t in sorted(added, key=len, reverse=True)) + "))") if added else None
+        _check_has_template(tokenizer)  # before anything is tokenized
         # Room kept for one truncation mark: the longest numbers a mark will hold.
         self._mark_reserve = len(self.plain_ids(_mark(10 ** 7, 10 ** 7)))
         self._layout(1)  # a template that cannot do it fails now, not at the first tool call
