@@ -137,3 +137,15 @@ def test_tool_schemas_in_the_prompt(chatml, smol):
     assert smol.decode(render_prompt(smol, system, [SCHEMA])).startswith(
         "<|im_start|>system\nBe brief.\n\nYou can call tools.")
     assert render_prompt(smol, messages) == _ids(smol, render(smol, messages, add_generation_prompt=True))
+
+
+def test_from_the_config(chatml):
+    from verl_mcore.config.loading import from_dict
+    from verl_mcore.config.schema import AgentToolsConfig
+
+    cfg = from_dict(AgentToolsConfig, {"observation_role": "user", "max_observation_tokens": 100},
+                    prefix="agent.")
+    obs = ObservationTokens.from_config(chatml, cfg)
+    assert (obs.role, obs.max_tokens) == ("user", 100)
+    assert chatml.decode(obs.turn(["42"]).ids).startswith("<|im_end|>\n<|im_start|>user\n42")
+    assert obs.turn(["hello world " * 100]).truncated

@@ -1,6 +1,7 @@
 """The tool sandbox against hostile tools and environments: each misdeed becomes an observation
 and a counted metric, and the sandbox goes on (issue 41's hostile cases)."""
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -10,7 +11,10 @@ from verl_mcore.agent.environment import EnvironmentFailure
 from verl_mcore.agent.metrics import ToolMetrics
 from verl_mcore.agent.sandbox import SandboxError, ToolSandbox
 from verl_mcore.agent.tools import ToolCall
+from verl_mcore.config.loading import from_dict
 from verl_mcore.config.schema import AgentToolsConfig, EnvironmentConfig, SandboxConfig, ToolConfig
+from verl_mcore.errors import ConfigError
+from verl_mcore.user_code import UserCodeError
 
 HOSTILE = os.path.join(os.path.dirname(__file__), "hostile_tools.py")
 
@@ -199,3 +203,44 @@ def test_closed_sandbox_refuses_and_a_hung_call_is_cancelled():
     asyncio.run(hang_then_close())
     with pytest.raises(SandboxError, match="agent.sandbox: the sandbox is closed"):
         sb.call_sync(ToolCall("echo", {"text": "x"}))
+
+
+def test_workers_that_cannot_start(tmp_path):
+    # imports in the probe (and here) but not in a worker, whose first argument is its entry
+    path = tmp_path / "worker_only.py"
+    path.write_text("import sys, time\n"
+                    "if sys.argv[0] == '-c' and sys.argv[1].endswith(':serve'):\n"
+                    "    {}\n"
+                    "def f(x: int) -> str:\n    '''F.'''\n    return str(x)\n")
+    source = path.read_text()
+    path.write_text(source.format("raise ImportError('not in workers')"))
+    cfg = AgentToolsConfig(tools=[ToolConfig(path=str(path), name="f")],
+                           sandbox=SandboxConfig(num_workers=1, startup_timeout_s=1.0))
+    with pytest.raises(UserCodeError, match=r"(?s)Traceback.*a sandbox worker could not load "
+                                            r"agent.tools\[0\] .*worker_only.py:f: ValueError: "
+                                            r".*importing the file failed: ImportError: not in workers"):
+        ToolSandbox.from_config(cfg)
+    path = tmp_path / "worker_blocks.py"
+    path.write_text(source.format("time.sleep(60)"))
+    cfg.tools[0].path = str(path)
+    t0 = time.monotonic()
+    with pytest.raises(UserCodeError, match=r"a sandbox worker did not load agent.tools\[0\] "
+                                            r".*worker_blocks.py:f within 1 s "
+                                            r"\(agent.sandbox.startup_timeout_s\)"):
+        ToolSandbox.from_config(cfg)
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_config_section(tmp_path):
+    cfg = from_dict(AgentToolsConfig, {
+        "tools": [{"path": HOSTILE, "name": "echo"}],
+        "sandbox": {"num_workers": 0}}, prefix="agent.")
+    assert cfg.parser.name == "hermes" and cfg.parser.path is None  # the built-in by default
+    with pytest.raises(ConfigError, match=r"agent.sandbox.num_workers=0: must be positive"):
+        ToolSandbox.from_config(cfg)
+    with pytest.raises(ConfigError, match=r"unknown config key agent.tools\[0\].schemas; did you mean"):
+        from_dict(AgentToolsConfig, {"tools": [{"path": HOSTILE, "schemas": {}}]}, prefix="agent.")
+    assert ToolSandbox.from_config(AgentToolsConfig()) is None  # nothing to run
+    with pytest.raises(ConfigError, match="agent.environment: no environment is configured"):
+        with ToolSandbox.from_config(dataclasses.replace(cfg, sandbox=SandboxConfig(num_workers=1))) as sb:
+            sb.session()

@@ -109,6 +109,13 @@ class ObservationTokens:
         self._mark_reserve = len(self.plain_ids(_mark(10 ** 7, 10 ** 7)))
         self._layout(1)  # a template that cannot do it fails now, not at the first tool call
 
+    @classmethod
+    def from_config(cls, tokenizer, cfg, key: str = "agent",
+                    template_kwargs: Optional[dict] = None) -> "ObservationTokens":
+        """For an AgentToolsConfig at `key`: its observation_role and max_observation_tokens."""
+        return cls(tokenizer, cfg.observation_role, cfg.max_observation_tokens, template_kwargs,
+                   key)
+
     # ------------------------------------------------------------------ public
 
     def turn(self, texts: Sequence[str], after_token: Optional[int] = None) -> Observation:
