@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from verl_mcore.agent.environment import EnvironmentFailure, checked_observation, checked_step
+from verl_mcore.distributed.worker_process import requests
 
 
 class _CappedText(io.TextIOBase):
@@ -91,13 +91,7 @@ def serve(conn: Connection, init: tuple) -> None:
         return
     conn.send(("ready", None))
     envs: dict[Any, Any] = {}  # session -> its environment instance
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if message is None:
-            return
+    for message in requests(conn):
         kind, *args = message
         if kind == "call":
             reply = _call(tools, *args, max_output_chars, max_memory_mb)

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from verl_mcore.distributed.children import die_with_parent
 from verl_mcore.user_code import child_env
@@ -92,6 +92,18 @@ def limit_memory(max_memory_mb: Optional[int]) -> None:
     if max_memory_mb:
         limit = int(max_memory_mb) << 20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def requests(conn: Connection) -> Iterator[Any]:
+    """In the child: the parent's messages, until it sends None (stop) or is gone."""
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if message is None:
+            return
+        yield message
 
 
 def run_worker(entry: str, conn: Connection, parent_pid: int) -> None:

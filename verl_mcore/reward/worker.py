@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional
 
-from verl_mcore.distributed.worker_process import limit_memory
+from verl_mcore.distributed.worker_process import requests
 from verl_mcore.reward.custom import BatchScorer, RewardBatch
 from verl_mcore.reward.scorers import InvalidScore, check_result
 
@@ -95,12 +95,6 @@ def serve(conn: Connection, init: tuple) -> None:
         conn.send(("init_error", traceback.format_exc()))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if message is None:
-            return
+    for message in requests(conn):
         for item, key, args in message:
             conn.send((item, run_item(scorers[key], args, max_memory_mb)))
