@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
         slots = engine.max_num_seqs
         ds = next(iter(engine._graphs.values()))
         ds.alive.fill_(True)  # every slot decoding (the state after the fill call is all finished)
-        ds.max_new.fill_(1 << 40)
+        ds.limit.fill_(1 << 40)
         ds.table.zero_()
         ds.table[:, :blocks] = table  # every slot attends to ctx keys
 

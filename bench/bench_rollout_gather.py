@@ -11,7 +11,7 @@ decides per-rank memory and time. Generation TP is 1 (each rank its own replica)
 
 Measured per rank, from the engine outputs (Python lists, as the engines return them) to
   gather   the global samples in the trainer's order (old: the sorted list of tuples; new: the
-           global RolloutPart)
+           global Rollout)
   build    + the TrainBatch (old: the row-by-row from_sequences it had; new: from_flat), the
            per-sample rows and finish reasons
 Text decoding is left out of both (tokenizer-bound; the same lists go to batch_decode).
@@ -130,13 +130,14 @@ def _new(groups, world, prompts, outputs):
     import torch
 
     from verl_mcore.engine.batch import TrainBatch
-    from verl_mcore.rollout.gather import RolloutPart, gather_rollout
+    from verl_mcore.rollout.batch import Rollout
+    from verl_mcore.rollout.gather import gather_rollout
 
-    part = gather_rollout(RolloutPart.from_outputs(prompts, outputs, VOCAB), groups, VOCAB)
+    part = gather_rollout(Rollout.from_outputs(prompts, outputs, VOCAB), groups, VOCAB)
     yield "gather"
     train = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
                                  part.response_lens, 0, prompt_of=part.prompt_of)
-    rows, finish, group_ids = part.sample_rows(), part.finish_reasons(), part.prompt_of
+    rows, finish, group_ids = part.rows, part.finish, part.group_ids
     assert train.num_samples == part.num_samples and group_ids.dtype == torch.int64
     yield "build"
     del train, rows, finish

@@ -221,6 +221,16 @@ def _cases() -> list[Case]:
                              "rollout.generate_fn.name=answer_then_check",
                              "rollout.generate_fn.kwargs={check_tokens: 3}"),
              expect=("actor/pg_loss",)),
+        # An agent loop (rollout.agent_loop) over the engine's serving session: the toy loop's 3
+        # turns with fixed observation tokens between them (masked out of the loss) and asyncio
+        # waits while the other trajectories decode.
+        Case("agent-loop", ("data.max_response_length=20",
+                            "rollout.agent_loop.path={root}/tests/agent/toy_loop.py",
+                            "rollout.agent_loop.name=ToyLoop",
+                            "rollout.agent_loop.kwargs={turns: 3, per_turn: 4, sleep_s: 0.01}",
+                            "trainer.val_every=3"),
+             expect=("agent/turns_mean", "agent/masked_share", "agent/tool_wait_seconds_mean",
+                     "rollout/slot_occupancy", "actor/pg_loss", "val/*")),
         # The reference's weights in host memory between its passes.
         Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
              expect=("actor/kl_loss",)),

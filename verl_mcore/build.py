@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from verl_mcore.agent.runtime import AgentRuntime, load_agent_loop
 from verl_mcore.algo.kl import make_kl_controller
 from verl_mcore.checkpoints import RunCheckpoints
 from verl_mcore.config import Config, ConfigError, ModelShape, validate
@@ -162,6 +163,8 @@ class Inputs:
     group_filters: GroupFilters = field(default_factory=GroupFilters)
     # rollout.generate_fn's function, checked (rollout/generate_fn.py), or None
     generate_fn: Optional[UserGenerateFn] = None
+    # rollout.agent_loop's runtime, its class checked (agent/runtime.py), or None
+    agent_loop: Optional[AgentRuntime] = None
 
 
 def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
@@ -176,8 +179,8 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
                       the config (lengths, heads); every safetensors header is whole and fits
                       its file (models/hf_weights.check_weight_files); the tokenizer loads and
                       turns text into tokens; reward models alike
-      user code       data.custom_cls, the reward code, rollout.group_filter and
-                      rollout.generate_fn imported
+      user code       data.custom_cls, the reward code, rollout.group_filter,
+                      rollout.generate_fn and rollout.agent_loop imported
                       under their import_timeout_s, the reward's workers started; the group
                       filter's metric checked against what the reward's sources can give
 
@@ -199,7 +202,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
 
     def check() -> Inputs:
         problems = _check_config_and_data(cfg, world, gpus_per_node)
-        models, rewards, group_filters, generate_fn = None, None, None, None
+        models, rewards, group_filters, generate_fn, agent_loop = None, None, None, None, None
         try:  # with the data wrong, a tiny model still to write waits for the fix
             if ensure_tiny_model(cfg.model, local_rank, write=not problems):
                 models = _read_models(cfg, world, gpus_per_node)
@@ -212,6 +215,13 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
             generate_fn = load_generate_fn(cfg.rollout.generate_fn)
         except (ConfigError, ValueError, OSError) as e:
             problems.append(str(e))
+        if models is not None:  # the loop's context carries the actor's tokenizer
+            try:
+                info = models[0]
+                agent_loop = load_agent_loop(cfg.rollout.agent_loop, info.tokenizer, info.eos_token_ids,
+                                             info.arch.vocab_size)
+            except (ConfigError, ValueError, OSError) as e:
+                problems.append(str(e))
         if problems:
             if rewards is not None:
                 rewards.close()
@@ -230,7 +240,7 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
             if isinstance(e, (ValueError, OSError)) and not isinstance(e, ConfigError):
                 raise ConfigError(str(e)) from e  # what a user's input raises; the rest are bugs
             raise
-        return Inputs(info, train, val, rewards, reward_models, group_filters, generate_fn)
+        return Inputs(info, train, val, rewards, reward_models, group_filters, generate_fn, agent_loop)
 
     return all_ranks_agree(check, "checking the inputs", cleanup=lambda i: i.rewards.close())
 

@@ -3,6 +3,8 @@ generate, and put the engine back to sleep so training gets its memory.
 
     phase.begin(step, prompts)   # wake + repartition/push weights; arms the weight-sync check
     phase.generate(prompt_ids, sampling)      # as often as the step needs (samples, baselines)
+    with phase.serving(sampling, max_len=..., sessions=...) as (server, sp):   # agent loops
+        ...                      # then phase.keep_for_check(prompts, first turns), phase.note(metrics)
     phase.check_samples()        # the check on a few of the first batch's samples (collective)
     phase.end()                  # release the KV cache and the generation weight buffer
 
@@ -19,6 +21,7 @@ the engine and builds either side (build_generation_phase, build_rollout_set_pha
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Optional, Sequence
@@ -91,6 +94,7 @@ class GenerationPhase:
         self.check_due = False  # the next generate keeps samples for the weight-sync check
         self.to_check: Optional[tuple] = None  # (prompt ids, temperature, outputs) to check
         self.check_metrics: dict[str, float] = {}
+        self.noted: dict[str, float] = {}  # a caller's own metrics of the calls (agent loops)
 
     def begin(self, step: int, prompts: Optional[Sequence[Sequence[int]]] = None) -> dict[str, float]:
         """Wake the engine and bring it the actor's weights; with `prompts` (the step's own, or
@@ -132,6 +136,36 @@ class GenerationPhase:
                              checked_outputs(checked, count, self.check_length))
         return outputs
 
+    @contextlib.contextmanager
+    def serving(self, sampling: SamplingParams, *, max_len: int, sessions: int):
+        """The engine's step-wise serving session (rollout/serving.py) for agent loops: yields
+        (server, the sampling it serves: with the engine's log-probs when the weight-sync check
+        is due, unless the engine's would be the truncated distribution's, vLLM's). The
+        session's engine stats join the step's. The caller hands the first turns of its
+        trajectories to `keep_for_check`."""
+        assert self.awake, "GenerationPhase.serving outside begin()/end()"
+        truncated = not sampling.greedy and (sampling.top_p < 1.0 or sampling.top_k > 0)
+        if self.check_due and (self.engine.logprobs_when_truncated or not truncated):
+            sampling = dataclasses.replace(sampling, logprobs=True)
+        with self.engine.serving(sampling, max_len=max_len, sessions=sessions) as server:
+            yield server, sampling
+            self.stats.add(server.stats())
+
+    def keep_for_check(self, prompt_ids, first_turns, temperature: float) -> None:
+        """After a weight update, the weight-sync check reads these samples (each trajectory's
+        first turn: `prompt_index` into `prompt_ids`, the model's tokens alone) where they carry
+        the engine's log-probs; otherwise this replica takes part in the check without samples."""
+        if not self.check_due or not first_turns or any(o.logprobs is None for o in first_turns):
+            return
+        self.check_due = False
+        self.to_check = (list(prompt_ids), temperature,
+                         checked_outputs(first_turns, self.cfg.logprob_check.num_sequences, self.check_length))
+
+    def note(self, metrics: dict[str, float]) -> None:
+        """A caller's metrics of its calls (an agent loop's turns, observation tokens...), taken
+        with the engine's (the last call's value of each)."""
+        self.noted.update(metrics)
+
     @property
     def check_length(self) -> int:
         """Response tokens the check reads of each sequence (rollout.logprob_check.max_new_tokens,
@@ -157,7 +191,8 @@ class GenerationPhase:
         """The engine's stats of the calls since the last look (EngineStats.take), the
         weight-sync check's metrics of that time, and the KV cache the engine keeps through
         training (`rollout/kept_cache_gb`, NativeEngine.sleep)."""
-        out = {**self.stats.take(), **self.check_metrics}
+        out = {**self.stats.take(), **self.noted, **self.check_metrics}
+        self.noted = {}
         if hasattr(self.engine, "kept_bytes") and not self.awake:
             out["rollout/kept_cache_gb"] = self.kept_bytes / 2**30
         self.check_metrics = {}

@@ -93,7 +93,7 @@ class Learner:
             metrics.update(mask_metrics)
         metrics.update(reward_metrics)
         metrics.update(kl_metrics)
-        metrics.update(self.data_metrics(rollout, scores, token_rewards, entropy))
+        metrics.update(self.data_metrics(step, rollout, scores, token_rewards, entropy))
         return metrics, float(batch.seq_lens.sum())
 
     def actor_learns(self, step: int) -> bool:
@@ -209,7 +209,8 @@ class Learner:
             group_ids=group_ids, baseline_scores=baseline, gamma=a.gamma, lam=a.lam,
             norm_by_std=a.norm_adv_by_std_in_grpo, whiten=a.whiten_advantages, scores=scores)
 
-    def data_metrics(self, rollout: Rollout, scores, token_rewards, entropy) -> dict[str, float]:
+    def data_metrics(self, step: int, rollout: Rollout, scores, token_rewards,
+                     entropy) -> dict[str, float]:
         """The batch statistics RLHF users know (the batch is global: no reduction needed)."""
         b = rollout.train
         mask = b.response_mask.bool()
@@ -225,6 +226,7 @@ class Learner:
             "response_length/clip_ratio": float(sum(f == "length" for f in rollout.finish)) / len(rollout.finish),
             "prompt_length/mean": float(b.prompt_lens.float().mean()),
         }
+        m.update(rollout.trajectory_metrics(step - 1))
         if entropy is not None:  # from the old-log-prob pass, when it ran
             m["actor/old_entropy"] = float(entropy[mask].mean()) if mask.any() else 0.0
         if b.values is not None and mask.any():

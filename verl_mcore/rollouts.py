@@ -27,43 +27,19 @@ continues exactly as the run that was stopped (tests/e2e/test_rollout_set.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from verl_mcore.distributed.agree import decided_on_one_rank
 from verl_mcore.reward.manager import COUNT_METRICS
-from verl_mcore.rollout.batch import Rollout, response_pad, rollout_from_part
-from verl_mcore.rollout.gather import _cut
+from verl_mcore.rollout.batch import Rollout, response_pad
 from verl_mcore.rollout.group_filter import (METRICS, FilterExhaustedError, GroupFilterError,
                                              GroupFilters)
 from verl_mcore.rollout.prompt_group import groups_from_batch
-from verl_mcore.rollout.token_fields import TOKEN_FIELDS
-
-
-@dataclass
-class Sampled:
-    """One prompt batch's samples (rollout.gather.RolloutPart), the ReMax baseline's when the
-    algorithm has one, and the weights they were sampled with (`version`: steps completed)."""
-
-    index: int
-    version: int
-    part: Any
-    baseline: Any = None
-    # A batch the producer scored itself to filter its groups (Producer._sample_filtered), on
-    # the training device; `part` is then None.
-    rollout: Optional[Rollout] = None
-
-    def rollouts(self, info) -> tuple[Rollout, Optional[Rollout]]:
-        """The batch and its ReMax baseline (None without one) as Rollouts, on the host; `info`:
-        the actor's ModelInfo (its tokenizer decodes the responses)."""
-        baseline = None
-        if self.baseline is not None:
-            baseline = rollout_from_part(self.baseline, self.baseline.prompt_of, info, self.version)
-        return rollout_from_part(self.part, self.part.prompt_of, info, self.version), baseline
 
 
 class Producer:
@@ -83,7 +59,7 @@ class Producer:
         self.scorer, self.filters = scorer, filters or GroupFilters()
         self.generated = 0  # generation batches sampled so far (their sampling seeds)
         self.ahead = ahead  # k: batches sampled ahead of the one trained on
-        self.queue: deque[Sampled] = deque()  # training ranks: sampled, not yet trained on
+        self.queue: deque[Rollout] = deque()  # training ranks: sampled, not yet trained on
         self.count = 0  # batches sampled (generating ranks) or received (the others) so far
         self.prompts: deque = deque()  # drawn, not yet sampled: (loader state before, batch)
         self.loader_before: deque = deque()  # the loader's state before each queued batch
@@ -103,7 +79,7 @@ class Producer:
 
     # ------------------------------------------------------------------ the step
 
-    def take(self, step: int, phase) -> tuple[Optional[Sampled], dict[str, float]]:
+    def take(self, step: int, phase) -> tuple[Optional[Rollout], dict[str, float]]:
         """The batch step `step` trains on (None on the rollout set's ranks, which train nothing)
         after this rank's part of sampling: the weights of step - 1 to the engine, then every
         batch up to `step` (+ k ahead on the generating ranks)."""
@@ -136,16 +112,16 @@ class Producer:
         self.failure = failure or self.failure
         return self._advance(step + self.ahead, step, phase)
 
-    def batch_of(self, sampled: Sampled):
-        """(the batch to train on, on the training device; the learner's `score`: () -> (scores,
-        reward metrics, ReMax baselines or None), None for a scored batch). A batch the producer
-        scored to filter it brings its scores (its reward metrics came with the producer's);
-        the others are scored when the learner asks (after its log-prob passes: placed, a
-        reward set scores meanwhile)."""
-        if sampled.rollout is not None:
-            return sampled.rollout, None
-        rollout, baseline = sampled.rollouts(self.info)
-        rollout = rollout.to(self.device)
+    def batch_of(self, sampled: Rollout):
+        """(the batch to train on with the learner's view, on the training device; the learner's
+        `score`: () -> (scores, reward metrics, ReMax baselines or None), None for a scored
+        batch). A batch the producer scored to filter it brings its scores (its reward metrics
+        came with the producer's); the others are scored when the learner asks (after its
+        log-prob passes: placed, a reward set scores meanwhile)."""
+        if sampled.scores is not None:
+            return sampled, None
+        baseline = None if sampled.greedy is None else sampled.greedy.for_learner(self.info)
+        rollout = dataclasses.replace(sampled.for_learner(self.info), greedy=None).to(self.device)
         return rollout, self.scorer.scores_of(rollout, baseline, self.cfg.rollout.n)
 
     def _advance(self, until: int, step: int, phase) -> dict[str, float]:
@@ -163,7 +139,8 @@ class Producer:
                 before, prompts = self._next_prompts()
                 parts = [self._sample(prompts, sampling, phase) for sampling in self._samplings(index)]
                 self.generated += 1
-                sampled = Sampled(index, step - 1, *parts)
+                sampled = dataclasses.replace(parts[0], index=index, version=step - 1,
+                                              greedy=parts[1] if len(parts) > 1 else None)
             self.count = index
             if self.place.trains:
                 self.queue.append(sampled)
@@ -171,7 +148,7 @@ class Producer:
         return metrics
 
     def _sample(self, prompts, sampling, phase):
-        """One prompt batch's samples on every rank (RolloutPart), sampled by the generating set."""
+        """One prompt batch's samples on every rank (a flat Rollout), sampled by the generating set."""
         s = self.sampler
         # Handing the batch over is waiting on a rollout set of its own (its receivers are busy
         # training) and on every rank that receives; on the training ranks that sampled it, part
@@ -191,7 +168,7 @@ class Producer:
         were sampled), then train on the first of them (rollout/group_filter.py). Every rank
         scores the same gathered batches; the first training rank decides which groups pass, and
         every rank takes its decisions.
-        (the loader's state before the step's first batch, the scored Sampled, its metrics)."""
+        (the loader's state before the step's first batch, the scored Rollout, its metrics)."""
         r = self.cfg.rollout
         kept = self.filters.accumulator(self.cfg.data.train_batch_size)
         batches, reward_metrics, before = [], [], None
@@ -201,12 +178,13 @@ class Producer:
             part = self._sample(prompts, self.sampler.sampling(r.n, r.temperature, self.generated),
                                 phase)
             self.generated += 1
-            rollout = rollout_from_part(part, part.prompt_of, self.info, step - 1).to(self.device)
+            rollout = dataclasses.replace(part, index=index, version=step - 1)
+            rollout = rollout.for_learner(self.info).to(self.device)
             with phase("reward"):
                 scores, metrics, extras = self.scorer.train_scores(rollout)
             # The responses' own lengths (the batch holds one masked token for an empty one).
             groups = groups_from_batch(rollout.group_ids, scores, rollout.responses, rollout.rows,
-                                       rollout.finish, part.response_lens, extras,
+                                       rollout.finish, rollout.response_lens, extras,
                                        gen_batch=len(batches))
             # Decided on the first training rank, sent to the others (a user's filter may decide
             # or fail otherwise elsewhere: group_filter.py's docstring).
@@ -239,7 +217,7 @@ class Producer:
         metrics = {**kept.metrics(), **_merged(reward_metrics)}
         metrics[METRICS + "trained_groups"] = float(len(groups))
         rollout = Rollout.concat(pieces, response_pad(self.info)).to(self.device)
-        return before, Sampled(index, step - 1, None, rollout=rollout), metrics
+        return before, rollout, metrics
 
     def _whole_mini_batches(self, groups: list) -> list:
         """`groups` cut to whole mini-batches of the actor's (and the critic's) updates, for a
@@ -287,7 +265,7 @@ class Producer:
         """The loader's position before the first batch not yet trained on, and the batches
         sampled ahead (training ranks; the actor set's first rank writes it)."""
         loader = self.loader_before[0] if self.loader_before else self.loader.state_dict()
-        return {"loader": loader, "queue": [_save(s) for s in self.queue],
+        return {"loader": loader, "queue": [s.state() for s in self.queue],
                 "gen_batches": self.generated}
 
     def load_state_dict(self, state: dict, step: int) -> None:
@@ -300,7 +278,7 @@ class Producer:
             before = self.loader.state_dict()
             prompts = self.loader.next_global()  # the whole batch, whoever sampled which share
             if self.place.trains:
-                self.queue.append(_load(saved, prompts.rows))
+                self.queue.append(Rollout.from_state(saved, prompts.rows))
                 self.loader_before.append(before)
         self.count = step + len(state.get("queue", []))
         # Older checkpoints (None): one generation batch a batch, as without a group filter.
@@ -343,37 +321,3 @@ def _merged(batches: list[tuple[dict, int, dict]]) -> dict[str, float]:
         square = sum(n * (sd * sd + mu * mu) for n, mu, sd in parts) / total
         out[k] = math.sqrt(max(square - mean * mean, 0.0))
     return out
-
-
-def _save(s: Sampled) -> dict:
-    out = {"index": s.index, "version": s.version, "part": _part_tensors(s.part)}
-    if s.baseline is not None:
-        out["baseline"] = _part_tensors(s.baseline)
-    return out
-
-
-def _part_tensors(part) -> dict:
-    """A RolloutPart without its dataset rows (they come from the loader), as plain tensors:
-    each per-token field it carries under its declared name (rollout/token_fields.py)."""
-    return {"integers": part.integers(), "tokens": part.tokens(),
-            "sizes": torch.tensor([len(part.prompt_lens), part.num_samples,
-                                   part.prompt_ids.numel()], dtype=torch.int64),
-            "token_fields": {name: part.token_fields[name] for name in TOKEN_FIELDS
-                             if name in part.token_fields}}
-
-
-def _load(saved: dict, rows) -> Sampled:
-    def part(d):
-        prompts, samples, prompt_tokens = d["sizes"].tolist()
-        fields = dict(d.get("token_fields", {}))
-        if "logprobs" in d:  # a checkpoint from before the fields were declared
-            fields["logprobs"] = d["logprobs"]
-        try:
-            return _cut(d["integers"], d["tokens"], list(rows[:prompts]), prompts, samples,
-                        prompt_tokens, fields)
-        except ValueError as e:
-            index = int(saved["index"])
-            raise ValueError(f"the checkpoint's batch {index} sampled ahead: {e}") from e
-
-    return Sampled(int(saved["index"]), int(saved["version"]), part(saved["part"]),
-                   part(saved["baseline"]) if "baseline" in saved else None)

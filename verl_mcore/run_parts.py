@@ -135,7 +135,7 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
     # Each rank builds its own roles' models only (None / {} for the others').
     with watchdog.phase("build models"):
         roles = _build_roles(cfg, place, info, inputs.reward_models)
-        sampler = _build_sampler(cfg, place, info, roles["actor"], inputs.generate_fn)
+        sampler = _build_sampler(cfg, place, info, roles["actor"], inputs.generate_fn, inputs.agent_loop)
     for role in (roles["actor"], roles["critic"]):
         if role is not None:
             role.engine.skip_nonfinite = cfg.trainer.on_nonfinite == "skip"
@@ -181,17 +181,18 @@ def _build_roles(cfg: Config, place: RolePlacement, info, rm_infos: dict) -> dic
     return roles
 
 
-def _build_sampler(cfg: Config, place: RolePlacement, info, actor, generate_fn=None) -> Sampler:
+def _build_sampler(cfg: Config, place: RolePlacement, info, actor, generate_fn=None,
+                   agent_loop=None) -> Sampler:
     """The engine's side: a GenerationPhase where it runs (the actor's ranks, or those of
     placement.rollout), the WeightSender on the actor's ranks of a rollout set; generate_fn:
-    rollout.generate_fn's function, or None."""
+    rollout.generate_fn's function, agent_loop: rollout.agent_loop's runtime, or None."""
     generation = sender = None
     if place.generating_set == "rollout":
         side = build.build_rollout_set_phase(cfg, place, info, actor)
         generation, sender = (None, side) if isinstance(side, WeightSender) else (side, None)
     elif place.runs("actor"):
         generation = build.build_generation_phase(cfg, place.groups["actor"], info, actor)
-    return Sampler(cfg, info, place, generation, sender, generate_fn)
+    return Sampler(cfg, info, place, generation, sender, generate_fn, agent_loop)
 
 
 def _log_lora(cfg: Config, info) -> None:

@@ -17,10 +17,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from verl_mcore.agent.runtime import AgentRuntime
 from verl_mcore.config.seeds import rollout_seed
 from verl_mcore.rollout.base import SamplingParams
-from verl_mcore.rollout.batch import Rollout, rollout_from_part
-from verl_mcore.rollout.gather import RolloutPart, agreed_failure, gather_rollout, share_rollout
+from verl_mcore.rollout.batch import Rollout
+from verl_mcore.rollout.gather import agreed_failure, gather_rollout, share_rollout
 from verl_mcore.rollout.generate_fn import GenerateHandle, UserGenerateFn
 
 # The step's phases of sampling (timed by the producer); the others are the training's.
@@ -32,12 +33,14 @@ class Sampler:
     place: the run's RolePlacement; generation: this rank's GenerationPhase (None where no engine
     runs); sender: the WeightSender of an actor rank of a rollout set of its own, else None;
     generate_fn: rollout.generate_fn's function (rollout/generate_fn.py), which samples each
-    batch in place of one engine call, or None."""
+    batch in place of one engine call, or None; agent_loop: rollout.agent_loop's runtime
+    (agent/runtime.py), which runs each batch's trajectories over the engine instead, or None."""
 
     def __init__(self, cfg, info, place, generation=None, sender=None,
-                 generate_fn: Optional[UserGenerateFn] = None):
+                 generate_fn: Optional[UserGenerateFn] = None, agent_loop: Optional[AgentRuntime] = None):
         self.cfg, self.info, self.place = cfg, info, place
         self.generation, self.sender, self.generate_fn = generation, sender, generate_fn
+        self.agent_loop = agent_loop
 
     @property
     def generates(self) -> bool:
@@ -88,7 +91,7 @@ class Sampler:
         """Sample responses for this replica's prompts; the global rollout batch on every
         rank (sample_part, then share_part)."""
         batch = self.share_part(prompts, *self.sample_part(prompts, sampling))
-        return rollout_from_part(batch, batch.prompt_of, self.info)
+        return batch.for_learner(self.info)
 
     def sample_part(self, prompts, sampling, failure: Optional[BaseException] = None):
         """(the generating set's batch, None) on its ranks, (None, the error) where its
@@ -107,7 +110,7 @@ class Sampler:
             if failure is None:
                 outputs = self._outputs(prompts, sampling)
                 if groups.gen_tp_rank == 0:  # every rank of a TP_g group holds the same samples
-                    mine = RolloutPart.from_outputs(prompts, outputs, vocab)
+                    mine = Rollout.from_outputs(prompts, outputs, vocab)
         except Exception as e:  # noqa: BLE001 - raised on every rank by share_part
             failure = e
         # A replica that failed would leave the others waiting in the gather: agree first.
@@ -122,8 +125,10 @@ class Sampler:
         return gather_rollout(mine, groups, vocab), None
 
     def _outputs(self, prompts, sampling):
-        """The engine's samples of this replica's prompts: one engine call, or rollout.generate_fn's
-        (its output checked before it enters the batch)."""
+        """The engine's samples of this replica's prompts: one engine call, rollout.generate_fn's,
+        or rollout.agent_loop's trajectories (their output checked before it enters the batch)."""
+        if self.agent_loop is not None:
+            return self.agent_loop(self.generation, prompts, sampling)
         if self.generate_fn is None:
             return self.generation.generate(prompts.input_ids, sampling)
         engine = GenerateHandle(self.generation, self.info.tokenizer, self.info.eos_token_ids,

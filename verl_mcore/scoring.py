@@ -8,6 +8,7 @@ rank holds the same [B] scores, the scorers' extras and the metrics. A rollout s
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from verl_mcore.algo.overlong import overlong_scores
 from verl_mcore.reward.manager import COUNT_METRICS
-from verl_mcore.rollout.batch import Rollout, prompt_texts, token_ids
+from verl_mcore.rollout.batch import Rollout
 from verl_mcore.tracking import MetricAccumulator
 
 log = logging.getLogger("verl_mcore.scoring")
@@ -46,13 +47,18 @@ class Scorer:
             name: self.place.on("reward_model", lambda name=name: self.reward_models[name].score(
                 rollout.train, rollout.rows, rollout.responses), [n]).cpu()
             for name in self.names}
-        ids = token_ids(rollout.train, mine) if self.rewards.needs_token_ids else (None, None)
+        outside = {k: v[mine].tolist() for k, v in model_scores.items()}
+        if self.rewards.environment_sources:  # the rewards the sampling gave (None: none)
+            sampled = [None if math.isnan(v) else v for v in rollout.sampled_rewards.tolist()]
+            outside.update({name: [sampled[i] for i in mine]
+                            for name in self.rewards.environment_sources})
+        ids = rollout.token_ids(mine) if self.rewards.needs_token_ids else (None, None)
         prompts = None
         if self.rewards.needs_prompts:  # a batch reward class reads the prompts the model saw
-            prompts = prompt_texts(self.tokenizer, rollout.train, mine)
+            prompts = rollout.prompt_texts(self.tokenizer, mine)
         out = self.rewards.score([rollout.responses[i] for i in mine], [rollout.rows[i] for i in mine],
                                  *ids, indices=mine, prompts=prompts,
-                                 model_scores={k: v[mine].tolist() for k, v in model_scores.items()})
+                                 model_scores=outside)
         part = (mine, out.scores, out.source_scores, out.failed, out.first_failure, out.routes,
                 out.extras, out.metrics)
         gathered: list = [None] * len(scorers)

@@ -32,7 +32,6 @@ from verl_mcore.data import PromptLoader
 from verl_mcore.distributed.launch import detect_launch, init_distributed, setup_logging
 from verl_mcore.distributed.watchdog import process_group_timeout
 from verl_mcore.errors import NonFiniteError, RewardFailureError
-from verl_mcore.rollout.batch import prompt_texts
 from verl_mcore.rollout.group_filter import GroupFilterError
 from verl_mcore.run_dir import RunDir
 from verl_mcore.run_parts import build_run
@@ -208,7 +207,7 @@ class Trainer:
             scores, _, extras = self.scorer.score(rollout)
             if samples is not None:
                 samples.add(rollout, scores.tolist(), extras,
-                            lambda k, b=rollout.train: prompt_texts(self.info.tokenizer, b, range(k)))
+                            lambda k, r=rollout: r.prompt_texts(self.info.tokenizer, range(k)))
         self.sampler.end()  # the state stays on the host until the next update needs it
         self.sampler.stats()  # validation's engine stats are not the training step's
         return self.val_metrics.report(samples, step, self.run_dir)

@@ -322,23 +322,28 @@ def check_user_function(obj: Any, key: str, path: str, name: str, kwargs: dict,
 def load_user_function(cfg, key: str, params: tuple[str, ...],
                        signature_text: str) -> Optional[tuple[Callable, str]]:
     """(the function, its file's absolute path) of a UserFunctionConfig at `key`, or None when
-    none is configured. The file is imported first in a fresh interpreter under
-    cfg.import_timeout_s, where the signature is checked (check_user_function), so a file that
-    blocks, exits or fails, a missing name or a wrong signature fail here, before any model is
-    built, naming the file and the function."""
+    none is configured (`load_checked`, its signature checked by check_user_function)."""
+    return load_checked(cfg, key, (check_user_function, (key, cfg.path, cfg.name, dict(cfg.kwargs),
+                                                         params, signature_text)))
+
+
+def load_checked(cfg, key: str, check: tuple[Callable, tuple]) -> Optional[tuple[Any, str]]:
+    """(the object, its file's absolute path) a config section at `key` (path, name, kwargs,
+    import_timeout_s) names, or None when none is configured. The file is imported first in a
+    fresh interpreter under cfg.import_timeout_s, where `check` runs on the object
+    (check_import), so a file that blocks, exits or fails, a missing name or a failed check stop
+    here, before any model is built, naming the file and the name."""
     if not (cfg.path or cfg.name or cfg.kwargs):
         return None
-    check_import(cfg.path, cfg.name, key, cfg.import_timeout_s, f"{key}.import_timeout_s",
-                 check=(check_user_function, (key, cfg.path, cfg.name, dict(cfg.kwargs), params,
-                                              signature_text)))
+    check_import(cfg.path, cfg.name, key, cfg.import_timeout_s, f"{key}.import_timeout_s", check=check)
     rule = (f"{key} ({cfg.path}, importing it in the trainer)",
             "the trainer would have ended without a word: its file must not exit at import")
     try:
         with exit_raises_in_this_thread(rule):
-            fn = load_user_object(cfg.path, cfg.name, key)
+            obj = load_user_object(cfg.path, cfg.name, key)
     except ExitCalled as e:
         raise ValueError(str(e)) from None
-    return fn, os.path.abspath(os.path.expanduser(cfg.path))
+    return obj, os.path.abspath(os.path.expanduser(cfg.path))
 
 
 class UserFunction:

@@ -21,7 +21,8 @@ def _placement():
 
 def _exchange_body(rank, world_size):
     from verl_mcore.data.loader import PromptBatch
-    from verl_mcore.rollout.gather import RolloutPart, share_rollout
+    from verl_mcore.rollout.batch import Rollout
+    from verl_mcore.rollout.gather import share_rollout
 
     _, make = _placement()
     place = make(rank)
@@ -35,14 +36,14 @@ def _exchange_body(rank, world_size):
     rows = [{"p": 0, "rank_saw": rank}, {"p": 1, "rank_saw": rank}]
     part = None
     if rank in (0, 1):
-        part = RolloutPart.from_samples([([5, 6], rows[0], [7, 8, 9], "stop"),
-                                         ([4], rows[1], [], "length")], vocab_size=32)
+        part = Rollout.from_samples([([5, 6], rows[0], [7, 8, 9], "stop"),
+                                     ([4], rows[1], [], "length")], vocab_size=32)
     prompts = PromptBatch(indices=[0, 1], input_ids=[[5, 6], [4]], rows=rows)
     got = share_rollout(place, part, prompts, vocab_size=32)
     out["tokens"] = got.tokens().tolist()
     out["response_lens"] = got.response_lens.tolist()
-    out["finish"] = got.finish_reasons()
-    out["rows"] = got.rows
+    out["finish"] = got.finish
+    out["rows"] = got.prompt_rows
     # Metrics: every set's keys on every rank, rank 0's first; each set's phase times named.
     metrics = {"actor/pg_loss": 1.0, "timing_s/actor": 2.0} if rank < 2 else \
         {"critic/vf_loss": 3.0, "timing_s/critic": 4.0}

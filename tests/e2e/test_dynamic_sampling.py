@@ -376,13 +376,14 @@ def _count_retained_batches(rank, world_size, overrides):
 
     from verl_mcore import rollouts
     from verl_mcore.config import Config
+    from verl_mcore.rollout.batch import Rollout
     from verl_mcore.trainer import Trainer
 
     made, alive = [], []
-    original_part, original_sample = rollouts.rollout_from_part, rollouts.Producer._sample_filtered
+    original_part, original_sample = Rollout.for_learner, rollouts.Producer._sample_filtered
 
-    def recording_part(*args, **kwargs):
-        rollout = original_part(*args, **kwargs)
+    def recording_part(self, *args, **kwargs):
+        rollout = original_part(self, *args, **kwargs)
         made.append(weakref.ref(rollout.train.input_ids))
         return rollout
 
@@ -398,12 +399,12 @@ def _count_retained_batches(rank, world_size, overrides):
             alive.append(sum(r() is not None for r in made))
         return original_prompts(self)
 
-    rollouts.rollout_from_part, rollouts.Producer._sample_filtered = recording_part, sample
+    Rollout.for_learner, rollouts.Producer._sample_filtered = recording_part, sample
     rollouts.Producer._next_prompts = next_prompts
     try:
         code = Trainer(Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)).fit()
     finally:
-        rollouts.rollout_from_part, rollouts.Producer._sample_filtered = original_part, original_sample
+        Rollout.for_learner, rollouts.Producer._sample_filtered = original_part, original_sample
         rollouts.Producer._next_prompts = original_prompts
     return code, alive
 

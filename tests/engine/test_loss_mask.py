@@ -1,5 +1,5 @@
 """The samples' loss mask becomes the batch's response mask (TrainBatch.from_flat,
-rollout.batch.rollout_from_part): tokens the model did not write (tool output) are holes, 0 inside
+rollout.batch.Rollout.for_learner): tokens the model did not write (tool output) are holes, 0 inside
 the response. What reads the mask then leaves them out: the actor's loss and its normaliser;
 the score goes to the last token the model wrote and reaches the tokens before the hole."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from verl_mcore.algo.advantages import compute_advantages
 from verl_mcore.engine.batch import TrainBatch
 from verl_mcore.reward import place_on_last_token
 from verl_mcore.rollout.base import SampleOutput
-from verl_mcore.rollout.gather import RolloutPart
+from verl_mcore.rollout.batch import Rollout
 
 PAD = 7
 VOCAB = 128  # the tiny model's (tests/engine/common.py)
@@ -40,7 +40,7 @@ def _part():
             SampleOutput(0, 1, [20, 21, 22], [-6.0, -7.0, -8.0], "aborted", loss_mask=[1, 1, 0]),
             SampleOutput(1, 0, [30, 31], [-9.0, -10.0], "length"),
             SampleOutput(1, 1, [], [], "stop")]
-    return RolloutPart.from_outputs(prompts, outs, VOCAB)
+    return Rollout.from_outputs(prompts, outs, VOCAB)
 
 
 MASK = [[1, 0, 0, 1, 1], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]]
@@ -61,10 +61,8 @@ def test_from_flat_takes_the_loss_mask_inside_the_response():
 
 
 def test_the_rollout_of_samples_with_holes():
-    from verl_mcore.rollout.batch import rollout_from_part
-
     part = _part()
-    rollout = rollout_from_part(part, part.prompt_of, INFO)
+    rollout = part.for_learner(INFO)
     train = rollout.train
     assert train.response_mask.tolist() == MASK
     assert train.response_lens.tolist() == [5, 3, 2, 1]  # the holes are still response tokens
@@ -77,10 +75,8 @@ def test_the_rollout_of_samples_with_holes():
 
 
 def test_the_score_goes_to_the_last_token_the_model_wrote_and_crosses_the_holes():
-    from verl_mcore.rollout.batch import rollout_from_part
-
     part = _part()
-    mask = rollout_from_part(part, part.prompt_of, INFO).train.response_mask
+    mask = part.for_learner(INFO).train.response_mask
     rewards = place_on_last_token(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
     # Holes before the last token change nothing; a response ending in a tool's output has its
     # score on the model's last token (column 1), not on the masked one (column 2).
@@ -99,8 +95,6 @@ def _actor_body(rank, world_size):
     count) on the rollout of `_part`, and the same step with absurd advantages at the holes."""
     from tests.engine import common as C
     from verl_mcore.engine.actor import Actor
-    from verl_mcore.rollout.batch import rollout_from_part
-
     torch.manual_seed(0)
     part = _part()
     full = C.reference_weights("actor", seed=4)
@@ -109,7 +103,7 @@ def _actor_body(rank, world_size):
     adv = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     out = {"adv": adv}
     for name in ("plain", "absurd_at_holes"):
-        batch = rollout_from_part(part, part.prompt_of, INFO).train
+        batch = part.for_learner(INFO).train
         holes = batch.response_field_mask() & ~batch.response_mask.bool()
         batch.advantages = torch.where(holes, torch.tensor(1e4), adv) if name != "plain" else adv
         actor = Actor(C.make_engine("actor", full, optim=cfg.optim), cfg, mini_batch_size=4)

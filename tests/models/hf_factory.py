@@ -19,6 +19,11 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_att
               rms_norm_eps=1e-6)
 
 FAMILIES = ("llama2", "llama31", "mistral", "qwen2", "qwen2_untied", "qwen3")
+# Mixture-of-experts families: top-2 of 4 or 8 experts (EP=2 gives 2 or 4 per rank).
+# qwen2_moe: shared expert with its gate, softmax then top-k without renormalisation, layer 1
+# dense (mlp_only_layers: megatron keys its layers one by one); qwen3_moe: renormalised top-k,
+# q/k norms, all layers MoE; mixtral: renormalised top-k under its own names.
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def make_config(family: str, **overrides):
@@ -48,8 +53,21 @@ def make_config(family: str, **overrides):
         # head_dim 32 != hidden / heads: kv_channels must come from config.json.
         cls = T.Qwen3Config
         kw.update(head_dim=32, tie_word_embeddings=True)
+    elif family == "qwen2_moe":
+        cls = T.Qwen2MoeConfig
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                  tie_word_embeddings=False)
+    elif family == "qwen3_moe":
+        cls = T.Qwen3MoeConfig
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                  norm_topk_prob=True, tie_word_embeddings=False)
+    elif family == "mixtral":
+        cls = T.MixtralConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                  rope_theta=1e6)
     else:
-        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES + MOE_FAMILIES}")
     kw.update(overrides)
     return cls(**kw)
 

@@ -1,5 +1,6 @@
 """Routing metrics: reward/route/<value>/mean and /count over the whole batch, exact however the
 batch was split over ranks (Scorer.score gathers the per-sample route values and totals)."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from tests.reward.test_manager import row
 from verl_mcore.config.schema import CustomClassConfig, RewardConfig, RewardSourceConfig
 from verl_mcore.reward import RewardManager
 from verl_mcore.reward.manager import NO_ROUTE, route_metric_name, route_metrics
+from verl_mcore.rollout.batch import Rollout
 
 CATEGORIES = ["math", "chat", "math", None, "C++", "math", "chat"]
 RESPONSES = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff", "g"]
@@ -75,12 +77,10 @@ class _CharTokenizer:
 def _trainer_score_body(rank, world_size, fns, classes):
     from verl_mcore.scoring import Scorer
 
-    # input_ids [B, S]: prompt tokens then padding (9), as TrainBatch lays them out
-    input_ids = torch.full((len(RESPONSES), 6), 9, dtype=torch.int64)
-    for i, k in enumerate(PROMPT_LENS):
-        input_ids[i, :k] = torch.arange(k)
-    rollout = SimpleNamespace(responses=RESPONSES, rows=_rows(), train=SimpleNamespace(
-        input_ids=input_ids, prompt_lens=torch.tensor(PROMPT_LENS)))
+    # Each sample its own prompt of tokens 0..k-1; the responses are the texts given.
+    rollout = dataclasses.replace(Rollout.from_samples(
+        [(list(range(k)), row, [], "stop") for k, row in zip(PROMPT_LENS, _rows())], 32),
+        responses=RESPONSES)
     with RewardManager.from_config(_config(fns, classes)) as manager:
         # every rank scores (no rollout set of its own)
         place = SimpleNamespace(training_ranks=tuple(range(world_size)), training=None)

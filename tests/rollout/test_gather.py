@@ -13,7 +13,7 @@ import torch
 from tests.multiproc import run_on_ranks
 from tests.rollout.object_gather import object_gather, old_from_sequences
 from verl_mcore.rollout.base import SampleOutput
-from verl_mcore.rollout.gather import RolloutPart, finish_codes, token_dtype
+from verl_mcore.rollout.batch import Rollout, finish_codes, token_dtype
 
 VOCAB = 128_256  # Llama 3: ids above 2**16, as a real batch has
 PAD = 7
@@ -109,7 +109,7 @@ def test_tensor_gather_equals_object_gather(world, tp_gen, prompts_per_replica):
 def test_token_dtype_and_finish_codes():
     assert token_dtype(VOCAB) == torch.int32 and token_dtype(2**31 + 1) == torch.int64
     with pytest.raises(OverflowError):  # an id past int32 is refused, not wrapped
-        RolloutPart.from_samples([([1], {}, [2**31], "stop")], vocab_size=VOCAB)
+        Rollout.from_samples([([1], {}, [2**31], "stop")], vocab_size=VOCAB)
     assert finish_codes(["length", "stop"]).tolist() == [1, 0]
     with pytest.raises(ValueError, match="'abort'"):
         finish_codes(["stop", "abort"])
@@ -125,7 +125,7 @@ def _broadcast_body(rank, world_size, fail_on):
     prompts, outputs = _replica(0, [4], 2)
     for o in outputs:
         o.logprobs = [-0.25 * (k + 1) for k in range(len(o.token_ids))]
-    part = RolloutPart.from_outputs(prompts, outputs, VOCAB) if rank == 1 else None
+    part = Rollout.from_outputs(prompts, outputs, VOCAB) if rank == 1 else None
     failure = RuntimeError(f"engine broke on rank {rank}") if rank == fail_on else None
     try:
         got = broadcast_part(part, 1, None, VOCAB, None if rank == 1 else prompts.rows,
@@ -134,10 +134,10 @@ def _broadcast_body(rank, world_size, fail_on):
         return ("GenerationFailure", str(e))
     except RuntimeError as e:
         return ("RuntimeError", str(e))
-    sent = RolloutPart.from_outputs(prompts, outputs, VOCAB)
+    sent = Rollout.from_outputs(prompts, outputs, VOCAB)
     same = all(torch.equal(getattr(got, f), getattr(sent, f)) for f in
                ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "prompt_of",
-                "finish", "logprobs"))
+                "finish_codes", "turns", "logprobs"))
     return ("ok", same and got.rows == sent.rows)
 
 

@@ -48,13 +48,14 @@ def _generate(cfg, groups):
         out[name] = sorted((o.prompt_index, o.sample_index, o.token_ids)
                            for o in engine.generate(PROMPTS, sp))
     # The replicas' samples gathered inside the set: every actor rank holds the global batch.
-    from verl_mcore.rollout.gather import RolloutPart, gather_rollout
+    from verl_mcore.rollout.batch import Rollout
+    from verl_mcore.rollout.gather import gather_rollout
 
     lead = groups.gen_tp_rank == 0
-    mine = RolloutPart.from_samples([(PROMPTS[p], {"prompt": p}, t, "length")
+    mine = Rollout.from_samples([(PROMPTS[p], {"prompt": p}, t, "length")
                                      for p, _, t in out["sampled"]], 256) if lead else None
     batch = gather_rollout(mine, groups, 256)
-    out["gathered"] = (batch.response_ids.tolist(), batch.response_lens.tolist(), batch.rows)
+    out["gathered"] = (batch.response_ids.tolist(), batch.response_lens.tolist(), batch.prompt_rows)
     out["repartitioned"] = repartitioner is not None
     out["gen_dp_rank"] = groups.gen_dp_rank
     return out

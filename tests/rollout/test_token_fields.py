@@ -4,6 +4,7 @@ replicas, the broadcast to other role sets, the checkpoint of batches sampled ah
 the declaration: a field declared here, in the test, crosses all of them with no other edit."""
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from tests.multiproc import run_on_ranks
 from verl_mcore.rollout import token_fields
 from verl_mcore.rollout.base import SampleOutput
-from verl_mcore.rollout.gather import RolloutPart
+from verl_mcore.rollout.batch import Rollout
 from verl_mcore.rollout.token_fields import TOKEN_FIELDS, TokenField
 
 VOCAB = 128_256
@@ -48,7 +49,8 @@ def _outputs(replica: int, count: int, n: int = 2, mask: bool = True, extra: boo
             k = (replica + p + s) % 5
             ids = [100 * replica + 10 * p + s + t for t in range(k)]
             o = SampleOutput(p, s, ids, [-0.1 * (t + 1) - replica for t in range(k)],
-                             ["stop", "length", "aborted"][(p + s) % 3])
+                             ["stop", "length", "aborted"][(p + s) % 3], turns=1 + (p + s) % 3,
+                             reward=None if s else 0.5 * p - replica)
             if mask and k >= 3:
                 o.loss_mask = [1] + [0] * (k - 2) + [1]  # tool output inside the response
             if extra:
@@ -62,37 +64,37 @@ def _outputs(replica: int, count: int, n: int = 2, mask: bool = True, extra: boo
 
 def test_fields_from_outputs_with_their_defaults():
     outs = _outputs(0, 3, mask=True, extra=False)
-    part = RolloutPart.from_outputs(_prompts(3), outs, VOCAB)
+    part = Rollout.from_outputs(_prompts(3), outs, VOCAB)
     assert set(part.token_fields) == {"logprobs", "loss_mask"}  # versions: nobody set them
     want_mask = [v for o in outs for v in (o.loss_mask or [1] * len(o.token_ids))]
     assert part.token_fields["loss_mask"].tolist() == want_mask and 0 in want_mask
     assert part.token_fields["loss_mask"].dtype == torch.uint8
     assert part.logprobs.tolist() == pytest.approx([v for o in outs for v in o.logprobs])
     t = part.response_ids.numel()
-    assert part.token_field("versions", version=7).tolist() == [7] * t  # the batch's version
-    assert part.token_field("versions") is None  # nobody knows which
-    assert part.finish_reasons() == [o.finish_reason for o in outs]
-    assert "aborted" in part.finish_reasons()
+    # Not carried: the batch's version on every token.
+    assert dataclasses.replace(part, version=7).token_field("versions").tolist() == [7] * t
+    assert part.finish == [o.finish_reason for o in outs]
+    assert "aborted" in part.finish
 
     # Log-probs only when every sample has them; versions on some samples only is refused.
     next(o for o in outs if o.token_ids).logprobs = None
-    assert "logprobs" not in RolloutPart.from_outputs(_prompts(3), outs, VOCAB).token_fields
+    assert "logprobs" not in Rollout.from_outputs(_prompts(3), outs, VOCAB).token_fields
     outs[1].versions = [3] * len(outs[1].token_ids)
     with pytest.raises(ValueError, match="'versions'.*sets it on every sample"):
-        RolloutPart.from_outputs(_prompts(3), outs, VOCAB)
+        Rollout.from_outputs(_prompts(3), outs, VOCAB)
     for o in outs:
         o.versions = [2] * len(o.token_ids)
-    part = RolloutPart.from_outputs(_prompts(3), outs, VOCAB)
-    assert part.token_field("versions", version=7).tolist() == [2] * t
+    part = Rollout.from_outputs(_prompts(3), outs, VOCAB)
+    assert dataclasses.replace(part, version=7).token_field("versions").tolist() == [2] * t
 
 
 def test_bad_fields_name_the_sample_and_the_field():
     outs = _outputs(0, 2, extra=False)
     outs[3].loss_mask = [1]  # sample 1 of prompt 1 has more tokens than that
     with pytest.raises(ValueError, match="prompt 1 sample 1: per-token field 'loss_mask'"):
-        RolloutPart.from_outputs(_prompts(2), outs, VOCAB)
+        Rollout.from_outputs(_prompts(2), outs, VOCAB)
     with pytest.raises(ValueError, match="'nope'.*not declared per-token fields"):
-        RolloutPart.from_outputs(_prompts(1), [SampleOutput(0, 0, [1], None, "stop",
+        Rollout.from_outputs(_prompts(1), [SampleOutput(0, 0, [1], None, "stop",
                                                             extras={"nope": [1]})], VOCAB)
     with pytest.raises(ValueError, match="set them as SampleOutput.loss_mask"):
         SampleOutput(0, 0, [1], None, "stop", extras={"loss_mask": [1]})
@@ -108,23 +110,20 @@ def _moved_body(rank, world_size):
     from verl_mcore.distributed import cpu_compat
     from verl_mcore.distributed.groups import build_groups
     from verl_mcore.rollout.gather import broadcast_part, gather_rollout
-    from verl_mcore.rollouts import Sampled, _load, _save
-
     cpu_compat.install()
     with _Declared():
         groups = build_groups(Config.load(None, []))
-        mine = RolloutPart.from_outputs(_prompts(3), _outputs(rank, 3, mask=rank == 0), VOCAB)
+        mine = Rollout.from_outputs(_prompts(3), _outputs(rank, 3, mask=rank == 0), VOCAB)
         batch = gather_rollout(mine, groups, VOCAB)
         sent = broadcast_part(batch if rank == 0 else None, 0, None, VOCAB,
-                              None if rank == 0 else batch.rows)
+                              None if rank == 0 else batch.prompt_rows)
         out = {"gathered": _plain(batch), "broadcast": _plain(sent)}
         if rank == 0:
             buf = io.BytesIO()
-            torch.save(_save(Sampled(3, 1, batch, baseline=mine)), buf)
+            torch.save(dataclasses.replace(batch, index=3, version=1, greedy=mine).state(), buf)
             buf.seek(0)
-            loaded = _load(torch.load(buf, weights_only=True), batch.rows)
-            out["loaded"] = (loaded.index, loaded.version, _plain(loaded.part),
-                             _plain(loaded.baseline))
+            loaded = Rollout.from_state(torch.load(buf, weights_only=True), batch.prompt_rows)
+            out["loaded"] = (loaded.index, loaded.version, _plain(loaded), _plain(loaded.greedy))
             out["mine"] = _plain(mine)
     return out
 
@@ -132,8 +131,9 @@ def _moved_body(rank, world_size):
 def _plain(part):
     return {"fields": {k: (str(v.dtype), tuple(v.shape), v.tolist())
                        for k, v in part.token_fields.items()},
-            "response_ids": part.response_ids.tolist(), "finish": part.finish_reasons(),
-            "rows": part.rows}
+            "response_ids": part.response_ids.tolist(), "finish": part.finish,
+            "rows": part.prompt_rows, "turns": part.turns.tolist(),
+            "rewards": [None if r != r else r for r in part.sampled_rewards.tolist()]}
 
 
 @pytest.mark.distributed
@@ -141,7 +141,7 @@ def test_a_declared_field_crosses_the_gather_the_broadcast_and_a_checkpoint():
     """~15 s (2 pooled gloo ranks)."""
     results = run_on_ranks(_moved_body, 2, timeout=240)
     with _Declared():
-        want = [RolloutPart.from_outputs(_prompts(3), _outputs(r, 3, mask=r == 0), VOCAB)
+        want = [Rollout.from_outputs(_prompts(3), _outputs(r, 3, mask=r == 0), VOCAB)
                 for r in (0, 1)]
     fields = results[0]["gathered"]["fields"]
     assert set(fields) == {"logprobs", "loss_mask", "versions", EXTRA.name}
@@ -155,6 +155,9 @@ def test_a_declared_field_crosses_the_gather_the_broadcast_and_a_checkpoint():
     assert fields["loss_mask"] == ("torch.uint8", (len(mask),), mask) and 0 in mask
     assert fields["logprobs"][2] == pytest.approx(
         torch.cat([w.logprobs for w in want]).tolist())
+    want_outs = [o for r in (0, 1) for o in _outputs(r, 3, mask=r == 0)]
+    assert results[0]["gathered"]["turns"] == [o.turns for o in want_outs]
+    assert results[0]["gathered"]["rewards"] == [o.reward for o in want_outs]
     for r in results:
         assert r["gathered"] == results[0]["gathered"]
         assert r["broadcast"] == results[0]["gathered"]
@@ -166,16 +169,14 @@ def test_a_declared_field_crosses_the_gather_the_broadcast_and_a_checkpoint():
 def test_a_checkpoint_from_before_the_declaration_still_loads():
     """Batches sampled ahead saved with the engine's log-probs at the top level (the format
     before token_fields) load with them."""
-    from verl_mcore.rollouts import Sampled, _load, _save
-
-    part = RolloutPart.from_outputs(_prompts(2), _outputs(0, 2, mask=False, extra=False), VOCAB)
-    saved = _save(Sampled(2, 0, part))
+    part = Rollout.from_outputs(_prompts(2), _outputs(0, 2, mask=False, extra=False), VOCAB)
+    saved = dataclasses.replace(part, index=2).state()
     saved["part"]["logprobs"] = saved["part"].pop("token_fields")["logprobs"]
-    loaded = _load(saved, part.rows).part
+    loaded = Rollout.from_state(saved, part.prompt_rows)
     assert torch.equal(loaded.logprobs, part.logprobs) and set(loaded.token_fields) == {"logprobs"}
     saved["part"]["token_fields"] = {"gone": torch.zeros(1)}
     with pytest.raises(ValueError, match="batch 2 sampled ahead.*'gone'.*not declared"):
-        _load(saved, part.rows)
+        Rollout.from_state(saved, part.prompt_rows)
 
 
 def test_merge_rules():
@@ -197,5 +198,5 @@ def test_a_field_gloo_cannot_send_is_refused_at_its_declaration():
     assert not token_fields.merged("logprobs", [False, True], "replicas", tokens=[3, 5])
     outs = [SampleOutput(0, 0, [1, 2], None, "stop", versions=[3, 3]),
             SampleOutput(0, 1, [], None, "stop")]
-    assert RolloutPart.from_outputs(_prompts(1), outs, VOCAB).token_fields["versions"].tolist() \
+    assert Rollout.from_outputs(_prompts(1), outs, VOCAB).token_fields["versions"].tolist() \
         == [3, 3]

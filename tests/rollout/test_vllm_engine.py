@@ -213,3 +213,39 @@ def test_vllm_engine_end_to_end(tmp_path):
     [r] = run_on_ranks(_vllm_body, 1, args=(hf_dir,), timeout=600, fresh=True)
     assert r["theirs"] == r["ours"] and r["again"] == r["ours"]
     assert r["lp_diff"] < 1e-3
+
+
+def test_serving_through_a_stand_in_of_vllms_request_api():
+    """VLLMServer up to vLLM's engine (a stand-in: add_request / step, finishing one request a
+    step): per-request budgets, stop ids and seeds from the stream, outputs mapped back to their
+    request ids and (prompt, sample) indices. vLLM itself cannot run here."""
+    from verl_mcore.rollout.serving import Request
+    from verl_mcore.rollout.vllm_engine import VLLMServer, prompt_seeds, request_seed
+
+    class Engine:
+        def __init__(self):
+            self.added = []
+
+        def add_request(self, rid, prompt, params):
+            self.added.append((rid, prompt, params))
+
+        def step(self):
+            rid, prompt, params = self.added.pop(0)
+            comp = SimpleNamespace(index=0, token_ids=prompt["prompt_token_ids"][-1:] * params.max_tokens,
+                                   finish_reason="length", logprobs=None)
+            return [SimpleNamespace(request_id=rid, finished=True, outputs=[comp])]
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=(2,), seed=1)
+    engine = Engine()
+    server = VLLMServer(engine, lambda **kw: SimpleNamespace(**kw), sp, max_len=16, vocab_size=50)
+    a = server.submit(Request((5, 6), key=9, draws=0, max_new_tokens=3, prompt_index=4, sample_index=1))
+    b = server.submit(Request((7,), key=9, draws=3, stop_token_ids=(3,)))
+    (_, _, pa), (_, _, pb) = engine.added
+    assert (pa.max_tokens, pa.stop_token_ids, pb.max_tokens, pb.stop_token_ids) == (3, [2], 8, [3])
+    # a stream's seed, through to_vllm_sampling's per-prompt hash; another counter, another seed
+    assert pb.seed == prompt_seeds(request_seed(9, 3), 1)[0] and pa.seed != pb.seed
+    [(rid, out)] = server.step()
+    assert (rid, out.prompt_index, out.sample_index, out.token_ids) == (a, 4, 1, [6, 6, 6])
+    assert server.busy and server.step()[0][0] == b and not server.busy
+    with pytest.raises(ValueError, match="exceed the session's max_len 16"):
+        server.submit(Request((1,) * 10))

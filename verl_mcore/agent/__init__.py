@@ -1,5 +1,9 @@
-"""What an agent loop calls: tools and environments in sandbox workers, the parser of tool calls
-in the model's text, observation tokens, per-tool metrics.
+"""Multi-turn agent loops over the rollout engine (issue 41), and what they call.
+
+    loop.py         rollout.agent_loop's user class (AgentLoop), the trajectory's context
+                    (AgentContext: generate a turn, append an observation), its limits and result
+    runtime.py      AgentRuntime: every trajectory of a replica's batch at once over the engine's
+                    step-wise serving (rollout/serving.py), the TP_g group's ranks kept in step
 
     tools.py        ToolCall / ToolResult, a tool's schema (given or derived), argument checks,
                     the start-up probe (load_tools)
@@ -13,5 +17,5 @@ in the model's text, observation tokens, per-tool metrics.
                     plain text; tool schemas in the prompt
     metrics.py      ToolMetrics: per-tool counts and seconds, mergeable across trajectories
 
-The package imports neither torch nor transformers at its top: the sandbox workers import it.
+The package imports neither torch nor transformers at its top (the sandbox workers import it).
 """

@@ -181,6 +181,20 @@ class AgentToolsConfig:
 
 
 @dataclass
+class AgentLoopConfig(UserFunctionConfig):
+    """rollout.agent_loop (agent/loop.py): a class in a Python file, subclassing
+    verl_mcore.agent.loop.AgentLoop with `async def run(self, ctx, row, prompt_ids)`, that runs
+    one multi-turn trajectory (model turns, tools, observations); constructed with `kwargs` once
+    per trajectory. Every trajectory of a replica's batch runs at once over the engine
+    (agent/runtime.py), and their SampleOutputs (loss mask 0 on observation tokens) are the
+    batch, in place of one engine call; validation runs it too. Its file is imported first in a
+    fresh interpreter and the class checked and built once there, before any model is built."""
+
+    # Model turns per trajectory at most; a loop asking for one more ends with "length".
+    max_turns: int = 8
+
+
+@dataclass
 class OffPolicyCorrectionConfig:
     """rollout.correction: per-token corrections for sampling with the engine's policy (pi_engine:
     older weights in one_step_off, another numeric path always) while the loss is that of the
@@ -244,6 +258,7 @@ class RolloutConfig:
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
     group_filter: UserFunctionConfig = field(default_factory=UserFunctionConfig)
     generate_fn: UserFunctionConfig = field(default_factory=UserFunctionConfig)
+    agent_loop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
     # Validation sampling
     val_n: int = 1
     val_temperature: float = 0.0  # 0: greedy
@@ -311,7 +326,10 @@ class DataConfig:
 class RewardSourceConfig:
     name: str = "rule"
     weight: float = 1.0
-    type: Literal["rule", "custom", "reward_model"] = "rule"
+    # environment: the reward the sampling gave each trajectory (an agent loop's run result, an
+    # environment's: rollout.agent_loop; or a generate function's SampleOutput.reward); a
+    # trajectory without one fails that sample's score (reward.fallback_score, counted)
+    type: Literal["rule", "custom", "reward_model", "environment"] = "rule"
     # custom: Python file; reward_model: HF directory, Hub id `org/name` (as model.path) or
     # dist checkpoint
     path: Optional[str] = None

@@ -66,6 +66,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.logprob_check.max_abs_diff": ("[0, inf)", "null: 0.5 for an fp32 actor, 2.0 for bf16 / fp16"),
     "rollout.group_filter.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.generate_fn.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.max_turns": ("[1, inf)", "model turns per trajectory"),
     "rollout.val_n": ("[1, inf)", ""),
     "rollout.val_temperature": ("[0, inf)", "0: greedy"),
     "data.max_prompt_length": ("[1, inf)", ""),
@@ -450,6 +452,11 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                     f"top-p / top-k truncated distribution (rollout.top_p={r.top_p}, "
                     f"rollout.top_k={r.top_k}), not the model's: set rollout.top_p=1 and "
                     f"rollout.top_k=-1, use rollout.engine=native, or turn {what} off")
+    a, g = r.agent_loop, r.generate_fn
+    if (a.path or a.name) and (g.path or g.name):
+        errs.append(f"rollout.agent_loop ({a.path}:{a.name}) and rollout.generate_fn ({g.path}:"
+                    f"{g.name}) both sample the batch: keep one (an agent loop's turns can do what "
+                    "a generate function's engine calls do)")
     return errs
 
 
@@ -592,6 +599,14 @@ def _reward_errors(cfg: Config) -> list[str]:
     r, errs = cfg.reward, []
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for i, s in enumerate(r.sources):
+        if s.type == "environment" and not (cfg.rollout.agent_loop.path
+                                            or cfg.rollout.generate_fn.path):
+            errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it reads the "
+                        "reward each trajectory's sampling gave, which only rollout.agent_loop "
+                        "(or a rollout.generate_fn setting SampleOutput.reward) gives; set one")
+        if s.type == "environment" and (s.path or s.function):
+            errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it has no "
+                        "path or function (the agent loop's run returns the reward)")
         if s.type == "reward_model" and not s.path:
             errs.append(f"reward.sources[{i}] ({s.name!r}) is a reward_model: set its path (an HF "
                         "*ForSequenceClassification directory or a dist checkpoint)")

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size (MoE models); runs tp * pp * ep ranks")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="largest accepted max|diff| / max|HF logit| (fp32)")
     return parser
@@ -119,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
 
-    diff = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp)
+    diff = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep)
     ok = diff["max_rel"] <= args.tolerance
-    print(f"verify tp={args.tp} pp={args.pp}: max_abs={diff['max_abs']:.3e} "
+    print(f"verify tp={args.tp} pp={args.pp} ep={args.ep}: max_abs={diff['max_abs']:.3e} "
           f"max_rel={diff['max_rel']:.3e} tolerance={args.tolerance:.1e} -> "
           f"{'OK' if ok else 'FAILED'}")
     return 0 if ok else 1

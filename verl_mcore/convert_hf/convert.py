@@ -34,8 +34,9 @@ from verl_mcore.config.resume import ARCH_FILE, CONFIG_FILE
 from verl_mcore.convert_hf.dist_ckpt import (
     Chunk,
     DistCheckpointReader,
+    KeyLayout,
     chunks_for,
-    layer_key,
+    extra_state_keys,
     write_dist_checkpoint,
 )
 from verl_mcore.convert_hf.safetensors_stream import write_safetensors
@@ -173,6 +174,7 @@ def hf_to_mcore_chunks(hf_dir: str, arch: HFArch, dtype: Optional[torch.dtype]) 
                       f"{arch.num_layers} layers (config.json), e.g. {unused[:5]}; they are "
                       "left out of the conversion")
     padded = arch.padded_vocab_size(1)
+    layout = KeyLayout.of(arch)
     chunks: list[Chunk] = []
     for pm in wm.param_maps(arch, _role_of(arch)):
         metas = []
@@ -192,7 +194,7 @@ def hf_to_mcore_chunks(hf_dir: str, arch: HFArch, dtype: Optional[torch.dtype]) 
         else:
             produce = (lambda pm=pm, read=read: wm.hf_to_mcore(pm, arch, [read(n) for n in pm.hf],
                                                                padded))
-        chunks += chunks_for(pm.mcore, full.shape, arch.num_layers, out_dtype, produce,
+        chunks += chunks_for(pm.mcore, full.shape, layout, out_dtype, produce,
                              split_halves=pm.kind == "gate_up")
     return chunks
 
@@ -219,7 +221,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
             bar.update(c.nbytes)
             bar.set_postfix_str(f"{done[0]}/{len(chunks)} tensors", refresh=False)
 
-        write_dist_checkpoint(out.tmp, chunks, arch.num_layers, on_written)
+        extra = extra_state_keys((pm.mcore for pm in wm.param_maps(arch, _role_of(arch))),
+                                 KeyLayout.of(arch))
+        write_dist_checkpoint(out.tmp, chunks, extra, on_written)
         bar.close()
         copy_metadata_files(hf_dir, os.path.join(out.tmp, HF_CONFIG_SUBDIR))
         # A sliding-window config reads only with the sequence bound it was converted under:
@@ -240,10 +244,11 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, dtype: Optional[str] = None,
 def _hf_plan(reader: DistCheckpointReader, arch: HFArch, role: str):
     """[(ParamMap, [(hf_name, shape, dtype), ...])] in output order."""
     plan = []
+    layout = KeyLayout.of(arch)
     for pm in wm.param_maps(arch, role):
-        key, layer = layer_key(pm.mcore)
+        key, prefix, _ = layout.locate(pm.mcore)
         md = reader.tensor_meta(key)
-        shape = tuple(md.size)[1:] if layer is not None else tuple(md.size)
+        shape = tuple(md.size)[len(prefix):]
         meta = torch.empty(shape, dtype=md.properties.dtype, device="meta")
         hf = wm.mcore_to_hf(pm, arch, meta)
         plan.append((pm, [(name, tuple(t.shape), t.dtype) for name, t in hf.items()]))
@@ -271,7 +276,8 @@ def dist_hf_groups(reader: DistCheckpointReader, arch: HFArch, role: str,
     q, k, v), each read when the writer reaches it. `arch` (read from `config_src`) is checked
     against the checkpoint first (check_checkpoint_arch)."""
     check_checkpoint_arch(reader, arch, role, config_src)
-    return [(entries, lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore)))
+    layout = KeyLayout.of(arch)
+    return [(entries, lambda pm=pm: wm.mcore_to_hf(pm, arch, reader.read(pm.mcore, layout)))
             for pm, entries in _hf_plan(reader, arch, role)]
 
 
@@ -295,7 +301,7 @@ def _check_against_record(arch: HFArch, where: str, saved: dict, record_path: st
     """Every field of the checkpoint's record of its architecture equals the config's."""
     ours = _flat(json.loads(json.dumps(dataclasses.asdict(arch))))
     diffs = [f"{k} = {ours[k]!r} in the config, {v!r} in the checkpoint"
-             for k, v in sorted(_flat(saved).items())
+             for k, v in sorted(_flat(json.loads(json.dumps(saved))).items())  # tuples: lists
              if k in ours and k != "torch_dtype" and ours[k] != v]
     if diffs:
         raise ConfigError(f"{where} does not describe the checkpoint {ckpt} (as {record_path} "
@@ -311,11 +317,13 @@ def _check_stored_tensors(reader: DistCheckpointReader, arch: HFArch, role: str,
     ckpt = reader.ckpt_dir
     stored = {key: tuple(md.size) for key, md in reader.metadata.state_dict_metadata.items()
               if key.startswith(MODEL_PREFIXES) and isinstance(md, TensorStorageMetadata)}
+    layout = KeyLayout.of(arch)
     for key, shape in sorted(stored.items()):
-        if key.startswith("decoder.layers.") and shape[0] != arch.num_layers:
+        stacked = key.startswith("decoder.layers.") and not key.split(".")[2].isdigit()
+        if stacked and shape[0] != arch.num_layers:
             raise ConfigError(f"{where}: num_hidden_layers = {arch.num_layers}, but the checkpoint "
                               f"{ckpt} holds {shape[0]} layers ({key} is stacked {list(shape)})")
-    planned = {layer_key(pm.mcore)[0] for pm in wm.param_maps(arch, role)}
+    planned = {layout.locate(pm.mcore)[0] for pm in wm.param_maps(arch, role)}
     unread, missing = sorted(set(stored) - planned), sorted(planned - set(stored))
     if unread or missing:
         head = ""

@@ -12,7 +12,13 @@ The structure is exactly what megatron writes for a TP=1, PP=1 GPTModel, so
 - decoder layers stacked under `decoder.layers.<rest>` with global shape [num_layers, *shape]
   and one chunk per layer; `linear_fc1` in two chunks per layer (gate rows, up rows), as
   megatron's SwiGLU sharded factory does;
-- per layer and linear, an `_extra_state` object (`[None]` for the local spec's linears).
+- a MoE model's routed experts (SequentialMLP) under `decoder.layers.mlp.experts.experts.<rest>`
+  with an expert axis after the layer axis, [num_layers, num_experts, *shape], one chunk (two
+  for fc1) per layer and expert; when dense and MoE layers mix (megatron's list-valued
+  moe_layer_freq), megatron keys every layer by its index instead, `decoder.layers.<i>.<rest>`,
+  with no layer axis (`KeyLayout`);
+- per layer (and expert) and linear, an `_extra_state` object (`[None]` for the local spec's
+  linears).
 
 Reading checks the directory first (verl_mcore.models.checkpoint.verify_dist_checkpoint: the
 manifest convert.py writes, DCP metadata allow-listed) and reads it as data only
@@ -50,10 +56,48 @@ from verl_mcore.models.checkpoint import verify_dist_checkpoint
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
-# Linears whose `_extra_state` megatron saves per layer (TransformerEngine fp8 metadata slot).
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv",
-                       "mlp.linear_fc1", "mlp.linear_fc2")
+# Linears whose `_extra_state` megatron saves per layer (TransformerEngine fp8 metadata slot):
+# every megatron linear, named by the canonical name of its weight.
+_LINEAR_WEIGHT_RE = re.compile(r"\.linear_(qkv|proj|fc1|fc2)\.weight$")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyLayout:
+    """How megatron keys a GPTModel's tensors in a dist checkpoint (TransformerBlock and
+    SequentialMLP sharded_state_dict): layers stacked along a leading axis unless the layers
+    differ (`stacked_layers` False: dense and MoE layers mixed), routed experts along an axis
+    of their own. `num_layers` / `num_experts` size those axes when writing; reading needs only
+    the offsets."""
+
+    num_layers: int = 0
+    num_experts: int = 0
+    stacked_layers: bool = True
+
+    @classmethod
+    def of(cls, arch) -> "KeyLayout":
+        moe = arch.moe
+        if moe is None:
+            return cls(arch.num_layers)
+        return cls(arch.num_layers, moe.num_experts, len(moe.layers) == arch.num_layers)
+
+    def locate(self, canonical: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """(checkpoint key, offsets along the leading layer / expert axes, their sizes) of a
+        canonical name; both empty for a tensor outside the decoder layers."""
+        match = _LAYER_RE.match(canonical)
+        if not match:
+            return canonical, (), ()
+        layer, rest = int(match.group(1)), match.group(2)
+        offsets: tuple[int, ...] = ()
+        sizes: tuple[int, ...] = ()
+        expert = _EXPERT_RE.match(rest)
+        if expert:
+            rest = f"mlp.experts.experts.{expert.group(2)}"
+            offsets, sizes = (int(expert.group(1)),), (self.num_experts,)
+        if self.stacked_layers:
+            return f"decoder.layers.{rest}", (layer, *offsets), (self.num_layers, *sizes)
+        return f"decoder.layers.{layer}.{rest}", offsets, sizes
 
 
 @dataclasses.dataclass
@@ -70,24 +114,15 @@ class Chunk:
     nbytes: int = 0
 
 
-def layer_key(canonical: str) -> tuple[str, int | None]:
-    """`decoder.layers.3.x.y` -> (`decoder.layers.x.y`, 3); other names -> (name, None)."""
-    match = _LAYER_RE.match(canonical)
-    if not match:
-        return canonical, None
-    return f"decoder.layers.{match.group(2)}", int(match.group(1))
-
-
-def chunks_for(canonical: str, shape: Sequence[int], num_layers: int, dtype: torch.dtype,
+def chunks_for(canonical: str, shape: Sequence[int], layout: KeyLayout, dtype: torch.dtype,
                produce: Callable[[], torch.Tensor], split_halves: bool = False) -> list[Chunk]:
     """The chunk(s) megatron stores for one full (TP=1) tensor of `shape`.
 
     `split_halves` (linear_fc1): two chunks, rows [0, n/2) and [n/2, n); `produce` is then
     called once per half with the half index.
     """
-    key, layer = layer_key(canonical)
+    key, prefix_off, prefix_shape = layout.locate(canonical)
     shape = tuple(int(s) for s in shape)
-    prefix_shape, prefix_off = ((num_layers,), (layer,)) if layer is not None else ((), ())
     global_shape = prefix_shape + shape
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not split_halves:
@@ -99,6 +134,21 @@ def chunks_for(canonical: str, shape: Sequence[int], num_layers: int, dtype: tor
     return [Chunk(key, global_shape, prefix_off + (i * half[0],) + (0,) * (len(shape) - 1), size,
                   dtype, (lambda i=i: produce(i).reshape(size)), _numel(half) * itemsize)
             for i in range(2)]
+
+
+def extra_state_keys(canonicals: Iterable[str], layout: KeyLayout) -> list[str]:
+    """The `_extra_state` object keys megatron saves for the linears among `canonicals` (the
+    canonical names of a model's tensors): `<key>._extra_state/shard_<offsets>_<sizes>`, with
+    the layer / expert axes, or 0 of 1 where there are none."""
+    keys = []
+    for name in canonicals:
+        if not _LINEAR_WEIGHT_RE.search(name):
+            continue
+        key, offsets, sizes = layout.locate(name.removesuffix(".weight"))
+        offsets, sizes = offsets or (0,), sizes or (1,)
+        keys.append(f"{key}._extra_state/shard_{'.'.join(map(str, offsets))}_"
+                    f"{'.'.join(map(str, sizes))}")
+    return keys
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -151,12 +201,12 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return tensor.contiguous()
 
 
-def write_dist_checkpoint(out_dir: str, chunks: Sequence[Chunk], num_layers: int,
+def write_dist_checkpoint(out_dir: str, chunks: Sequence[Chunk], extra_states: Iterable[str],
                           on_written: Callable[[Chunk], None] = lambda c: None) -> None:
-    """Write a torch_dist checkpoint of `chunks` (plus megatron's per-layer extra states)."""
+    """Write a torch_dist checkpoint of `chunks` plus megatron's per-linear extra states
+    (`extra_state_keys`)."""
     os.makedirs(out_dir, exist_ok=True)
-    objects = {f"decoder.layers.{m}._extra_state/shard_{i}_{num_layers}": [None]
-               for i in range(num_layers) for m in EXTRA_STATE_MODULES}
+    objects = {key: [None] for key in extra_states}
     # thread_count=1 with no CUDA reads items lazily, one at a time (_SerialCpuLoader); with
     # CUDA it prefetches at most per_thread_copy_ahead bytes.
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1,
@@ -214,17 +264,17 @@ class DistCheckpointReader:
     def has(self, key: str) -> bool:
         return isinstance(self.metadata.state_dict_metadata.get(key), TensorStorageMetadata)
 
-    def read(self, canonical: str) -> torch.Tensor:
-        """The full (TP=1) tensor of a canonical name (one layer's slice of stacked keys)."""
-        key, layer = layer_key(canonical)
+    def read(self, canonical: str, layout: KeyLayout = KeyLayout()) -> torch.Tensor:
+        """The full (TP=1) tensor of a canonical name (one layer's, one expert's slice of
+        stacked keys); `layout`: how the model's keys are laid out (dense: the default)."""
+        key, prefix, _ = layout.locate(canonical)
         md = self.tensor_meta(key)
         shape = tuple(md.size)
-        if layer is not None:
-            offsets, sizes = (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:]
-        else:
-            offsets, sizes = (0,) * len(shape), shape
+        n = len(prefix)
+        offsets = prefix + (0,) * (len(shape) - n)
+        sizes = (1,) * n + shape[n:]
         dest = torch.empty(sizes, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         dcp.load({}, storage_reader=SafeFileSystemReader(self.ckpt_dir, self.metadata),
                  planner=_ChunkLoadPlanner([(key, chunk, dest)]), no_dist=True)
-        return dest[0] if layer is not None else dest
+        return dest.reshape(shape[n:])

@@ -81,7 +81,7 @@ def transformers_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _rank_main(rank: int, world_size: int, port: int, hf_dir: str, ckpt_dir: str, tp: int,
-               pp: int, tokens: torch.Tensor, results) -> None:
+               pp: int, tokens: torch.Tensor, results, ep: int = 1) -> None:
     """One spawned rank of `verify` (also the body when launched by torchrun: results None)."""
     import torch.distributed as dist
 
@@ -104,15 +104,19 @@ def _rank_main(rank: int, world_size: int, port: int, hf_dir: str, ckpt_dir: str
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
     seq_len = tokens.shape[1]
     arch = read_hf_arch(hf_dir, max_seq_len=seq_len)
     role = "reward" if arch.num_labels is not None else "actor"
     model, _ = build_and_load(role, hf_path=hf_dir, checkpoint=ckpt_dir, dtype="fp32", tp=tp,
-                              pp=pp, max_seq_len=seq_len)
+                              pp=pp, max_seq_len=seq_len,
+                              **({"expert_model_parallel_size": ep} if ep > 1 else {}))
     out = megatron_logits(model, tokens)
-    if out is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+    # Every data-parallel rank (there are ep of them) computes the same logits: one reports.
+    if out is not None and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and parallel_state.get_data_parallel_rank() == 0:
         out = out[..., : arch.vocab_size] if role == "actor" else out
         if results is not None:
             results.put(out)
@@ -131,20 +135,25 @@ def _free_port() -> int:
 
 
 def verify(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, batch: int = 2,
-           seq_len: int = 16) -> dict[str, float]:
+           seq_len: int = 16, ep: int = 1) -> dict[str, float]:
     """Max absolute and relative (to max |HF logit|) difference between megatron on the dist
-    checkpoint at TP x PP and transformers on the HF directory, over random prompts.
+    checkpoint at TP x PP (x EP for a MoE model: the experts split over `ep` data-parallel
+    ranks) and transformers on the HF directory, over random prompts.
 
-    Spawns tp * pp local ranks (gloo on CPU, NCCL on GPUs). A sliding window at least
+    Spawns tp * pp * ep local ranks (gloo on CPU, NCCL on GPUs). A sliding window at least
     `seq_len` long never takes effect on these prompts, so such a config is compared too.
     """
-    tokens = prompts(read_hf_arch(hf_dir, max_seq_len=seq_len).vocab_size, batch, seq_len)
-    world = tp * pp
+    arch = read_hf_arch(hf_dir, max_seq_len=seq_len)
+    if ep > 1 and arch.moe is None:
+        raise ValueError(f"verify: ep={ep} needs a mixture-of-experts model; {hf_dir} is a "
+                         f"dense {arch.model_type}")
+    tokens = prompts(arch.vocab_size, batch, seq_len)
+    world = tp * pp * ep
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, hf_dir, ckpt_dir, tp, pp, tokens,
-                                                   results)) for r in range(world)]
+                                                   results, ep)) for r in range(world)]
     for p in procs:
         p.start()
     try:

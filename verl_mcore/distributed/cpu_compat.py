@@ -90,6 +90,23 @@ PATCHES: tuple[Patch, ...] = (
         "synchronous and the gloo requests are waited on, so there is nothing to wait for.",
     ),
     Patch(
+        "torch.cuda",
+        "Stream",
+        ("device", "priority", "kwargs"),
+        "The MoE all-to-all dispatcher (transformer/moe/token_dispatcher.py) creates a side "
+        "stream in __init__ for its device-to-host copies of the split sizes; a CPU build cannot "
+        "create one. On CPU: a stream whose waits and events do nothing (CPU ops are synchronous).",
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        ("self", "point", "tokens_per_expert"),
+        "Copies the split sizes to the host on that side stream (torch.cuda.current_stream / "
+        "torch.cuda.stream, which raise on a CPU build) and turns them into numpy arrays, which "
+        "the all-to-all then takes as split lists. On CPU the tensors are already on the host: "
+        "only the numpy conversion is kept, at the same point of the dispatch.",
+    ),
+    Patch(
         "megatron.core.tensor_parallel.random",
         "_get_cuda_rng_state",
         ("device", "clone", "graph_safe"),
@@ -125,6 +142,30 @@ PATCHES: tuple[Patch, ...] = (
         "gradient_accumulation_fusion, the sequence-parallel reduce-scatter output), and autograd "
         "runs backward functions without the torch-function mode stack, so the device mode does "
         "not reach it. On CPU: the original backward inside the device mode.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings",
+        "_AllToAll.backward",
+        ("ctx", "grad_output"),
+        "The MoE all-to-all dispatcher's backward is another all-to-all, whose output buffer is "
+        "allocated with device=torch.cuda.current_device(); autograd runs it without the device "
+        "mode. On CPU: the original backward inside the device mode.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings",
+        "_GatherFromSequenceParallelRegion.backward",
+        ("ctx", "grad_output"),
+        "The MoE dispatcher gathers tokens over the expert-TP group (and sequence parallelism "
+        "over TP); the backward reduce-scatters into a buffer on torch.cuda.current_device(). "
+        "On CPU: the original backward inside the device mode.",
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.mappings",
+        "_ReduceScatterToSequenceParallelRegion.backward",
+        ("ctx", "grad_output"),
+        "Counterpart of the gather above (the dispatcher's combine over the expert-TP group): "
+        "its backward all-gathers into a buffer on torch.cuda.current_device(). On CPU: the "
+        "original backward inside the device mode.",
     ),
     Patch(
         "megatron.core.optimizer.distrib_optimizer",
@@ -221,6 +262,41 @@ def _synchronize(device: Any = None) -> None:
 def _current_device() -> int:
     """Stand-in for torch.cuda.current_device() on CPU: index 0, read as CPU by _CpuDeviceMode."""
     return 0
+
+
+class _HostStream:
+    """torch.cuda.Stream on CPU: every operation is already complete when it returns, so waiting
+    on, recording or synchronising a stream has nothing to do."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any):
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_HostStream":
+        return self  # an "event" whose synchronize() returns at once
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _dispatcher_splits_to_host(self, point: str, tokens_per_expert: Any = None) -> Any:
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on CPU: at the point where the GPU
+    path copies the split sizes to the host, turn them into the numpy arrays that path hands the
+    all-to-all (maybe_move_tensor_to_cpu(..., as_numpy=True)); there is no stream to sync."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for attr in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, attr, None)
+            if torch.is_tensor(value):
+                setattr(self, attr, value.numpy())
+    return tokens_per_expert
 
 
 # ---------------------------------------------------------------- 3. RNG tracker on the CPU generator
@@ -353,12 +429,21 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
     return {
         ("torch.cuda", "current_device"): lambda orig: _current_device,
         ("torch.cuda", "synchronize"): lambda orig: _synchronize,
+        ("torch.cuda", "Stream"): lambda orig: _HostStream,
+        ("megatron.core.transformer.moe.token_dispatcher",
+         "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"):
+            lambda orig: _dispatcher_splits_to_host,
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): lambda orig: _get_cpu_rng_state,
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda orig: _set_cpu_rng_state,
         ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add"): lambda orig: _tracker_add,
         ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork"): lambda orig: _tracker_fork,
         ("megatron.core.tensor_parallel.layers",
          "LinearWithGradAccumulationAndAsyncCommunication.backward"): _backward_in_device_mode,
+        ("megatron.core.tensor_parallel.mappings", "_AllToAll.backward"): _backward_in_device_mode,
+        ("megatron.core.tensor_parallel.mappings",
+         "_GatherFromSequenceParallelRegion.backward"): _backward_in_device_mode,
+        ("megatron.core.tensor_parallel.mappings",
+         "_ReduceScatterToSequenceParallelRegion.backward"): _backward_in_device_mode,
         ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"): _with_cuda_type_names,
         ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"): _with_cuda_type_names,
     }

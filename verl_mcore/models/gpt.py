@@ -39,17 +39,25 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: str = "sdpa"):
+def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: str = "sdpa",
+                   num_experts: Optional[int] = None):
     """Decoder layer spec: megatron's TransformerEngine spec when CUDA and TE are there (or
     `use_te=True`), else megatron's local spec with `core_attention` "sdpa" (ours) or "local"
-    (megatron's DotProductAttention, which materialises the [s, s] scores)."""
+    (megatron's DotProductAttention, which materialises the [s, s] scores).
+
+    `num_experts`: a MoE layer (router, SequentialMLP experts: one MLP module per local expert,
+    and Qwen2-MoE's shared expert when the config has one); None: a dense SwiGLU MLP. Grouped
+    expert GEMMs (megatron's GroupedMLP) need the `grouped_gemm` package or TransformerEngine's
+    TEGroupedMLP, and store the experts under other parameter names: not used yet."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = cuda_in_use() and have_transformer_engine()
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm,
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=arch.qk_norm,
                                                     normalization="RMSNorm")
     if core_attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
@@ -57,6 +65,37 @@ def gpt_layer_spec(arch: HFArch, use_te: Optional[bool] = None, core_attention: 
         raise ValueError(f"gpt_layer_spec: core_attention must be 'sdpa' or 'local', "
                          f"got {core_attention!r}")
     return spec
+
+
+def moe_block_spec(arch: HFArch, config, use_te: Optional[bool], core_attention: str,
+                   pp_rank: int, vp_stage: Optional[int] = None):
+    """The decoder block of a MoE architecture for one pipeline stage: a MoE layer spec where
+    `arch.moe` routes, a dense one elsewhere (Qwen's mlp_only_layers / decoder_sparse_step),
+    sliced to this stage's layers as megatron's get_gpt_decoder_block_spec slices them."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    allow_moe_without_transformer_engine()
+    dense = gpt_layer_spec(arch, use_te, core_attention)
+    moe = gpt_layer_spec(arch, use_te, core_attention, num_experts=arch.moe.num_experts)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = transformer_block.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    specs = [moe if arch.moe.is_moe_layer(i) else dense for i in range(offset, offset + count)]
+    # The final norm the dense path gets from megatron for a single layer spec.
+    return TransformerBlockSubmodules(layer_specs=specs,
+                                      layer_norm=transformer_block.LayerNormImpl)
+
+
+def allow_moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router linear (moe_utils.RouterGatingLinearFunction) tests
+    `te_general_gemm is not None`, but moe_utils binds that name only when TransformerEngine
+    imports: without TE every MoE forward raises NameError (on GPU too). Binding it to None
+    selects the torch.mm path that the function has for that case. A no-op with TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class ScalarHead(torch.nn.Module):
@@ -142,9 +181,18 @@ def build_gpt_model(arch: HFArch, config, *, role: str = "actor",
     pre, post = _stage_flags(pg_collection, pre_process, post_process)
     lm_head = role in ("actor", "reference")
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+    if arch.moe is None:
+        spec = gpt_layer_spec(arch, use_te, core_attention)
+    else:
+        pp_group = pg_collection.pp if pg_collection is not None else None
+        if pp_group is None:
+            from megatron.core import parallel_state
+
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+        spec = moe_block_spec(arch, config, use_te, core_attention, pp_group.rank(), vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(arch, use_te, core_attention),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre,

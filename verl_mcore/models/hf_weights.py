@@ -214,13 +214,27 @@ def _tp_info(model) -> tuple[int, int]:
     return tp_group.rank(), tp_group.size()
 
 
+def expert_layout(model) -> tuple[int, int, int]:
+    """(first global expert of this rank, expert-TP rank, expert-TP size) of a GPTModel stage:
+    its routed experts are `expert_range(E, ep_rank, ep_size)`, and each expert's fc1 / fc2 are
+    sliced over the expert TP group. (0, TP rank, TP size) for a dense model."""
+    config = model.config
+    if not config.num_moe_experts:
+        return (0, *_tp_info(model))
+    ep, etp = model.pg_collection.ep, model.pg_collection.expt_tp
+    first = wm.expert_range(config.num_moe_experts, ep.rank(), ep.size())[0]
+    return first, etp.rank(), etp.size()
+
+
 def named_canonical_parameters(model) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    """(canonical name, parameter) for a GPTModel stage: global layer indices, TE spelling."""
+    """(canonical name, parameter) for a GPTModel stage: global layer indices, TE spelling,
+    global expert indices."""
+    first_expert = expert_layout(model)[0]
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
             local = int(name.split(".")[2])
             layer_number = model.decoder.layers[local].layer_number  # 1-based, global
-            yield wm.canonical_name(name, layer_number - 1), param
+            yield wm.canonical_name(name, layer_number - 1, first_expert), param
         else:
             yield name, param
 
@@ -236,6 +250,7 @@ def load_hf_weights(model, arch: HFArch, hf_dir: str | os.PathLike, role: str = 
     maps = {pm.mcore: pm for pm in wm.param_maps(arch, role)}
     embedding = maps["embedding.word_embeddings.weight"]
     tp_rank, tp_size = _tp_info(model)
+    _, etp_rank, etp_size = expert_layout(model)
     padded = model.vocab_size
     loaded = []
     with torch.no_grad():
@@ -248,10 +263,12 @@ def load_hf_weights(model, arch: HFArch, hf_dir: str | os.PathLike, role: str = 
             if pm is None:
                 raise KeyError(f"load_hf_weights: no HF source for parameter {name!r} "
                                f"(role {role}, model_type {arch.model_type}, {hf_dir})")
+            # A routed expert's weights are sliced over the expert TP group.
+            rank, size = (etp_rank, etp_size) if pm.expert is not None else (tp_rank, tp_size)
             parts = [ckpt.read(hf_name, dim, start, stop).to(param.dtype)
-                     for hf_name, dim, start, stop in wm.hf_read_slices(pm, arch, tp_rank, tp_size,
+                     for hf_name, dim, start, stop in wm.hf_read_slices(pm, arch, rank, size,
                                                                          padded)]
-            local = wm.build_tp_local(pm, arch, parts, tp_size, padded)
+            local = wm.build_tp_local(pm, arch, parts, size, padded)
             if local.shape != param.shape:
                 raise ValueError(f"load_hf_weights: {name!r} on TP rank {tp_rank}: HF gives "
                                  f"{tuple(local.shape)}, the model has {tuple(param.shape)}")

@@ -14,6 +14,21 @@ Layouts (H hidden, nh query heads, ng KV groups, hd head dim, r = nh / ng, F ffn
 - linear_fc1 [2F, H]: gate rows then up rows; megatron computes silu(gate) * up.
 - word embeddings / output layer [V_pad, H]: HF rows then zero rows up to the padded size.
 
+Mixture of experts (HFArch.moe): a MoE layer's MLP is a router `mlp.router.weight` [E, H] (HF
+`mlp.gate.weight`; Mixtral `block_sparse_moe.gate.weight`), E experts, each a SwiGLU MLP whose
+canonical names carry the *global* expert index, `mlp.experts.local_experts.<e>.linear_fc1.weight`
+(gate rows then up rows, like a dense fc1) and `.linear_fc2.weight` (HF `mlp.experts.<e>.
+{gate,up,down}_proj`; Mixtral `block_sparse_moe.experts.<e>.{w1,w3,w2}`), and for Qwen2-MoE a
+shared expert `mlp.shared_experts.linear_fc1/linear_fc2.weight` with its sigmoid gate
+`mlp.shared_experts.gate_weight` [1, H] (HF `mlp.shared_expert.*`, `mlp.shared_expert_gate`).
+The layout is megatron's SequentialMLP (one module per expert, as the local spec builds it).
+
+Expert parallelism: the experts split over EP ranks in contiguous blocks, rank r of R holding
+experts [r * E / R, (r + 1) * E / R) whole (`expert_range`), under local indices 0.. in its
+model. Within an expert, its fc1 / fc2 are TP-sliced like a dense MLP's, over the expert TP group
+(megatron's expert_tensor_parallel_size, the TP size unless set). Router, shared expert gate and
+norms are replicated; the shared expert is TP-sliced over the ordinary TP group.
+
 TP slicing of the full (TP=1) tensor, for TP rank t of T:
 - "qkv": rows [t * n / T, (t + 1) * n / T) (whole KV groups, so contiguous);
 - "gate_up": the t-th row block of gate and of up, concatenated;
@@ -43,21 +58,28 @@ class ParamMap:
 
     `kind` names both how the HF tensors are combined and how the result is sliced over TP.
     `hf` lists HF names in combination order ((q, k, v) or (gate, up)); `layer` is the global
-    layer index or None for embedding / final norm / head.
+    layer index or None for embedding / final norm / head; `expert` is the global expert index
+    of a routed expert's weight (held by one EP rank: `expert_range`), else None. `ffn` is the
+    intermediate size of an MLP weight (dense, expert or shared expert; 0 for others), which
+    sizes its TP slices.
     """
 
     mcore: str
     hf: tuple[str, ...]
     kind: str
     layer: int | None = None
+    expert: int | None = None
+    ffn: int = 0
 
     def __post_init__(self):
         if self.kind not in _KINDS:
             raise ValueError(f"ParamMap {self.mcore}: unknown kind {self.kind!r}")
 
 
-def layer_param_maps(arch: HFArch, layer: int) -> list[ParamMap]:
-    """The maps of one decoder layer (global index `layer`)."""
+def layer_param_maps(arch: HFArch, layer: int, experts: Iterable[int] | None = None
+                     ) -> list[ParamMap]:
+    """The maps of one decoder layer (global index `layer`); of a MoE layer's routed experts
+    only the global indices `experts` when given (one EP rank's: `expert_range`)."""
     m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     attn = h + "self_attn."
     maps = [
@@ -81,11 +103,58 @@ def layer_param_maps(arch: HFArch, layer: int) -> list[ParamMap]:
         ParamMap(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row", layer),
         ParamMap(m + "mlp.linear_fc1.layer_norm_weight", (h + "post_attention_layernorm.weight",),
                  "replicated", layer),
-        ParamMap(m + "mlp.linear_fc1.weight",
-                 (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", layer),
-        ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", layer),
     ]
+    if arch.moe is not None and arch.moe.is_moe_layer(layer):
+        return maps + moe_param_maps(arch, layer, experts)
+    F = arch.ffn_hidden_size
+    return maps + [
+        ParamMap(m + "mlp.linear_fc1.weight",
+                 (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", layer, ffn=F),
+        ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", layer, ffn=F),
+    ]
+
+
+def moe_param_maps(arch: HFArch, layer: int, experts: Iterable[int] | None = None
+                   ) -> list[ParamMap]:
+    """The MLP maps of a MoE layer: router, the routed experts (all, or the global indices
+    `experts`), and the shared expert with its gate where the family has one."""
+    moe = arch.moe
+    m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}."
+    mixtral = arch.model_type == "mixtral"
+    block = h + ("block_sparse_moe." if mixtral else "mlp.")
+    maps = [ParamMap(m + "router.weight", (block + "gate.weight",), "replicated", layer)]
+    F = moe.ffn_hidden_size
+    for e in range(moe.num_experts) if experts is None else experts:
+        src = f"{block}experts.{e}."
+        gate, up, down = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))
+        dst = f"{m}experts.local_experts.{e}."
+        maps += [
+            ParamMap(dst + "linear_fc1.weight", (f"{src}{gate}.weight", f"{src}{up}.weight"),
+                     "gate_up", layer, e, F),
+            ParamMap(dst + "linear_fc2.weight", (f"{src}{down}.weight",), "row", layer, e, F),
+        ]
+    if moe.shared_expert_ffn_hidden_size:
+        S, src = moe.shared_expert_ffn_hidden_size, block + "shared_expert."
+        maps += [
+            ParamMap(m + "shared_experts.linear_fc1.weight",
+                     (src + "gate_proj.weight", src + "up_proj.weight"), "gate_up", layer, ffn=S),
+            ParamMap(m + "shared_experts.linear_fc2.weight", (src + "down_proj.weight",), "row",
+                     layer, ffn=S),
+        ]
+        if moe.shared_expert_gate:
+            maps.append(ParamMap(m + "shared_experts.gate_weight",
+                                 (block + "shared_expert_gate.weight",), "replicated", layer))
     return maps
+
+
+def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
+    """The global indices of the experts EP rank `ep_rank` of `ep_size` holds (megatron's
+    contiguous split; its model numbers them 0.. locally)."""
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts do not split over expert parallel size {ep_size} "
+                         "(expert_model_parallel_size must divide the number of experts)")
+    n = num_experts // ep_size
+    return range(ep_rank * n, (ep_rank + 1) * n)
 
 
 def head_param_map(arch: HFArch, role: str) -> ParamMap | None:
@@ -103,15 +172,16 @@ def head_param_map(arch: HFArch, role: str) -> ParamMap | None:
 
 
 def param_maps(arch: HFArch, role: str = "actor", layers: Sequence[int] | None = None,
-               embedding: bool = True, head: bool = True) -> list[ParamMap]:
+               embedding: bool = True, head: bool = True,
+               experts: Sequence[int] | None = None) -> list[ParamMap]:
     """All maps of a model (or of one pipeline stage: its `layers`, and embedding / final norm +
-    head only on the first / last stage)."""
+    head only on the first / last stage; of one EP rank: its routed `experts`)."""
     maps = []
     if embedding:
         maps.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
                              "vocab"))
     for layer in range(arch.num_layers) if layers is None else layers:
-        maps += layer_param_maps(arch, layer)
+        maps += layer_param_maps(arch, layer, experts)
     if head:
         maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",),
                              "replicated"))
@@ -123,21 +193,29 @@ def param_maps(arch: HFArch, role: str = "actor", layers: Sequence[int] | None =
 
 def hf_shapes(arch: HFArch, role: str = "actor") -> dict[str, tuple[int, ...]]:
     """The shape config.json implies for every HF tensor `param_maps(arch, role)` reads."""
-    H, F, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    H, hd = arch.hidden_size, arch.head_dim
     q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
     by_suffix = {
         "layernorm.weight": (H,), "model.norm.weight": (H,),
         "q_proj.weight": (q, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H),
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
         "q_norm.weight": (hd,), "k_norm.weight": (hd,), "o_proj.weight": (H, q),
-        "gate_proj.weight": (F, H), "up_proj.weight": (F, H), "down_proj.weight": (H, F),
         "embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
         "score.weight": (arch.num_labels or 0, H),
+        "shared_expert_gate.weight": (1, H),
     }
     shapes = {}
     for pm in param_maps(arch, role):
-        for name in pm.hf:
-            shapes[name] = next(shape for suffix, shape in by_suffix.items() if name.endswith(suffix))
+        if pm.kind == "gate_up":  # MLP weights: their intermediate size is the map's
+            shapes.update({name: (pm.ffn, H) for name in pm.hf})
+        elif pm.ffn:
+            shapes[pm.hf[0]] = (H, pm.ffn)
+        elif pm.mcore.endswith(".mlp.router.weight"):
+            shapes[pm.hf[0]] = (arch.moe.num_experts, H)
+        else:
+            for name in pm.hf:
+                shapes[name] = next(shape for suffix, shape in by_suffix.items()
+                                    if name.endswith(suffix))
     return shapes
 
 
@@ -149,16 +227,23 @@ _LOCAL_TO_CANONICAL = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 
-def canonical_name(param_name: str, global_layer: int | None = None) -> str:
+def canonical_name(param_name: str, global_layer: int | None = None,
+                   first_expert: int = 0) -> str:
     """Canonical name of a GPTModel parameter (local or TE spec); `global_layer` replaces the
-    stage-local layer index when given (PP stages number their layers from 0)."""
+    stage-local layer index when given (PP stages number their layers from 0), and a routed
+    expert's local index is shifted by `first_expert` (the first global expert of this EP rank,
+    `expert_range(...)[0]`) to its global index."""
     match = _LAYER_RE.match(param_name)
     if not match:
         return param_name
     index, rest = match.groups()
     rest = _LOCAL_TO_CANONICAL.get(rest, rest)
+    expert = _LOCAL_EXPERT_RE.match(rest)
+    if expert:
+        rest = f"mlp.experts.local_experts.{int(expert.group(1)) + first_expert}.{expert.group(2)}"
     return f"decoder.layers.{index if global_layer is None else global_layer}.{rest}"
 
 
@@ -285,12 +370,12 @@ def hf_read_slices(pm: ParamMap, arch: HFArch, tp_rank: int, tp_size: int,
         return [(pm.hf[0], 0, g0 * q_rows, g1 * q_rows), (pm.hf[1], 0, g0 * kv_rows, g1 * kv_rows),
                 (pm.hf[2], 0, g0 * kv_rows, g1 * kv_rows)]
     if pm.kind == "gate_up":
-        _check_divisible(pm, arch.ffn_hidden_size, tp_size)
-        n = arch.ffn_hidden_size // tp_size
+        _check_divisible(pm, pm.ffn, tp_size)
+        n = pm.ffn // tp_size
         return [(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in pm.hf]
     if pm.kind == "row":
         # o_proj [H, nh*hd] and down_proj [H, F]: split their input features.
-        cols = arch.num_heads * arch.head_dim if "o_proj" in pm.hf[0] else arch.ffn_hidden_size
+        cols = pm.ffn or arch.num_heads * arch.head_dim
         _check_divisible(pm, cols, tp_size)
         n = cols // tp_size
         return [(pm.hf[0], 1, tp_rank * n, (tp_rank + 1) * n)]

@@ -18,6 +18,9 @@ Sources (`reward.sources`, each {name, weight, type}); the total is sum(weight *
                 hands the scores in (`scored_outside` names, `model_scores` per batch). From
                 Python, an object with `score_batch(prompt_ids, response_ids) -> list[float]`
                 may be passed in `reward_models` by source name instead.
+  environment   the reward the sampling gave each trajectory (an agent loop's environment:
+                Rollout.sampled_rewards), handed in like a reward model's (`model_scores`); a
+                trajectory without one fails that sample (reward.fallback_score, counted)
 An empty `reward.sources` means one `rule` source of weight 1.
 
 A class is constructed once per scoring process and is either per-sample (`score(data_source,
@@ -128,7 +131,10 @@ class RewardManager:
                  reward_models: Mapping[str, RewardModel], scored_outside: Sequence[str] = (),
                  score_fn: Optional[Callable] = None):
         self.cfg = cfg
-        self._scored_outside = set(scored_outside)
+        # The environment's rewards always come with the batch (Scorer.score), route targets
+        # included.
+        self.environment_sources = [s.name for s in sources if s.type == "environment"]
+        self._scored_outside = set(scored_outside) | set(self.environment_sources)
         keyed = {s.name: (s, f"reward.sources[{i}]") for i, s in enumerate(sources)}
         if len(keyed) != len(sources):
             names = [s.name for s in sources]
@@ -200,6 +206,8 @@ class RewardManager:
         self._labels = {key: spec.label(kinds.get(key, "function")) for key, spec in specs.items()}
         self._labels.update({"model:" + name: f"the reward model {name!r} ({key})"
                              for name, (s, key) in keyed.items() if s.type == "reward_model"})
+        self._labels.update({"model:" + name: f"the environment's reward {name!r} ({key})"
+                             for name, (s, key) in keyed.items() if s.type == "environment"})
         self._files = {key: spec.path for key, spec in specs.items() if spec.path}
         # Then only the processes that score import them: this one with num_workers=0, else
         # the workers (a bad path or name fails there too, before training starts). Here an
@@ -238,7 +246,7 @@ class RewardManager:
         """Scorer key (pool) or 'model:<name>' for one source and one sample."""
         if source.type == "custom":
             return "source:" + source.name
-        if source.type == "reward_model":
+        if source.type in ("reward_model", "environment"):
             return "model:" + source.name
         target = None
         if self.cfg.route_by:
@@ -388,7 +396,10 @@ class RewardManager:
                 raise ValueError(f"reward model {model_name!r} is scored outside the manager: "
                                  f"pass its {n} scores as model_scores[{model_name!r}]")
             for name, i in slots:
-                outcomes[name][i] = checked(given[i])
+                outcomes[name][i] = (checked(given[i]) if given[i] is not None else Outcome(
+                    "invalid", error=f"{model_name!r}: the sampling gave this trajectory no "
+                    "reward (an agent loop whose run returned none, or that ended at its "
+                    "limits before returning)"))
             return
         if prompt_ids is None or response_ids is None:
             raise ValueError(f"reward source {model_name!r} is a reward model: pass prompt_ids "

@@ -88,6 +88,10 @@ class SampleOutput:
         sampled over weight updates. None: every token the batch's version.
     extras: values of the other declared per-token fields by name (MoE routing...).
     turns: the model's turns in the response (an agent loop's; 1 for one continuation).
+    reward: a reward the sampling itself gave the whole response (an agent loop's environment,
+        agent/loop.py); None: only the configured reward sources score it.
+    info: what the sampling reported about the response beside its tokens (an agent loop's
+        run result's other keys), by name.
     """
 
     prompt_index: int
@@ -99,6 +103,8 @@ class SampleOutput:
     versions: Optional[Sequence[int]] = None
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     turns: int = 1
+    reward: Optional[float] = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         own = sorted(set(self.extras) & set(_OWN_TOKEN_FIELDS))
@@ -133,6 +139,13 @@ class RolloutEngine(abc.ABC):
                  ) -> list[SampleOutput]:
         """Sample `sampling.n` responses per prompt; outputs ordered by (prompt_index,
         sample_index). Every rank of a generation TP group must pass the same prompts."""
+
+    def serving(self, sampling: SamplingParams, *, max_len: int, sessions: int):
+        """A step-wise serving session (rollout/serving.py): a context manager giving a
+        `serving.Server`, whose requests join and leave between decode rounds. max_len: the
+        longest context + new tokens of a request; sessions: sequences held at once."""
+        raise NotImplementedError(f"{type(self).__name__} has no step-wise serving (agent loops "
+                                  "need it): use rollout.engine=native")
 
     @abc.abstractmethod
     def sleep(self) -> None:

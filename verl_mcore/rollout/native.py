@@ -38,12 +38,13 @@ row's blocks and masks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
 import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Optional, Sequence
 
 import numpy as np
@@ -55,6 +56,7 @@ from verl_mcore.ops import decode as decode_ops
 from verl_mcore.ops import triton_paged
 from verl_mcore.rollout import kv_blocks
 from verl_mcore.rollout import sampling as sampling_mod
+from verl_mcore.rollout import serving
 from verl_mcore.rollout import tp_sampling
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 
@@ -551,6 +553,50 @@ class NativeEngine(RolloutEngine):
         h = h[last, torch.arange(len(contexts), device=h.device)].unsqueeze(0)  # [1, n, H]
         return net.logits(h)[0]
 
+    def _prefill_cached(self, contexts: list[list[int]], starts: list[int],
+                        tables: list[list[int]]) -> torch.Tensor:
+        """Run the tokens of `contexts` from `starts` on (their prefixes' KV already in the
+        blocks `tables`) into the cache; logits of each context's last token [n, V_local]. The
+        queries attend to the cached prefix and, causally, to each other."""
+        net, bs = self.net, self.block_size
+        n = len(contexts)
+        news = [c[a:] for c, a in zip(contexts, starts)]
+        sq, sk = max(map(len, news)), max(map(len, contexts))
+        tokens = torch.zeros(n, sq, dtype=torch.long)
+        positions = torch.zeros(n, sq, dtype=torch.long)
+        write = torch.full((sq, n), -1, dtype=torch.long)  # [s, n] like k, v below
+        read = torch.zeros(n, sk, dtype=torch.long)  # padding reads the scratch block's row 0
+        for i, (new, a, blocks) in enumerate(zip(news, starts, tables)):
+            table = torch.as_tensor(blocks, dtype=torch.long)
+            pos = torch.arange(a + len(new))
+            rows = table[pos // bs] * bs + pos % bs
+            tokens[i, : len(new)] = torch.as_tensor(new, dtype=torch.long)
+            positions[i, : len(new)] = pos[a:]
+            positions[i, len(new):] = pos[-1]  # padding: any position within the rope tables
+            write[: len(new), i] = rows[a:]
+            read[i, : len(rows)] = rows
+        query_pos = positions.unsqueeze(2)  # [n, sq, 1]
+        key_pos = torch.arange(sk).view(1, 1, sk)
+        lengths = torch.as_tensor([len(c) for c in contexts]).view(n, 1, 1)
+        mask = ((key_pos <= query_pos) & (key_pos < lengths)).unsqueeze(1).to(net.device)  # [n, 1, sq, sk]
+        tokens, positions = tokens.to(net.device), positions.to(net.device)
+        valid = (write >= 0).to(net.device)
+        write, read = write.to(net.device)[valid], read.to(net.device)
+
+        def attend(i, q, k, v):
+            kc, vc = net.cache_rows(i)
+            kc[write] = k[valid]
+            vc[write] = v[valid]
+            keys, values = (c[read].permute(0, 2, 1, 3) for c in (kc, vc))  # [n, groups, sk, hd]
+            out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=mask,
+                                                 scale=net.scale, enable_gqa=net.heads != net.groups)
+            return out.permute(2, 0, 1, 3).reshape(sq, n, -1)
+
+        h = net.forward(tokens, positions, attend)  # [sq, n, H]
+        last = torch.as_tensor([len(x) for x in news], device=h.device) - 1
+        h = h[last, torch.arange(n, device=h.device)].unsqueeze(0)  # [1, n, H]
+        return net.logits(h)[0]
+
     def _decode_forward(self, ds: "_DecodeState") -> torch.Tensor:
         """One token per slot, from the decode state's inputs (last token at position pos, block
         table) -> logits [slots, V_local]. Reads only device tensors: CUDA-graph safe."""
@@ -642,13 +688,32 @@ class NativeEngine(RolloutEngine):
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams
                  ) -> list[SampleOutput]:
+        with self._decoding():
+            return self._generate(prompt_token_ids, sampling)
+
+    @contextlib.contextmanager
+    def _decoding(self):
+        """The model as decoding needs it: eval mode, no autograd, no sequence parallelism."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), _sequence_parallel_off(self.model):
-                return self._generate(prompt_token_ids, sampling)
+                yield
         finally:
             self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def serving(self, sampling: SamplingParams, *, max_len: int, sessions: int):
+        """A step-wise serving session (rollout/serving.py): requests join and leave between
+        decode rounds. max_len: the longest context + new tokens a request may have; sessions:
+        the sequences the caller keeps at once (live or holding kept KV), which sizes the cache
+        (on a GPU within gpu_memory_utilization: kept KV is then evicted when short)."""
+        with self._decoding():
+            server = NativeServer(self, sampling, max_len=max_len, sessions=sessions)
+            try:
+                yield server
+            finally:
+                server.close()
 
     def _check_same_call(self, prompts: list[list[int]], sp: SamplingParams) -> None:
         """The ranks of a TP group decode in lockstep: different prompts would hang them in a
@@ -682,16 +747,29 @@ class NativeEngine(RolloutEngine):
             return []
         start = time.perf_counter()
         max_len = max(map(len, prompts)) + sp.max_new_tokens
+        slots = min(self.max_num_seqs, len(prompts) * sp.n)
+        width = self._open(max_len, slots, "NativeEngine.generate: prompt + max_new_tokens")
+        seed = sp.seed
+        if seed is None and not sp.greedy:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        st = _Schedule(prompts, sp, slots, width, self.pool, seed or 0)
+        while st.waiting or st.live:
+            self._round(st)
+        self.last_stats = self._stats(st, time.perf_counter() - start)
+        return [st.output(s) for s in range(st.n_seq)]
+
+    def _open(self, max_len: int, sequences: int, what: str) -> int:
+        """Ready the cache for `sequences` sequences of up to `max_len` tokens (`what` names the
+        length in errors): blocks, rope tables, CUDA graphs still valid. Returns the block-table
+        width."""
         max_pos = getattr(self.model, "max_sequence_length", None)
         if max_pos is not None and max_len > max_pos:
-            raise ValueError(f"NativeEngine.generate: prompt + max_new_tokens = {max_len} exceeds "
-                             f"the model's max_position_embeddings {max_pos}")
-        slots = min(self.max_num_seqs, len(prompts) * sp.n)
+            raise ValueError(f"{what} = {max_len} exceeds the model's max_position_embeddings {max_pos}")
         if self.attention == "sequence" and max_len > self.block_size:
             self.block_size = -(-max_len // 256) * 256  # a block holds the longest sequence
             self._drop_cache()
         per_seq = -(-max_len // self.block_size)
-        self._ensure_cache(slots * per_seq + 1, per_seq)
+        self._ensure_cache(sequences * per_seq + 1, per_seq)
         width = self._table_width(max_len)
         if self.net.rope_tables(width * self.block_size):
             self._graphs.clear()  # graphs hold the old tables' addresses
@@ -699,50 +777,47 @@ class NativeEngine(RolloutEngine):
         if weights != self._graph_weights:  # moved since the capture (e.g. freed and restored)
             self._graphs.clear()
             self._graph_weights = weights
-        seed = sp.seed
-        if seed is None and not sp.greedy:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        st = _Schedule(prompts, sp, slots, width, self.pool, seed or 0)
-        ds = self._decode_state(slots, width, sp)
-        while st.waiting or st.live:
-            if st.waiting:
-                self._admit(st)
-            if not st.live:
-                continue  # everything admitted finished at its first token
-            steps = self._grow(st)
-            active = self._active_slots(st, slots)
-            if active != ds.slots:
-                st.compact(active)
-                ds = self._decode_state(active, width, sp)
-            ds.load(st)
-            for _ in range(steps):
-                self._step(ds)
-            self._collect(st, ds, steps)
+        return width
+
+    def _round(self, st: "_Schedule") -> None:
+        """One round of a schedule: admit waiting sequences, hand out the blocks the round needs,
+        decode up to steps_per_sync steps on the device, collect the tokens (finished sequences
+        leave their slots)."""
+        if st.waiting:
+            self._admit(st)
+        if not st.live:
+            return  # everything admitted finished at its first token
+        steps = self._grow(st)
+        active = self._active_slots(st, st.slots)
+        st.compact(active)
+        ds = self._decode_state(active, st.width, st.sp, st.stop_cap, st.grouped)
+        ds.load(st)
+        for _ in range(steps):
+            self._step(ds)
+        self._collect(st, ds, steps)
+
+    def _stats(self, st: "_Schedule", seconds: float) -> dict[str, float]:
         occupancy = st.live_slot_steps / max(1, st.stepped_slot_steps)
-        self.last_stats = {"rollout/seconds": time.perf_counter() - start,
-                           "rollout/response_tokens": float(sum(map(len, st.tokens))),
-                           "rollout/prefill_tokens": float(st.prefill_tokens),
-                           "rollout/decode_steps": float(st.decode_steps),
-                           "rollout/slots": float(slots),
-                           "rollout/slot_occupancy": occupancy,
-                           "rollout/live_slot_steps": float(st.live_slot_steps),
-                           "rollout/stepped_slot_steps": float(st.stepped_slot_steps),
-                           "rollout/compactions": float(st.compactions),
-                           "rollout/peak_live_sequences": float(st.peak_live),
-                           "rollout/kv_blocks": float(self.pool.num_blocks - 1),
-                           "rollout/kv_block_tokens": float(self.block_size),
-                           "rollout/kv_peak_blocks_used": float(self.pool.peak_used),
-                           "rollout/kv_shared_prefix_blocks": float(st.shared_blocks),
-                           "rollout/preemptions": float(st.preemptions),
-                           "rollout/prefix_group_rounds": float(st.cascade_rows),
-                           "rollout/host_syncs": float(st.syncs),
-                           # 1: decoded in CUDA graphs; 0 off the GPU, with cuda_graphs=False, or
-                           # after a failed capture (the engine then decodes eagerly)
-                           "rollout/cuda_graphs": float(self.use_graphs)}
-        return [SampleOutput(prompt_index=s // sp.n, sample_index=s % sp.n,
-                             token_ids=st.tokens[s], logprobs=st.logprobs[s] if sp.logprobs else None,
-                             finish_reason=st.finish[s])
-                for s in range(st.n_seq)]
+        return {"rollout/seconds": seconds,
+                "rollout/response_tokens": float(sum(map(len, st.tokens))),
+                "rollout/prefill_tokens": float(st.prefill_tokens),
+                "rollout/decode_steps": float(st.decode_steps),
+                "rollout/slots": float(st.slots),
+                "rollout/slot_occupancy": occupancy,
+                "rollout/live_slot_steps": float(st.live_slot_steps),
+                "rollout/stepped_slot_steps": float(st.stepped_slot_steps),
+                "rollout/compactions": float(st.compactions),
+                "rollout/peak_live_sequences": float(st.peak_live),
+                "rollout/kv_blocks": float(self.pool.num_blocks - 1),
+                "rollout/kv_block_tokens": float(self.block_size),
+                "rollout/kv_peak_blocks_used": float(self.pool.peak_used),
+                "rollout/kv_shared_prefix_blocks": float(st.shared_blocks),
+                "rollout/preemptions": float(st.preemptions),
+                "rollout/prefix_group_rounds": float(st.cascade_rows),
+                "rollout/host_syncs": float(st.syncs),
+                # 1: decoded in CUDA graphs; 0 off the GPU, with cuda_graphs=False, or
+                # after a failed capture (the engine then decodes eagerly)
+                "rollout/cuda_graphs": float(self.use_graphs)}
 
     def _active_slots(self, st: "_Schedule", slots: int) -> int:
         """Slots the next round steps: all of them while sequences wait to be admitted, else the
@@ -751,24 +826,26 @@ class NativeEngine(RolloutEngine):
             return slots
         return min(slots, max(self.min_compact_slots, 1 << (len(st.live) - 1).bit_length()))
 
-    def _decode_state(self, slots: int, width: int, sp: SamplingParams) -> "_DecodeState":
+    def _decode_state(self, slots: int, width: int, sp: SamplingParams, stop_cap: int,
+                      grouped: bool) -> "_DecodeState":
         """The device tensors the decode step reads and writes, kept with its CUDA graph: one per
         batch shape and sampling settings (a graph bakes in the sampler's branches)."""
-        # prefix groups form only among a prompt's samples, of at least two a group row
-        cascade = self.cascade_members if sp.n > 1 and self.cascade_members > 1 else 0
-        key = (slots, width, sp.temperature, sp.top_p, sp.top_k, sp.logprobs,
-               _stop_capacity(len(set(sp.stop_token_ids))), cascade)
+        # prefix groups form only among sequences sharing a prompt, of at least two a group row
+        cascade = self.cascade_members if grouped and self.cascade_members > 1 else 0
+        key = (slots, width, sp.temperature, sp.top_p, sp.top_k, sp.logprobs, stop_cap, cascade)
         ds = self._graphs.get(key)
         if ds is None:
-            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device, cascade)
-        ds.configure(sp)
+            ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device,
+                                                  cascade, stop_cap)
+        ds.sp = sp
         return ds
 
     def _admit(self, st: "_Schedule") -> None:
         """Prefill waiting sequences into free slots while KV blocks last, and sample their
         first tokens. The fresh samples of a prompt admitted together share its prompt's full
         blocks (prefilled once); a sequence preempted earlier is recomputed from its prompt and
-        the tokens it had."""
+        the tokens it had; a session's continuation keeps the blocks of the prefix its session
+        cached and prefills the rest. Kept KV of other sessions is evicted when blocks run out."""
         pool, bs, k = self.pool, self.block_size, self.steps_per_sync
         free = st.free_slots()
         # Blocks the live sequences take in their next round of steps stay free; an admitted one
@@ -779,15 +856,20 @@ class NativeEngine(RolloutEngine):
         while st.waiting and taken_slots < len(free):
             s = st.waiting[0]
             context = len(st.context(s))
-            shares = bool(groups) and st.fresh(s) and st.fresh(groups[-1][0]) \
-                and s // st.sp.n == groups[-1][0] // st.sp.n
+            shares = bool(groups) and st.shares_with(groups[-1][0], s)
+            cached, kept, _ = st.reuse_plan(s)
             held = pool.blocks_for(context)
-            growth = pool.blocks_for(context + min(k, st.sp.max_new_tokens - len(st.tokens[s]) - 1)) - held
-            cost = ((1 if context % bs else 0) if shares else held) + growth
+            growth = pool.blocks_for(context + min(k, st.max_new[s] - len(st.tokens[s]) - 1)) - held
+            cost = ((1 if context % bs else 0) if shares else held - len(kept)) + growth
             if taken_blocks + cost > budget:
+                chosen = {st.sessions[x] for g in groups for x in g} | {st.sessions[s]}
+                freed = st.evict(chosen | {st.sessions[x] for x in st.waiting}) or st.evict(chosen)
+                if freed:
+                    budget += freed
+                    continue
                 break
             if not shares:
-                wider = max(longest, context)
+                wider = max(longest, context - cached)
                 if groups and (prompts_in + 1) * wider > self.max_prefill_tokens:
                     break
                 prompts_in, longest = prompts_in + 1, wider
@@ -802,10 +884,10 @@ class NativeEngine(RolloutEngine):
         heads = []
         for group in groups:
             head = group[0]
-            st.place(head, free.pop(0), pool.take(pool.blocks_for(len(st.context(head)))))
+            kept = st.take_kept(head)
+            st.place(head, free.pop(0), kept + pool.take(pool.blocks_for(len(st.context(head))) - len(kept)))
             heads.append(head)
-        logits = self._prefill([st.context(s) for s in heads], [st.blocks[st.slot_of[s]] for s in heads])
-        st.prefill_tokens += sum(len(st.context(s)) for s in heads)
+        logits = self._prefill_heads(st, heads)
         copies = []  # (source block, destination block): each sample's own partial prompt block
         for group in groups:
             head_blocks = st.blocks[st.slot_of[group[0]]]
@@ -824,19 +906,41 @@ class NativeEngine(RolloutEngine):
         rows = torch.as_tensor([i for i, group in enumerate(groups) for _ in group], device=logits.device)
         u = None if st.sp.greedy else sampling_mod.uniforms_device(
             st.keys_of(admitted, logits.device), torch.as_tensor(
-                [len(st.tokens[s]) for s in admitted], dtype=torch.long, device=logits.device))
+                [st.draws[s] + len(st.tokens[s]) for s in admitted], dtype=torch.long, device=logits.device))
         toks, lps = self._pick(logits[rows], st.sp, u)
         st.record_first(admitted, toks.tolist(), None if lps is None else lps.tolist())
 
+    def _prefill_heads(self, st: "_Schedule", heads: list[int]) -> torch.Tensor:
+        """Logits [len(heads), V_local] of each head's last context token, its context written
+        into its blocks: whole contexts in one forward, continuations of a cached prefix (their
+        `cached` tokens already in the blocks) in another."""
+        starts = [st.cached.pop(s, 0) for s in heads]
+        st.prefill_tokens += sum(len(st.context(s)) - c for s, c in zip(heads, starts))
+        st.reused_tokens += sum(starts)
+        whole = [i for i, c in enumerate(starts) if not c]
+        if len(whole) == len(heads):
+            return self._prefill([st.context(s) for s in heads], [st.blocks[st.slot_of[s]] for s in heads])
+        rest = [i for i, c in enumerate(starts) if c]
+        parts = [(rest, self._prefill_cached([st.context(heads[i]) for i in rest], [starts[i] for i in rest],
+                                             [st.blocks[st.slot_of[heads[i]]] for i in rest]))]
+        if whole:
+            parts.append((whole, self._prefill([st.context(heads[i]) for i in whole],
+                                               [st.blocks[st.slot_of[heads[i]]] for i in whole])))
+        order = torch.as_tensor([i for idx, _ in parts for i in idx]).argsort()
+        return torch.cat([lg for _, lg in parts])[order.to(parts[0][1].device)]
+
     def _grow(self, st: "_Schedule") -> int:
         """Decoding steps for the next round, with KV blocks for every live sequence's tokens in
-        it; when blocks run out, the most recently admitted sequences are preempted (their blocks
-        freed, to be recomputed when readmitted)."""
+        it; when blocks run out, kept KV of finished sessions is evicted, then the most recently
+        admitted sequences are preempted (their blocks freed, to be recomputed when readmitted)."""
         while True:
             steps = min(self.steps_per_sync, max(st.remaining(s) for s in st.live))
             wants = {slot: st.round_need(slot, steps) for slot in st.live}
             if sum(max(0, w) for w in wants.values()) <= self.pool.free:
                 break
+            # Kept KV goes before live work: that of sessions with nothing waiting first.
+            if st.evict({st.sessions[s] for s in st.waiting}) or st.evict(set()):
+                continue
             if len(st.live) == 1:
                 raise RuntimeError("NativeEngine: one live sequence outgrew the KV cache "
                                    "(the pool was sized for it: a bug)")
@@ -860,6 +964,60 @@ class NativeEngine(RolloutEngine):
             st.extend(slot, row[:n].tolist(), None if lps is None else lps[slot, :n].tolist())
 
 
+class NativeServer(serving.Server):
+    """A serving session of the native engine (rollout/serving.py; `NativeEngine.serving` opens
+    it): requests are sequences of one schedule, which each `step` runs one round of, as
+    `generate` runs its own until every sequence finished."""
+
+    def __init__(self, engine: NativeEngine, sampling: SamplingParams, *, max_len: int, sessions: int):
+        if sessions < 1:
+            raise ValueError(f"NativeEngine.serving: sessions must be >= 1, got {sessions}")
+        self.engine, self.sp, self.max_len = engine, sampling, max_len
+        slots = min(engine.max_num_seqs, sessions)
+        width = engine._open(max_len, max(slots, sessions), "NativeEngine.serving: max_len")
+        self.st = _Schedule([], sampling, slots, width, engine.pool, 0)
+        self.start = time.perf_counter()
+
+    def submit(self, request: serving.Request) -> int:
+        sp = self.sp
+        if request.max_new_tokens is None or request.stop_token_ids is None:
+            request = dataclasses.replace(
+                request, max_new_tokens=request.max_new_tokens or sp.max_new_tokens,
+                stop_token_ids=sp.stop_token_ids if request.stop_token_ids is None else request.stop_token_ids)
+        serving.check_request(request, self.engine.vocab_size, self.max_len,
+                              f"NativeEngine.serving: request {self.st.n_seq}")
+        return self.st.add(list(request.token_ids), request.key, request.draws, request.max_new_tokens,
+                           request.stop_token_ids, request.session, request.share,
+                           (request.prompt_index, request.sample_index))
+
+    def step(self) -> list[tuple[int, SampleOutput]]:
+        st = self.st
+        if st.waiting or st.live:
+            self.engine._round(st)
+        done, st.done = st.done, []
+        return [(s, st.output(s)) for s in done]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.st.waiting or self.st.live)
+
+    def release(self, session) -> None:
+        self.st.release(session)
+
+    def stats(self) -> dict[str, float]:
+        st = self.st
+        return {**self.engine._stats(st, time.perf_counter() - self.start),
+                "rollout/kv_reused_tokens": float(st.reused_tokens),
+                "rollout/kv_kept_evictions": float(st.evictions),
+                "rollout/kv_kept_sessions": float(len(st.kept))}
+
+    def close(self) -> None:
+        """Every kept session's KV back to the pool; the engine's last_stats are the session's."""
+        for session in list(self.st.kept):
+            self.st.release(session)
+        self.engine.last_stats = self.stats()
+
+
 def _stop_capacity(n: int) -> int:
     """Stop ids are held in a tensor of a power-of-two size (padded with -1): few graph shapes."""
     return 1 << max(0, n - 1).bit_length() if n else 0
@@ -867,24 +1025,24 @@ def _stop_capacity(n: int) -> int:
 
 class _DecodeState:
     """Device tensors of the decode loop, per slot: the token fed next (`last`) at position `pos`,
-    whether the slot decodes a live sequence, tokens generated so far (`gen`: the random stream's
-    step), its random key and block table row; the round's sampled tokens and log-probs (column
-    `col`, one per step) until the host collects them. The CUDA graph of the decode step reads
-    and writes these tensors in place."""
+    whether the slot decodes a live sequence, its random stream's counter (`gen`: the draws of
+    its request before it and the tokens it has) and the counter's limit (`limit`: where its
+    max_new_tokens run out), its random key, stop ids and block table row; the round's sampled
+    tokens and log-probs (column `col`, one per step) until the host collects them. The CUDA graph
+    of the decode step reads and writes these tensors in place."""
 
     def __init__(self, slots: int, width: int, steps: int, sp: SamplingParams, device: torch.device,
-                 cascade_members: int = 0):
+                 cascade_members: int = 0, stop_cap: int = 0):
         z = dict(device=device, dtype=torch.long)
         self.slots = slots
-        self.last, self.pos, self.gen, self.keys = (torch.zeros(slots, **z) for _ in range(4))
+        self.last, self.pos, self.gen, self.keys, self.limit = (torch.zeros(slots, **z) for _ in range(5))
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.table = torch.zeros(slots, width, dtype=torch.int32, device=device)
         self.out_tokens = torch.full((slots, steps), -1, **z)
         self.out_logprobs = torch.zeros(slots, steps, dtype=torch.float32, device=device)
         self.col = torch.zeros(1, **z)
-        self.max_new = torch.zeros((), **z)
-        cap = _stop_capacity(len(set(sp.stop_token_ids)))
-        self.stop_ids = torch.full((cap,), -1, **z) if cap else None
+        # each row sorted and padded with its largest id (-1 throughout for a slot without any)
+        self.stop_ids = torch.full((slots, stop_cap), -1, **z) if stop_cap else None
         # shared prompt prefixes (`_Schedule.prefix_groups`), when the attention reads them once
         self.cascade = None if not cascade_members else tuple(
             torch.zeros(shape, dtype=torch.int32, device=device)
@@ -892,18 +1050,13 @@ class _DecodeState:
         self.sp = sp
         self.graph, self.logits = None, None
 
-    def configure(self, sp: SamplingParams) -> None:
-        self.sp = sp
-        self.max_new.fill_(sp.max_new_tokens)
-        if self.stop_ids is not None:  # sorted, padded with the largest id (still sorted)
-            ids = sorted(set(sp.stop_token_ids))
-            self.stop_ids.copy_(torch.as_tensor(ids + ids[-1:] * (self.stop_ids.shape[0] - len(ids))))
-
     def load(self, st: "_Schedule") -> None:
         """The host's view of this state's slots (the schedule's first `slots`: live sequences
         sit there), copied in after admissions, growth and collection."""
         pairs = [(self.last, st.last), (self.pos, st.pos), (self.gen, st.gen), (self.keys, st.slot_keys),
-                 (self.alive, st.alive), (self.table, st.table)]
+                 (self.limit, st.limit), (self.alive, st.alive), (self.table, st.table)]
+        if self.stop_ids is not None:
+            pairs.append((self.stop_ids, st.stop_rows))
         if self.cascade is not None:
             st.prefix_groups(self.cascade[0].shape[1])
             pairs += zip(self.cascade, (st.members, st.plen, st.first))
@@ -932,32 +1085,45 @@ class _DecodeState:
             self.out_logprobs.scatter_(1, at, logprobs.float().unsqueeze(1))
         self.col += 1
         self.gen += live.long()
-        done = self.gen >= self.max_new
-        if self.stop_ids is not None:  # sorted: a binary search (torch.isin syncs: unique)
-            at = torch.searchsorted(self.stop_ids, tokens).clamp_(max=self.stop_ids.shape[0] - 1)
-            done |= self.stop_ids[at] == tokens
+        done = self.gen >= self.limit
+        if self.stop_ids is not None:  # sorted rows: a binary search (torch.isin syncs: unique)
+            at = torch.searchsorted(self.stop_ids, tokens.unsqueeze(1)).clamp_(max=self.stop_ids.shape[1] - 1)
+            done |= self.stop_ids.gather(1, at).squeeze(1) == tokens
         live &= ~done
         self.last.copy_(torch.where(live, tokens, self.last))
         self.pos += live.long()
 
 
 class _Schedule:
-    """Host-side state of one generate call: which sequence sits in which slot with which KV
-    blocks, each slot's next input token and position, and what each sequence has produced.
-    Sequence s is sample s % n of prompt s // n."""
+    """Host-side state of one generate call or serving session: the sequences (each a context,
+    a random stream, a token budget, stop ids), which sits in which slot with which KV blocks,
+    each slot's next input token and position, what each sequence has produced, and the KV that
+    finished sessions keep for their next request. generate's sequence s is sample s % n of
+    prompt s // n."""
 
     def __init__(self, prompts: list[list[int]], sp: SamplingParams, slots: int, width: int,
                  pool: kv_blocks.BlockPool, seed: int):
-        self.prompts, self.sp, self.pool = prompts, sp, pool
-        self.n_seq = len(prompts) * sp.n
-        keys = sampling_mod.sequence_keys(seed, np.repeat(np.arange(len(prompts)), sp.n),
-                                          np.tile(np.arange(sp.n), len(prompts)))
-        self.keys = keys.view(np.int64)  # the uint64 bits, as the device's int64 tensors hold them
-        self.stop = set(sp.stop_token_ids)
-        self.waiting = deque(range(self.n_seq))
-        self.tokens: list[list[int]] = [[] for _ in range(self.n_seq)]
-        self.logprobs: list[list[float]] = [[] for _ in range(self.n_seq)]
-        self.finish: list[Optional[str]] = [None] * self.n_seq
+        self.sp, self.pool, self.slots, self.width = sp, pool, slots, width
+        self.n_seq = 0
+        # Per sequence.
+        self.contexts: list[list[int]] = []  # what its prefill reads before its own tokens
+        self.keys: list[int] = []  # its random stream's key (int64 bits)
+        self.draws: list[int] = []  # the stream's counter before its first token
+        self.max_new: list[int] = []
+        self.stops: list[frozenset] = []
+        self.stop_sorted: list[list[int]] = []
+        self.sessions: list = []  # the session keeping its KV when it finishes (None: none)
+        self.share: list = []  # its share group (sequences of one prompt: generate's prompt index)
+        self.index: list[tuple[int, int]] = []  # (prompt_index, sample_index) of its output
+        self.tokens: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+        self.finish: list[Optional[str]] = []
+        self.waiting: deque = deque()
+        self.cached: dict[int, int] = {}  # sequence -> prefix tokens its admission found cached
+        self.kept: OrderedDict = OrderedDict()  # session -> (cached tokens, blocks), oldest first
+        self.done: list[int] = []  # sequences finished since the server last looked
+        self.grouped = False  # two sequences of one share group were added
+        self._groups: set = set()
         self.slot_seq = [-1] * slots  # sequence held by each slot (-1: free)
         self.slot_of: dict[int, int] = {}
         self.live: list[int] = []  # slots holding a live sequence, in admission order
@@ -967,28 +1133,81 @@ class _Schedule:
         self.last = np.zeros(slots, dtype=np.int64)  # the token fed at the next step
         self.pos = np.zeros(slots, dtype=np.int64)  # its position
         self.gen = np.zeros(slots, dtype=np.int64)
+        self.limit = np.zeros(slots, dtype=np.int64)
         self.slot_keys = np.zeros(slots, dtype=np.int64)
         self.alive = np.zeros(slots, dtype=bool)
         self.table = np.full((slots, width), kv_blocks.SCRATCH, dtype=np.int32)
+        self.stop_cap = 0
+        self.stop_rows = np.full((slots, 0), -1, dtype=np.int64)
         # Shared prompt prefixes this round (`prefix_groups`; read by the Triton paged kernel).
         self.members = np.full((slots, 1), -1, dtype=np.int32)
         self.plen = np.zeros(slots, dtype=np.int32)
         self.first = np.zeros(slots, dtype=np.int32)
         self.cascade_rows = 0
         self.prefill_tokens = self.decode_steps = self.live_slot_steps = self.syncs = 0
-        self.stepped_slot_steps = self.compactions = 0
+        self.stepped_slot_steps = self.compactions = self.reused_tokens = self.evictions = 0
         self.shared_blocks = self.preemptions = self.peak_live = self._admissions = 0
+        if prompts:
+            n = sp.n
+            keys = sampling_mod.sequence_keys(seed, np.repeat(np.arange(len(prompts)), n),
+                                              np.tile(np.arange(n), len(prompts))).view(np.int64)
+            stops = tuple(sp.stop_token_ids)
+            for s in range(len(prompts) * n):
+                self.add(prompts[s // n], int(keys[s]), 0, sp.max_new_tokens, stops, None, s // n,
+                         (s // n, s % n))
+
+    def add(self, context: list[int], key: int, draws: int, max_new: int, stops: Sequence[int],
+            session, share, index: tuple[int, int]) -> int:
+        """A sequence waiting last in line; returns its id."""
+        s = self.n_seq
+        self.n_seq += 1
+        self.contexts.append(context)
+        self.keys.append(key)
+        self.draws.append(draws)
+        self.max_new.append(max_new)
+        self.stops.append(frozenset(stops))
+        self.stop_sorted.append(sorted(set(stops)))
+        self.sessions.append(session)
+        self.share.append(share)
+        self.index.append(index)
+        self.tokens.append([])
+        self.logprobs.append([])
+        self.finish.append(None)
+        self.waiting.append(s)
+        if share is not None:
+            self.grouped |= share in self._groups
+            self._groups.add(share)
+        cap = _stop_capacity(len(self.stop_sorted[s]))
+        if cap > self.stop_cap:  # wider stop rows: rewrite the held slots' rows
+            self.stop_cap = cap
+            self.stop_rows = np.full((len(self.slot_seq), cap), -1, dtype=np.int64)
+            for slot in self.slot_of.values():
+                self._stop_row(slot)
+        return s
+
+    def output(self, s: int) -> SampleOutput:
+        p, j = self.index[s]
+        return SampleOutput(prompt_index=p, sample_index=j, token_ids=self.tokens[s],
+                            logprobs=self.logprobs[s] if self.sp.logprobs else None,
+                            finish_reason=self.finish[s])
 
     def context(self, s: int) -> list[int]:
-        """What sequence s's prefill reads: its prompt and the tokens it already has (those of a
+        """What sequence s's prefill reads: its context and the tokens it already has (those of a
         preempted sequence)."""
-        return self.prompts[s // self.sp.n] + self.tokens[s]
+        return self.contexts[s] + self.tokens[s]
 
     def fresh(self, s: int) -> bool:
         return not self.tokens[s]
 
+    def shares_with(self, head: int, s: int) -> bool:
+        """Whether fresh sequence s, admitted right after `head`, shares head's prompt blocks."""
+        return (self.share[s] is not None and self.share[s] == self.share[head] and self.fresh(s)
+                and self.fresh(head) and self.contexts[s] == self.contexts[head]
+                and self.sessions[s] not in self.kept and self.sessions[head] not in self.kept)
+
     def remaining(self, slot: int) -> int:
-        return self.sp.max_new_tokens - len(self.tokens[self.slot_seq[slot]])
+        s = self.slot_seq[slot]
+        return self.max_new[s] - len(self.tokens[s])
 
     def round_need(self, slot: int, steps: int) -> int:
         """Blocks a live slot lacks for its next `steps` decoding steps (it feeds at most its
@@ -1000,7 +1219,61 @@ class _Schedule:
         return [i for i, s in enumerate(self.slot_seq) if s < 0]
 
     def keys_of(self, seqs: list[int], device) -> torch.Tensor:
-        return torch.from_numpy(self.keys[seqs]).to(device)
+        return torch.as_tensor([self.keys[s] for s in seqs], dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------ KV kept by sessions
+
+    def reuse_plan(self, s: int) -> tuple[int, list[int], list[int]]:
+        """(prefix tokens, blocks) that sequence s's admission would keep of its session's
+        cached KV, and the blocks it would drop: the common prefix of the cached tokens and its
+        context (at least one token left to prefill, for its logits), the blocks wholly inside
+        it, and the one it ends in where s is its only holder (a shared one is not written to:
+        the prefix then ends at the block boundary)."""
+        entry = self.kept.get(self.sessions[s]) if self.sessions[s] is not None and self.fresh(s) else None
+        if entry is None:
+            return 0, [], []
+        cached, blocks = entry
+        ctx = self.contexts[s]
+        common = next((i for i, (a, b) in enumerate(zip(cached, ctx)) if a != b), min(len(cached), len(ctx)))
+        common = min(common, len(ctx) - 1)
+        bs = self.pool.block_size
+        full = common // bs
+        if common % bs and self.pool.refs[blocks[full]] == 1:
+            keep = blocks[: full + 1]
+        else:
+            common, keep = full * bs, blocks[:full]
+        return common, keep, blocks[len(keep):]
+
+    def take_kept(self, s: int) -> list[int]:
+        """Sequence s's admission takes its session's kept KV (`reuse_plan`): the blocks it keeps
+        (its prefix then prefills no more, `cached`); the rest go back to the pool."""
+        common, keep, drop = self.reuse_plan(s)
+        session = self.sessions[s]
+        if session in self.kept:
+            del self.kept[session]
+            self.pool.release(drop)
+        if common:
+            self.cached[s] = common
+        return keep
+
+    def evict(self, exclude: set) -> int:
+        """Drop kept KV of sessions not in `exclude`, oldest first, until some blocks come free;
+        returns how many did (0: nothing left to drop)."""
+        before = self.pool.free
+        for session in [x for x in self.kept if x not in exclude]:
+            _, blocks = self.kept.pop(session)
+            self.pool.release(blocks)
+            self.evictions += 1
+            if self.pool.free > before:
+                break
+        return self.pool.free - before
+
+    def release(self, session) -> None:
+        entry = self.kept.pop(session, None)
+        if entry is not None:
+            self.pool.release(entry[1])
+
+    # ------------------------------------------------------------ slots
 
     def place(self, s: int, slot: int, blocks: list[int]) -> None:
         self.slot_seq[slot], self.slot_of[s], self.blocks[slot] = s, slot, []
@@ -1008,36 +1281,59 @@ class _Schedule:
         self.admitted_at[slot] = self._admissions
         self._admissions += 1
 
+    def _stop_row(self, slot: int) -> None:
+        ids = self.stop_sorted[self.slot_seq[slot]]
+        self.stop_rows[slot] = (ids + ids[-1:] * (self.stop_cap - len(ids))) if ids else -1
+
     def record_first(self, seqs: list[int], toks: list[int], lps: Optional[list[float]]) -> None:
         """Admitted sequences' first sampled tokens (from their prefill's last logits)."""
         for j, s in enumerate(seqs):
             slot = self.slot_of[s]
             self.live.append(slot)
             self.slot_keys[slot] = self.keys[s]
+            self.limit[slot] = self.draws[s] + self.max_new[s]
+            if self.stop_cap:
+                self._stop_row(slot)
             self.pos[slot] = len(self.context(s))  # the position of the token fed next
             self.extend(slot, [toks[j]], None if lps is None else [lps[j]])
         self.peak_live = max(self.peak_live, len(self.live))
 
     def extend(self, slot: int, toks: list[int], lps: Optional[list[float]]) -> None:
-        """Append a slot's new tokens (the device stopped recording after a final one); free the
-        slot of a finished sequence, or mirror where the device state stands."""
+        """Append a slot's new tokens (the device stopped recording after a final one); retire
+        a finished sequence, or mirror where the device state stands."""
         s = self.slot_seq[slot]
         self.tokens[s] += toks
         if lps is not None:
             self.logprobs[s] += lps
         t = self.tokens[s][-1]
-        if t in self.stop:
+        if t in self.stops[s]:
             self.finish[s] = "stop"
-        elif len(self.tokens[s]) >= self.sp.max_new_tokens:
+        elif len(self.tokens[s]) >= self.max_new[s]:
             self.finish[s] = "length"
         if self.finish[s] is not None:
-            self._vacate(slot)
+            self._retire(slot)
             return
         if self.alive[slot]:  # a decoding slot (not one just admitted): it fed these tokens
             self.pos[slot] += len(toks)  # fed tokens (the one just sampled is fed next)
         self.alive[slot] = True
         self.last[slot] = t
-        self.gen[slot] = len(self.tokens[s])
+        self.gen[slot] = self.draws[s] + len(self.tokens[s])
+
+    def _retire(self, slot: int) -> None:
+        """A finished sequence leaves its slot; with a session its KV stays (its context and
+        every token but the last, which was never fed), replacing what the session kept."""
+        s = self.slot_seq[slot]
+        session = self.sessions[s]
+        if session is not None:
+            cached = self.context(s)[:-1]
+            held = self.blocks[slot]
+            need = self.pool.blocks_for(len(cached))
+            self.pool.release(held[need:])
+            self.release(session)
+            self.kept[session] = (cached, held[:need])
+            self.blocks[slot] = []  # now the session's
+        self._vacate(slot)
+        self.done.append(s)
 
     def prefix_groups(self, n_max: int) -> None:
         """This round's prefix groups: decoding slots whose first block is shared (the samples of
@@ -1086,7 +1382,8 @@ class _Schedule:
             to = free.pop(0)
             s = self.slot_seq[slot]
             self.slot_seq[to], self.slot_of[s], self.blocks[to] = s, to, self.blocks[slot]
-            for a in (self.table, self.last, self.pos, self.gen, self.slot_keys, self.alive, self.admitted_at):
+            for a in (self.table, self.last, self.pos, self.gen, self.limit, self.slot_keys, self.alive,
+                      self.admitted_at, self.stop_rows):
                 a[to] = a[slot]
             self._clear(slot)
             self.live[i] = to
@@ -1118,5 +1415,6 @@ class _Schedule:
         self.blocks[slot] = []
         self.slot_seq[slot] = -1
         self.alive[slot] = False
-        self.pos[slot] = self.gen[slot] = self.last[slot] = 0
+        self.pos[slot] = self.gen[slot] = self.last[slot] = self.limit[slot] = 0
+        self.stop_rows[slot] = -1
         self.table[slot] = kv_blocks.SCRATCH

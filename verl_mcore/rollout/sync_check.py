@@ -27,7 +27,8 @@ from verl_mcore.engine.logprobs import mask_padded_vocab
 from verl_mcore.errors import WeightSyncError
 from verl_mcore.ops import logprob_entropy
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
-from verl_mcore.rollout.gather import RolloutPart, agreed_failure, broadcast_part, gather_rollout
+from verl_mcore.rollout.batch import Rollout
+from verl_mcore.rollout.gather import agreed_failure, broadcast_part, gather_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling:
     rollout set: every rank of both sets returns the same metrics or raises WeightSyncError.
 
     Rollout ranks pass `engine` (and `prompts`), actor ranks `actor`; both call it together."""
-    class _Prompts:  # what RolloutPart.from_outputs reads of a PromptBatch
+    class _Prompts:  # what Rollout.from_outputs reads of a PromptBatch
         def __init__(self, ids):
             self.input_ids, self.rows = ids, [None] * len(ids)
 
@@ -170,7 +171,7 @@ def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling:
         try:
             outputs = engine.generate(prompts, dataclasses.replace(sampling, n=1, logprobs=True))
             if rollout_groups.gen_tp_rank == 0:
-                mine = RolloutPart.from_outputs(_Prompts(list(prompts)), outputs, vocab_size)
+                mine = Rollout.from_outputs(_Prompts(list(prompts)), outputs, vocab_size)
         except Exception as e:  # noqa: BLE001 - raised on both sets by broadcast_part
             failure = e
         failure = agreed_failure(failure, rollout_groups.whole, "gathering the check's samples")

@@ -6,16 +6,17 @@
                          into a response that the model did not write (a tool's output, an
                          observation, a second pass to be masked). Default: every token 1
     versions    int32    the policy version (steps completed) whose weights sampled the token.
-                         Default: the batch's version (rollouts.Sampled.version); a trajectory
-                         sampled over a weight update (partial rollouts) carries its own. Carried
-                         and saved; the learner does not read it yet
+                         Default: the batch's version (rollout.batch.Rollout.version); a
+                         trajectory sampled over a weight update (partial rollouts) carries its
+                         own. The learner reports the age of the tokens that train
+                         (Rollout.trajectory_metrics)
 
 Each field is a flat tensor [sum(response_lens), *shape] beside the response token ids (sample
-after sample, RolloutPart.token_fields). Everything that moves samples iterates TOKEN_FIELDS:
-RolloutPart.from_outputs reads them from the engine's SampleOutputs, the gather and the
+after sample, rollout.batch.Rollout.token_fields). Everything that moves samples iterates
+TOKEN_FIELDS: Rollout.from_outputs reads them from the engine's SampleOutputs, the gather and the
 broadcast (rollout/gather.py) send them as one flat buffer per dtype, the checkpoint of batches
-sampled ahead (rollouts.py) saves them by name. The learner reads them [B, R] (trainer.py
-rollout_from_part: the loss mask becomes the batch's response_mask, the log-probs its
+sampled ahead (Rollout.state) saves them by name. The learner reads them [B, R]
+(Rollout.for_learner: the loss mask becomes the batch's response_mask, the log-probs its
 engine_log_probs). A field no sample carries costs nothing on the wire or in a checkpoint.
 A new field (MoE routing: the experts each token was routed to, shape (layers, top_k)) is one
 more line in TOKEN_FIELDS; an engine or generate function fills it through SampleOutput.extras.
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor
 
 # The default of `versions`: not a number the field knows, the version of the weights its batch
-# was sampled with, which the sampler knows (rollouts.Sampled.version).
+# was sampled with, which the sampler knows (rollout.batch.Rollout.version).
 BATCH_VERSION = "the batch's version"
 
 

@@ -16,6 +16,8 @@ skipped where `import vllm` fails): the `LLM` construction, weight loading and g
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
 from typing import Any, Iterator, Optional, Sequence
@@ -30,6 +32,7 @@ from verl_mcore.models.hf_config import HFArch
 from verl_mcore.models.hf_weights import named_canonical_parameters
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 from verl_mcore.rollout.sampling import sequence_keys
+from verl_mcore.rollout.serving import Request, Server, check_request
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -177,6 +180,70 @@ def from_vllm_outputs(request_outputs: Sequence[Any], sp: SamplingParams) -> lis
 
 
 # ------------------------------------------------------------------------------------------------
+# Step-wise serving (rollout/serving.py) through vLLM's request API
+
+def request_seed(key: int, draws: int) -> int:
+    """vLLM's seed of a request: a 62-bit hash of its stream (key, draws). vLLM draws from a
+    generator seeded per request, not from counters, so a continuation is reproducible for the
+    same (key, draws), but a request's tokens are not those the native engine's counters give."""
+    return int(sequence_keys(key & 0xFFFFFFFFFFFFFFFF, np.array([draws]), np.zeros(1, dtype=np.int64))[0]
+               >> np.uint64(2))
+
+
+class VLLMServer(Server):
+    """A serving session over vLLM's engine (`llm_engine`: add_request, step,
+    has_unfinished_requests). Sessions need no bookkeeping here: vLLM's prefix cache
+    (enable_prefix_caching) finds a continuation's prefix blocks by their tokens, and evicts them
+    itself; `release` is a no-op. Untested against vLLM (it cannot be installed here: FINDINGS):
+    only with a stand-in of its engine."""
+
+    def __init__(self, llm_engine, sampling_cls, sampling: SamplingParams, max_len: int, vocab_size: int):
+        self.llm_engine, self.sampling_cls, self.sp = llm_engine, sampling_cls, sampling
+        self.max_len, self.vocab_size = max_len, vocab_size
+        self.requests: dict[str, tuple[int, Request]] = {}
+        self.next_id = 0
+        self.finished = 0
+
+    def submit(self, request: Request) -> int:
+        sp = dataclasses.replace(self.sp, n=1, max_new_tokens=request.max_new_tokens or self.sp.max_new_tokens,
+                                 stop_token_ids=(self.sp.stop_token_ids if request.stop_token_ids is None
+                                                 else request.stop_token_ids),
+                                 seed=request_seed(request.key, request.draws))
+        rid = self.next_id
+        check_request(dataclasses.replace(request, max_new_tokens=sp.max_new_tokens), self.vocab_size,
+                      self.max_len, f"VLLMEngine.serving: request {rid}")
+        [vsp] = to_vllm_sampling(sp, self.sampling_cls, 1)
+        self.llm_engine.add_request(str(rid), {"prompt_token_ids": list(request.token_ids)}, vsp)
+        self.requests[str(rid)] = (rid, dataclasses.replace(request, max_new_tokens=sp.max_new_tokens))
+        self.next_id += 1
+        return rid
+
+    def step(self) -> list[tuple[int, SampleOutput]]:
+        if not self.requests:
+            return []
+        done = []
+        for out in self.llm_engine.step():
+            if not out.finished:
+                continue
+            rid, request = self.requests.pop(out.request_id)
+            [sample] = from_vllm_outputs([out], dataclasses.replace(self.sp, n=1))
+            done.append((rid, dataclasses.replace(sample, prompt_index=request.prompt_index,
+                                                  sample_index=request.sample_index)))
+        self.finished += len(done)
+        return done
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.requests)
+
+    def release(self, session) -> None:
+        pass  # vLLM's prefix cache keeps and evicts blocks by their tokens
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/requests_finished": float(self.finished)}
+
+
+# ------------------------------------------------------------------------------------------------
 # The engine
 
 def _vllm_model(llm: Any) -> torch.nn.Module:
@@ -296,6 +363,12 @@ class VLLMEngine(RolloutEngine):
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, vsp, use_tqdm=False)  # one SamplingParams per prompt
         return from_vllm_outputs(outputs, sampling)
+
+    @contextlib.contextmanager
+    def serving(self, sampling: SamplingParams, *, max_len: int, sessions: int):
+        """Step-wise serving through vLLM's request API (VLLMServer); untested here."""
+        yield VLLMServer(self.llm.llm_engine, self.vllm.SamplingParams, sampling, max_len,
+                         self.arch.vocab_size)
 
     def sleep(self) -> None:
         # Level 2: discard weights and KV cache; the next load_weights pushes the weights again.
