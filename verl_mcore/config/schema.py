@@ -123,6 +123,64 @@ class UserFunctionConfig:
 
 
 @dataclass
+class ToolConfig:
+    """A tool an agent loop's model may call (agent/tools.py): a function, or a class constructed
+    once per sandbox worker with `kwargs` whose instances are called, in a user's Python file.
+    The model calls it with JSON arguments checked against its OpenAI-style schema
+    ({"type": "function", "function": {"name", "description", "parameters"}}): `schema` here,
+    else the object's own `schema` attribute, else one derived from the signature's annotations
+    and the docstring."""
+
+    path: Optional[str] = None  # a Python file
+    name: Optional[str] = None  # the function or class in it
+    # A function: passed to each call beside the model's arguments (never in the schema);
+    # a class: passed to its constructor.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    schema: dict[str, Any] = field(default_factory=dict)  # empty: the object's, or derived
+    import_timeout_s: float = 60.0  # the start-up probe's limit (user_code.check_import)
+
+
+@dataclass
+class EnvironmentConfig:
+    """An agent loop's environment (agent/environment.py): a class in a user's Python file,
+    constructed with `kwargs` in a sandbox worker per trajectory, with reset(row) -> observation
+    and step(action_text) -> (observation, reward, done)."""
+
+    path: Optional[str] = None
+    name: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    import_timeout_s: float = 60.0
+
+
+@dataclass
+class SandboxConfig:
+    """The worker processes that run tools and environments (agent/sandbox.py)."""
+
+    num_workers: int = 4  # calls run concurrently up to this many
+    timeout_s: float = 30.0  # per call or environment step; past it the worker is replaced
+    max_memory_mb: Optional[int] = 4096  # each worker's address space (RLIMIT_AS); null: no cap
+    max_output_chars: int = 16384  # a result longer than this is cut, and says so
+    startup_timeout_s: float = 120.0  # a worker's interpreter start plus the files' imports
+
+
+@dataclass
+class AgentToolsConfig:
+    """What an agent loop calls: tools, the parser of tool calls in the model's text, an
+    environment, the sandbox they run in, and how observations become tokens
+    (verl_mcore/agent/)."""
+
+    tools: list[ToolConfig] = field(default_factory=list)
+    # The tool-call parser: a built-in (agent/parsers.py PARSERS: "hermes") by name, or with a
+    # path, a function fn(text, **kwargs) -> list[ToolCall | ParseError] in that file.
+    parser: UserFunctionConfig = field(default_factory=lambda: UserFunctionConfig(name="hermes"))
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # The chat-template role of a tool result's turn; "user" for templates without a tool role.
+    observation_role: Literal["tool", "user"] = "tool"
+    max_observation_tokens: int = 1024  # one observation turn's tokens; beyond: cut, and said so
+
+
+@dataclass
 class AgentLoopConfig(UserFunctionConfig):
     """rollout.agent_loop (agent/loop.py): a class in a Python file, subclassing
     verl_mcore.agent.loop.AgentLoop with `async def run(self, ctx, row, prompt_ids)`, that runs
