@@ -26,18 +26,19 @@ still raises.
 `max_tokens` caps one observation turn (delimiters included): longer contents are cut, each
 marked "[truncated: K of N tokens shown]", the room shared fairly among a turn's results.
 
-Tools in the prompt (`render_prompt`): a template that renders `tools=` (Qwen2.5, Llama 3.1)
-gets the schemas that way; one that ignores them (SmolLM2's ChatML) gets them as text in the
-system message, with the <tool_call> format the built-in hermes parser reads.
+Tools in the prompt (`render_prompt`; data/chat.py, which the dataset uses too): a template that
+renders `tools=` (Qwen2.5, Llama 3.1) gets the schemas that way; one that ignores them (SmolLM2's
+ChatML) gets them as text in the system message, with the <tool_call> format the built-in
+hermes parser reads.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from verl_mcore.agent.tools import ToolResult
+from verl_mcore.data.chat import prompt_messages, template_supports_tools, tools_system_prompt  # noqa: F401 - re-exported
 
 _ASSISTANT = "AGENTASSISTANTPLACEHOLDER"
 _PLACEHOLDER_HISTORY = [{"role": "system", "content": "AGENTSYSTEMPLACEHOLDER"},
@@ -242,53 +243,6 @@ class ObservationTokens:
 
 def _mark(kept: int, total: int) -> str:
     return f"\n[truncated: {kept} of {total} tokens shown]"
-
-
-# ------------------------------------------------------------------ tools in the prompt
-
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": "agent_probe_tool", "description": "probe",
-    "parameters": {"type": "object", "properties": {}, "required": []}}}
-
-
-def template_supports_tools(tokenizer, **template_kwargs: Any) -> bool:
-    """Whether the chat template renders `tools=` (a probe schema's name shows up)."""
-    messages = [{"role": "user", "content": "x"}]
-    try:
-        text = render(tokenizer, messages, tools=[_PROBE_TOOL], **template_kwargs)
-    except TemplateError:
-        raise
-    except Exception:  # a template that raises on tools has no tool support
-        return False
-    return _PROBE_TOOL["function"]["name"] in text
-
-
-def tools_system_prompt(schemas: Sequence[dict]) -> str:
-    """The tools described as text, in the format the hermes parser reads, for templates
-    without tool support."""
-    listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
-    return ("You can call tools. Each tool is described by one JSON line between <tools> and "
-            f"</tools>:\n<tools>\n{listed}\n</tools>\n\n"
-            "To call a tool, write its name and arguments as one JSON object between <tool_call> "
-            "and </tool_call>, for example:\n<tool_call>\n"
-            '{"name": "tool_name", "arguments": {"argument": "value"}}\n</tool_call>\n'
-            "You may make several calls in one turn. Each result comes back in the next turn.")
-
-
-def prompt_messages(tokenizer, messages: list[dict], schemas: Sequence[dict],
-                    **template_kwargs: Any) -> tuple[list[dict], dict]:
-    """(messages, extra apply_chat_template kwargs) that put `schemas` in the prompt: `tools=`
-    when the template renders them, else the tools' description appended to the system message
-    (one is inserted first when there is none)."""
-    if not schemas:
-        return list(messages), {}
-    if template_supports_tools(tokenizer, **template_kwargs):
-        return list(messages), {"tools": list(schemas)}
-    text = tools_system_prompt(schemas)
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
-        return [first] + list(messages[1:]), {}
-    return [{"role": "system", "content": text}] + list(messages), {}
 
 
 def render_prompt(tokenizer, messages: list[dict], schemas: Sequence[dict] = (),

@@ -181,17 +181,26 @@ class AgentToolsConfig:
 
 
 @dataclass
-class AgentLoopConfig(UserFunctionConfig):
+class AgentLoopConfig(AgentToolsConfig, UserFunctionConfig):
     """rollout.agent_loop (agent/loop.py): a class in a Python file, subclassing
     verl_mcore.agent.loop.AgentLoop with `async def run(self, ctx, row, prompt_ids)`, that runs
     one multi-turn trajectory (model turns, tools, observations); constructed with `kwargs` once
-    per trajectory. Every trajectory of a replica's batch runs at once over the engine
-    (agent/runtime.py), and their SampleOutputs (loss mask 0 on observation tokens) are the
-    batch, in place of one engine call; validation runs it too. Its file is imported first in a
-    fresh interpreter and the class checked and built once there, before any model is built."""
+    per trajectory. Or, without a path, a built-in loop by name (agent/builtin.py): `tools` (the
+    model calls `tools`) or `environment` (a multi-turn `environment`). Every trajectory of a
+    replica's batch runs at once over the engine (agent/runtime.py), and their SampleOutputs
+    (loss mask 0 on observation tokens) are the batch, in place of one engine call; validation
+    runs it too. Its file, the tools', the environment's and a parser's are imported first in a
+    fresh interpreter and checked there, before any model is built. The tools and the
+    environment (AgentToolsConfig's fields, here flat: rollout.agent_loop.tools, .environment,
+    .sandbox, .parser, ...) are what a loop calls through `ctx.tools` (agent/toolbox.py)."""
 
     # Model turns per trajectory at most; a loop asking for one more ends with "length".
     max_turns: int = 8
+
+    @property
+    def configured(self) -> bool:
+        """Whether an agent loop samples the batch."""
+        return bool(self.path or self.name or self.kwargs)
 
 
 @dataclass
@@ -305,6 +314,10 @@ class DataConfig:
     truncation: Literal["error", "filter", "truncate_left", "truncate_right"] = "error"
     on_bad_row: Literal["error", "skip"] = "error"
     apply_chat_template: bool = True
+    # OpenAI-style tool schemas shown to the model in every prompt (data/chat.py: the
+    # template's tools=, else a system message in the hermes format). Empty: those of
+    # rollout.agent_loop.tools, when an agent loop has tools.
+    tools: list[dict[str, Any]] = field(default_factory=list)
     train_batch_size: int = 8  # prompts per step, global
     val_batch_size: Optional[int] = None  # default: all validation prompts in one batch
     shuffle: bool = True
