@@ -33,6 +33,8 @@ EXTRAS = {
     "track": ["tensorboard", "wandb"],
     # math-verify: reward.math_compat=math_verify (reward/mathverify.py); pure Python.
     "math": ["math-verify>=0.9"],
+    # bm25s: the agent search tool's BM25 ranking (examples/agent/search_tool.py); numpy only.
+    "agent": ["bm25s>=0.2"],
     # pandas and datasets: the frames verl-style dataset classes build (tests/data/test_verl_dataset.py).
     "test": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "pandas>=2", "datasets>=3",
              "rouge-score>=0.1.2", "sacrebleu>=2.0",
@@ -44,7 +46,9 @@ EXTRAS = {
              # math-verify: the math_verify backend's tests (tests/reward/test_verl_parity.py).
              "math-verify>=0.9",
              # import-linter: the package's layer contracts (pyproject.toml, tests/test_layers.py).
-             "import-linter>=2.16"],
+             "import-linter>=2.16",
+             # bm25s: the agent search tool example's tests (tests/agent/test_examples.py).
+             "bm25s>=0.2"],
 }
 
 

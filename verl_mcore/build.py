@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -229,7 +229,9 @@ def build_inputs(cfg: Config, world: int, gpus_per_node: Optional[int] = None,
             _raise(problems)
         info, reward_models = models
         try:
-            train, val = build_datasets(cfg, info, dataset_class)
+            tools = agent_loop.tools if agent_loop is not None else None
+            train, val = build_datasets(cfg, info, dataset_class,
+                                        tools=tools.schemas if tools is not None else ())
             if len(train) < cfg.data.train_batch_size:  # PromptLoader's rule, before the models
                 raise ConfigError(
                     f"data.train_files: {len(train)} prompts after the data checks, fewer than one "
@@ -710,12 +712,16 @@ def read_time_limit(cfg: Config) -> float:
     return d.read_timeout_s if d.read_timeout_s is not None else 0.75 * cfg.trainer.collective_timeout_s
 
 
-def build_datasets(cfg: Config, info: ModelInfo, cls: Optional[type] = None):
+def build_datasets(cfg: Config, info: ModelInfo, cls: Optional[type] = None,
+                   tools: Sequence[dict] = ()):
     """(train, val or None), both built within data.read_timeout_s: a reader that blocks (a
     data.custom_cls waiting on the network, a lock, input()) fails naming its class, its file
     and where it was, and build_inputs' agreement then stops every rank. `cls`: the dataset
-    class when already loaded (data.load_dataset_class: build_inputs' user-code check)."""
+    class when already loaded (data.load_dataset_class: build_inputs' user-code check);
+    `tools`: the agent loop's tool schemas, shown in the prompts where data.tools is empty."""
     d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
+    if tools and not d.tools:
+        d = dataclasses.replace(d, tools=list(tools))
     cls = cls or load_dataset_class(d)  # imported under data.import_timeout_s first
     limit = read_time_limit(cfg)
     reading: list = []  # the split being read, for the message

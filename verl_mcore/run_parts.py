@@ -66,8 +66,9 @@ class RunParts:
 
     def stop(self) -> None:
         """Stop what runs beside the loop: the watchdog's thread, the signal handlers, the
-        scoring workers."""
+        scoring workers, the agent tools' sandbox workers."""
         self.watchdog.stop()
+        self.sampler.close()
         self.guard.uninstall()
         self.rewards.close()
 

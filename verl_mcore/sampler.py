@@ -143,6 +143,11 @@ class Sampler:
         """This rank's generation replica (0 where no engine runs, which samples nothing)."""
         return self.generation.groups.gen_dp_rank if self.generation is not None else 0
 
+    def close(self) -> None:
+        """Stop what the sampling started beside the engine: the agent tools' sandbox."""
+        if self.agent_loop is not None:
+            self.agent_loop.close()
+
     def release_cache(self) -> None:
         """Free the KV cache the engine keeps through training (before a checkpoint save,
         whose memory the step's budget did not see)."""

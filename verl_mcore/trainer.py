@@ -274,6 +274,7 @@ class Trainer:
         self.checkpoints.close()
         self.tracking.close()
         self.rewards.close()
+        self.sampler.close()  # the agent tools' sandbox workers
         self.watchdog.stop()
         self.guard.uninstall()
         self.run.close()

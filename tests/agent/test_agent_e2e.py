@@ -33,9 +33,9 @@ def _overrides(model, run_dir, steps=2, extra=()):
             "rollout.agent_loop.kwargs={turns: 3, per_turn: 4, sleep_s: 0.005}", *extra]
 
 
-def _train_recording(rank, world_size, overrides):
+def _train_recording(rank, world_size, overrides, config=str(ROOT / "configs/quickstart.yaml")):
     """(fit's exit code or the error's first line, the trained response masks per step, the
-    agent runtime's outputs on this rank per call)."""
+    agent runtime's outputs on this rank per call) of a run of `config` with `overrides`."""
     from verl_mcore.agent.runtime import AgentRuntime
     from verl_mcore.config import Config, validate
     from verl_mcore.learner import Learner
@@ -57,7 +57,7 @@ def _train_recording(rank, world_size, overrides):
 
     Learner.train, AgentRuntime.__call__ = recording_train, recording_call
     try:
-        cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)
+        cfg = Config.load(config, overrides)
         validate(cfg, world_size)
         outcome = Trainer(cfg).fit()
     except Exception as e:  # noqa: BLE001 - reported to the test

@@ -63,10 +63,10 @@ def test_a_scorer_file_that_fails_to_load(tmp_path):
     cfg = RewardConfig(custom_fn=CustomClassConfig(path=str(path), name="f"), num_workers=0)
     with pytest.raises(ValueError, match="reward.custom_fn.path=.*importing the file failed"):
         RewardManager.from_config(cfg)
-    # loads in this process and in the import probe but not in a worker (whose argument is its
-    # socket's fd): the pool refuses to start, with the traceback
+    # loads in this process and in the import probe but not in a worker (whose first argument
+    # is its entry, worker_process.py): the pool refuses to start, with the traceback
     path = tmp_path / "only_here.py"
-    path.write_text("import sys\nif sys.argv[0] == '-c' and sys.argv[1].isdigit():\n"
+    path.write_text("import sys\nif sys.argv[0] == '-c' and sys.argv[1].endswith(':serve'):\n"
                     "    raise ImportError('not in workers')\n"
                     "def f(*a):\n    return 1.0\n")
     cfg = RewardConfig(custom_fn=CustomClassConfig(path=str(path), name="f"), num_workers=1)

@@ -239,3 +239,15 @@ def test_sampled_rewards_of_another_float_dtype_cross_as_float64():
     assert r.integers().numel() == len(r.prompt_lens) + 5 * r.num_samples
     got = Rollout.from_state(r.state(), prompts.rows)
     assert got.sampled_rewards.tolist() == rewards.tolist() and _samples(got) == _samples(r)
+
+
+def test_the_response_text_is_what_the_model_wrote():
+    """With a loss mask the decoded response leaves out the tokens of mask 0 (an observation
+    that quotes the answer must not earn the reward); without one it is every token."""
+    prompts, outs = _batch(10, mask=True)
+    r = Rollout.from_outputs(prompts, outs, VOCAB).for_learner(INFO)
+    for o, text in zip(outs, r.responses):
+        mask = o.loss_mask or [1] * len(o.token_ids)
+        assert text == " ".join(str(t) for t, m in zip(o.token_ids, mask) if m)
+    plain = Rollout.from_outputs(*_batch(10, mask=False), VOCAB).for_learner(INFO)
+    assert plain.responses == [" ".join(map(str, o.token_ids)) for o in _batch(10, mask=False)[1]]

@@ -83,12 +83,16 @@ class AgentContext:
     tokenizer, eos_token_ids: the actor's.
     max_turns, max_tokens: the trajectory's limits (model turns; response tokens).
     index: the trajectory's place in its replica's batch (prompt * n + sample).
+    tools: the run's tools, environment, parser and observation tokens (agent/toolbox.py
+        AgentTools: `await ctx.tools.call(ctx.tools.parse(text))`, `ctx.tools.observation(...)`,
+        `ctx.tools.environment()`), or None when rollout.agent_loop configures none.
     """
 
     def __init__(self, prompt_ids: Sequence[int], row: dict, *, tokenizer, eos_token_ids: Sequence[int],
                  max_turns: int, max_tokens: int,
-                 request: Callable[["AgentContext", int], Awaitable[Turn]], index: int = 0):
-        self.index = index
+                 request: Callable[["AgentContext", int], Awaitable[Turn]], index: int = 0,
+                 tools: Any = None):
+        self.index, self.tools = index, tools
         self.prompt_ids = list(prompt_ids)
         self.row = row
         self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)

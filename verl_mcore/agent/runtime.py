@@ -43,7 +43,9 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
+from verl_mcore.agent.builtin import BUILTIN_LOOPS
 from verl_mcore.agent.loop import AgentContext, Turn, TrajectoryEnded, check_agent_loop, split_result
+from verl_mcore.agent.toolbox import AgentTools
 from verl_mcore.rollout.base import SampleOutput, SamplingParams
 from verl_mcore.rollout.generate_fn import GenerateFnError, check_outputs
 from verl_mcore.rollout.serving import Request, Server, stream_key
@@ -84,12 +86,20 @@ class AgentRuntime:
     """rollout.agent_loop's class (`loop_cls`, `name` in `path`, built with `kwargs` once per
     trajectory) run over a GenerationPhase's serving session (module docstring)."""
 
-    def __init__(self, loop_cls, kwargs: dict, path: str, name: str, *, max_turns: int, tokenizer,
-                 eos_token_ids: Sequence[int], vocab_size: int):
+    def __init__(self, loop_cls, kwargs: dict, path: Optional[str], name: str, *, max_turns: int,
+                 tokenizer, eos_token_ids: Sequence[int], vocab_size: int,
+                 tools: Optional[AgentTools] = None):
         self.loop_cls, self.kwargs, self.path, self.name = loop_cls, dict(kwargs), path, name
         self.max_turns, self.tokenizer = max_turns, tokenizer
         self.eos_token_ids, self.vocab_size = list(eos_token_ids), vocab_size
-        self.label = f"{_KEY} {path}:{name}"
+        # The run's tools (their sandbox starts on the first call: on the leading ranks only).
+        self.tools = tools
+        self.label = f"{_KEY} {path}:{name}" if path else f"{_KEY} {name} (built in)"
+
+    def close(self) -> None:
+        """Stop the tools' sandbox workers, where they started."""
+        if self.tools is not None:
+            self.tools.close()
 
     def __call__(self, phase, prompts, sampling: SamplingParams) -> list[SampleOutput]:
         """n trajectories per prompt of `prompts` (input_ids, rows), ordered by (prompt,
@@ -181,7 +191,7 @@ class _Leader:
         contexts = [AgentContext(self.prompts.input_ids[t // self.n], self.prompts.rows[t // self.n],
                                  tokenizer=self.rt.tokenizer, eos_token_ids=self.rt.eos_token_ids,
                                  max_turns=self.rt.max_turns, max_tokens=self.sp.max_new_tokens,
-                                 request=self._turn, index=t)
+                                 request=self._turn, index=t, tools=self.rt.tools)
                     for t in range(len(self.prompts.input_ids) * self.n)]
         tasks = [asyncio.ensure_future(self._trajectory(t, ctx)) for t, ctx in enumerate(contexts)]
         for task in tasks:
@@ -209,7 +219,10 @@ class _Leader:
         results = [task.result() for task in tasks]
         outputs = [self._output(t, ctx, *result) for t, (ctx, result) in enumerate(zip(contexts, results))]
         firsts = [self.firsts[t] for t in sorted(self.firsts)]
-        return outputs, firsts, self._metrics(contexts)
+        metrics = self._metrics(contexts)
+        if self.rt.tools is not None:  # per tool, of this batch's trajectories
+            metrics.update(self.rt.tools.take_metrics())
+        return outputs, firsts, metrics
 
     async def _settle(self) -> None:
         """Let the trajectories run until they wait: yield to the event loop until a pass adds
@@ -301,9 +314,20 @@ def load_agent_loop(cfg, tokenizer, eos_token_ids: Sequence[int], vocab_size: in
     """rollout.agent_loop's runtime (cfg: its AgentLoopConfig), or None when none is configured.
     The file is imported first in a fresh interpreter under import_timeout_s, where the class is
     checked and built once with the kwargs (check_agent_loop), before any model is built."""
-    loaded = load_checked(cfg, _KEY, (check_agent_loop, (_KEY, cfg.path, cfg.name, dict(cfg.kwargs))))
-    if loaded is None:
-        return None
-    cls, path = loaded
+    if not cfg.path and cfg.name in BUILTIN_LOOPS:  # agent/builtin.py
+        cls, path = BUILTIN_LOOPS[cfg.name], None
+        check_agent_loop(cls, _KEY, "verl_mcore/agent/builtin.py", cfg.name, dict(cfg.kwargs),
+                         construct=True)
+    else:
+        loaded = load_checked(cfg, _KEY, (check_agent_loop, (_KEY, cfg.path, cfg.name,
+                                                             dict(cfg.kwargs))))
+        if loaded is None:
+            if cfg.tools or cfg.environment.path:
+                raise ValueError(f"{_KEY}.tools / .environment are set but no agent loop runs "
+                                 f"them: set {_KEY}.name to a built-in loop "
+                                 f"({sorted(BUILTIN_LOOPS)}) or to your class with {_KEY}.path")
+            return None
+        cls, path = loaded
     return AgentRuntime(cls, cfg.kwargs, path, cfg.name, max_turns=cfg.max_turns, tokenizer=tokenizer,
-                        eos_token_ids=eos_token_ids, vocab_size=vocab_size)
+                        eos_token_ids=eos_token_ids, vocab_size=vocab_size,
+                        tools=AgentTools.load(cfg, tokenizer, _KEY))

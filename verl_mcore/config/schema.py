@@ -123,17 +123,84 @@ class UserFunctionConfig:
 
 
 @dataclass
-class AgentLoopConfig(UserFunctionConfig):
+class ToolConfig:
+    """A tool an agent loop's model may call (agent/tools.py): a function, or a class constructed
+    once per sandbox worker with `kwargs` whose instances are called, in a user's Python file.
+    The model calls it with JSON arguments checked against its OpenAI-style schema
+    ({"type": "function", "function": {"name", "description", "parameters"}}): `schema` here,
+    else the object's own `schema` attribute, else one derived from the signature's annotations
+    and the docstring."""
+
+    path: Optional[str] = None  # a Python file
+    name: Optional[str] = None  # the function or class in it
+    # A function: passed to each call beside the model's arguments (never in the schema);
+    # a class: passed to its constructor.
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    schema: dict[str, Any] = field(default_factory=dict)  # empty: the object's, or derived
+    import_timeout_s: float = 60.0  # the start-up probe's limit (user_code.check_import)
+
+
+@dataclass
+class EnvironmentConfig:
+    """An agent loop's environment (agent/environment.py): a class in a user's Python file,
+    constructed with `kwargs` in a sandbox worker per trajectory, with reset(row) -> observation
+    and step(action_text) -> (observation, reward, done)."""
+
+    path: Optional[str] = None
+    name: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    import_timeout_s: float = 60.0
+
+
+@dataclass
+class SandboxConfig:
+    """The worker processes that run tools and environments (agent/sandbox.py)."""
+
+    num_workers: int = 4  # calls run concurrently up to this many
+    timeout_s: float = 30.0  # per call or environment step; past it the worker is replaced
+    max_memory_mb: Optional[int] = 4096  # each worker's address space (RLIMIT_AS); null: no cap
+    max_output_chars: int = 16384  # a result longer than this is cut, and says so
+    startup_timeout_s: float = 120.0  # a worker's interpreter start plus the files' imports
+
+
+@dataclass
+class AgentToolsConfig:
+    """What an agent loop calls: tools, the parser of tool calls in the model's text, an
+    environment, the sandbox they run in, and how observations become tokens
+    (verl_mcore/agent/)."""
+
+    tools: list[ToolConfig] = field(default_factory=list)
+    # The tool-call parser: a built-in (agent/parsers.py PARSERS: "hermes") by name, or with a
+    # path, a function fn(text, **kwargs) -> list[ToolCall | ParseError] in that file.
+    parser: UserFunctionConfig = field(default_factory=lambda: UserFunctionConfig(name="hermes"))
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # The chat-template role of a tool result's turn; "user" for templates without a tool role.
+    observation_role: Literal["tool", "user"] = "tool"
+    max_observation_tokens: int = 1024  # one observation turn's tokens; beyond: cut, and said so
+
+
+@dataclass
+class AgentLoopConfig(AgentToolsConfig, UserFunctionConfig):
     """rollout.agent_loop (agent/loop.py): a class in a Python file, subclassing
     verl_mcore.agent.loop.AgentLoop with `async def run(self, ctx, row, prompt_ids)`, that runs
     one multi-turn trajectory (model turns, tools, observations); constructed with `kwargs` once
-    per trajectory. Every trajectory of a replica's batch runs at once over the engine
-    (agent/runtime.py), and their SampleOutputs (loss mask 0 on observation tokens) are the
-    batch, in place of one engine call; validation runs it too. Its file is imported first in a
-    fresh interpreter and the class checked and built once there, before any model is built."""
+    per trajectory. Or, without a path, a built-in loop by name (agent/builtin.py): `tools` (the
+    model calls `tools`) or `environment` (a multi-turn `environment`). Every trajectory of a
+    replica's batch runs at once over the engine (agent/runtime.py), and their SampleOutputs
+    (loss mask 0 on observation tokens) are the batch, in place of one engine call; validation
+    runs it too. Its file, the tools', the environment's and a parser's are imported first in a
+    fresh interpreter and checked there, before any model is built. The tools and the
+    environment (AgentToolsConfig's fields, here flat: rollout.agent_loop.tools, .environment,
+    .sandbox, .parser, ...) are what a loop calls through `ctx.tools` (agent/toolbox.py)."""
 
     # Model turns per trajectory at most; a loop asking for one more ends with "length".
     max_turns: int = 8
+
+    @property
+    def configured(self) -> bool:
+        """Whether an agent loop samples the batch."""
+        return bool(self.path or self.name or self.kwargs)
 
 
 @dataclass
@@ -247,6 +314,10 @@ class DataConfig:
     truncation: Literal["error", "filter", "truncate_left", "truncate_right"] = "error"
     on_bad_row: Literal["error", "skip"] = "error"
     apply_chat_template: bool = True
+    # OpenAI-style tool schemas shown to the model in every prompt (data/chat.py: the
+    # template's tools=, else a system message in the hermes format). Empty: those of
+    # rollout.agent_loop.tools, when an agent loop has tools.
+    tools: list[dict[str, Any]] = field(default_factory=list)
     train_batch_size: int = 8  # prompts per step, global
     val_batch_size: Optional[int] = None  # default: all validation prompts in one batch
     shuffle: bool = True

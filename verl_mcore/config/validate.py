@@ -459,7 +459,19 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                     f"rollout.top_k={r.top_k}), not the model's: set rollout.top_p=1 and "
                     f"rollout.top_k=-1, use rollout.engine=native, or turn {what} off")
     a, g = r.agent_loop, r.generate_fn
-    if (a.path or a.name) and (g.path or g.name):
+    if not a.path and a.name in ("tools", "environment"):  # the built-in loops (agent/builtin.py)
+        needs = {"tools": ("tools", bool(a.tools) or bool(a.environment.path)),
+                 "environment": ("environment", bool(a.environment.path))}[a.name]
+        if not needs[1]:
+            errs.append(f"rollout.agent_loop.name={a.name} (built in) runs the configured "
+                        f"{needs[0]}: set rollout.agent_loop.{needs[0]}"
+                        + (" (a list of {path, name})" if needs[0] == "tools" else
+                           " (path, name of the environment class)"))
+    elif (a.tools or a.environment.path) and not a.path:
+        errs.append("rollout.agent_loop.tools / .environment are set but no agent loop runs them: "
+                    "set rollout.agent_loop.name to a built-in loop (tools, environment) or to "
+                    "your class with rollout.agent_loop.path")
+    if a.configured and (g.path or g.name):
         errs.append(f"rollout.agent_loop ({a.path}:{a.name}) and rollout.generate_fn ({g.path}:"
                     f"{g.name}) both sample the batch: keep one (an agent loop's turns can do what "
                     "a generate function's engine calls do)")
@@ -605,7 +617,7 @@ def _reward_errors(cfg: Config) -> list[str]:
     r, errs = cfg.reward, []
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     for i, s in enumerate(r.sources):
-        if s.type == "environment" and not (cfg.rollout.agent_loop.path
+        if s.type == "environment" and not (cfg.rollout.agent_loop.configured
                                             or cfg.rollout.generate_fn.path):
             errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it reads the "
                         "reward each trajectory's sampling gave, which only rollout.agent_loop "

@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_mcore.config.schema import DataConfig
+from verl_mcore.data.chat import ToolPrompt
 from verl_mcore.data.checks import check_columns, check_same_schema, prompt_problem
 from verl_mcore.data.errors import BadRow, DataError
 from verl_mcore.data.loader import PromptBatch
@@ -113,6 +114,7 @@ class RLHFDataset:
         self.bad_rows: list[BadRow] = []  # the first few skipped rows, for the report
         self._use_template = bool(config.apply_chat_template
                                   and getattr(tokenizer, "chat_template", None))
+        self._tool_prompt: Optional[ToolPrompt] = None  # data.tools, on the first prompt
         self._parts: Optional[list[FileRows]] = None
         self._files_table: Optional[pa.Table] = None  # the default `dataframe`, built on access
         self._dataframe: Any = None  # what an override set as self.dataframe
@@ -371,8 +373,13 @@ class RLHFDataset:
         if self._use_template:
             messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else
                         [{k: v for k, v in m.items() if v is not None} for m in prompt])
+            # data.tools: the tools the model may call, shown the template's way (data/chat.py)
+            if getattr(self, "_tool_prompt", None) is None:
+                self._tool_prompt = ToolPrompt(self.tokenizer,
+                                               getattr(self.config, "tools", None) or ())
+            messages, extra = self._tool_prompt.messages(messages)
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+                                                      tokenize=False, **extra)
         return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:

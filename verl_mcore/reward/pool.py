@@ -12,55 +12,34 @@ so nothing is lost or shifted. A dead worker's outcome carries its exit code (th
 the sample). With `max_memory_mb` each worker's address space is capped (worker.limit_memory):
 a scorer that goes over it gets a MemoryError, an "error" like any other.
 
-Workers are fresh interpreters (worker.py says why not multiprocessing's fork or spawn).
+Workers are fresh interpreters (distributed/worker_process.py says why not multiprocessing's fork
+or spawn).
 """
 from __future__ import annotations
 
 import collections
 import multiprocessing.connection as mp_connection
 import signal
-import socket
 import subprocess
-import sys
 import time
-from multiprocessing.connection import Connection
 from typing import Any, Optional, Union
 
+from verl_mcore.distributed.worker_process import WorkerProcess
 from verl_mcore.reward.scorers import ScorerSpec
 from verl_mcore.reward.worker import Outcome
-from verl_mcore.user_code import UserCodeError, child_env, exit_description
+from verl_mcore.user_code import UserCodeError, exit_description
 from verl_mcore.utils.doing import doing
-
-
-# Not `-m verl_mcore.reward.worker`: that would load worker.py twice (as __main__ and through the
-# package), and the Outcome objects it sends back would be of the wrong class.
-_WORKER_MAIN = ("import sys; from multiprocessing.connection import Connection; "
-                "from verl_mcore.reward.worker import serve; serve(Connection(int(sys.argv[1])))")
 
 
 _MAX_CHUNK = 16
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, specs: dict[str, ScorerSpec], max_memory_mb: Optional[int]):
-        ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=child_env())
-        theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send((list(sys.path), specs, max_memory_mb))
+        super().__init__("verl_mcore.reward.worker:serve", (specs, max_memory_mb), max_memory_mb)
         self.state = "starting"  # -> "idle" <-> "busy"
         self.items: collections.deque = collections.deque()  # sent, not yet answered, in order
         self.since = time.monotonic()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.conn.close()
 
 
 def _why_it_died(code: int) -> str:

@@ -1,11 +1,9 @@
-"""The scoring worker process: `serve(Connection(fd))` in a fresh interpreter started by pool.py.
+"""The scoring worker process: `serve(conn, init)` in a fresh interpreter started by pool.py
+through distributed/worker_process.py (which says why a fresh interpreter, and sets the process
+up: signals, sys.path, the memory cap).
 
-It is a fresh interpreter rather than a multiprocessing child: multiprocessing's spawn would
-re-import the trainer's main module (torch, megatron-core: seconds per worker, and a hang for a
-script without a main guard), and fork would copy CUDA and communication threads.
-
-Protocol over the socket `fd` (multiprocessing Connection framing, pickled messages):
-  parent -> (sys.path, {key: ScorerSpec}, max_memory_mb or None)   once
+Protocol over the socket (multiprocessing Connection framing, pickled messages):
+  parent -> ({key: ScorerSpec}, max_memory_mb or None)   once (init)
   worker -> ("ready", None) | ("init_error", traceback)
   parent -> [(item, key, args), ...] a chunk ; None to stop
   worker -> (item, Outcome | [Outcome] * B)  one message per item, in chunk order; a list for a
@@ -13,15 +11,12 @@ Protocol over the socket `fd` (multiprocessing Connection framing, pickled messa
 """
 from __future__ import annotations
 
-import resource
-import signal
-import sys
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional
 
-from verl_mcore.distributed.children import die_with_parent
+from verl_mcore.distributed.worker_process import requests
 from verl_mcore.reward.custom import BatchScorer, RewardBatch
 from verl_mcore.reward.scorers import InvalidScore, check_result
 
@@ -92,38 +87,14 @@ def _call(fn, args: tuple, max_memory_mb: Optional[int]) -> tuple:
         return None, Outcome("error", error=traceback.format_exc())
 
 
-def limit_memory(max_memory_mb: Optional[int]) -> None:
-    """Cap this process's address space (reward.max_memory_mb): an allocation beyond it raises
-    MemoryError in the scorer instead of taking the node's memory from the trainer."""
-    if max_memory_mb:
-        limit = int(max_memory_mb) << 20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def serve(conn: Connection) -> None:
-    # Ctrl-C, Slurm's warning signal (USR1) and a preemption SIGTERM reach the whole process
-    # group; the trainer decides what happens (finish the step, checkpoint), not the worker. A
-    # worker whose trainer is gone sees its pipe close and exits; one stuck in a scorer is
-    # killed by the kernel when the trainer dies (distributed/children.py).
-    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-
-    die_with_parent()
+def serve(conn: Connection, init: tuple) -> None:
     try:
-        path, specs, max_memory_mb = conn.recv()
-        sys.path[:] = path  # the parent's, so a scorer file can import what the parent could
-        limit_memory(max_memory_mb)  # before the imports: they count too
+        specs, max_memory_mb = init
         scorers = {key: spec.load() for key, spec in specs.items()}
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the parent is gone
-            return
-        if message is None:
-            return
+    for message in requests(conn):
         for item, key, args in message:
             conn.send((item, run_item(scorers[key], args, max_memory_mb)))

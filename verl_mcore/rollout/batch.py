@@ -74,7 +74,8 @@ class Rollout:
     Added on the way to the loss:
     train, engine_log_probs, responses   the learner's view (`for_learner`): the padded batch
                    (its response mask is the loss mask), the engine's log-probs [B, R] (None when
-                   not asked for), the decoded response texts [B]
+                   not asked for), the decoded response texts [B]: what the model wrote (the
+                   tokens of loss mask 1: decode_responses)
     scores         [B] float32 training scores once scored (the weighted reward sources, DAPO's
                    overlong penalty), else None
     extras         "source/key" -> [B] the scorers' numeric extras (None where absent)
@@ -531,17 +532,25 @@ def finish_codes(reasons: Sequence[str]) -> Tensor:
 
 
 def decode_responses(tokenizer, batch: Rollout, chunk: int = 1024) -> list[str]:
-    """[B] response texts. batch_decode takes Python lists of ints; building them a chunk of
+    """[B] response texts: what the model wrote. In a batch with a loss mask that is the tokens
+    of mask 1 only (a tool's output, an environment's feedback, a masked pass are not the
+    model's text: a reward that reads the response cannot be earned by an observation that
+    quotes the answer). batch_decode takes Python lists of ints; building them a chunk of
     samples at a time keeps at most `chunk` responses of them alive (the whole batch's would
     be ~36 bytes per token)."""
     ends = batch.response_lens.cumsum(0).tolist()
     starts = [0] + ends[:-1]
+    mask = batch.token_fields.get("loss_mask")
     texts: list[str] = []
     for lo in range(0, batch.num_samples, chunk):
         hi = min(lo + chunk, batch.num_samples)
         base = starts[lo]
         flat = batch.response_ids[base:ends[hi - 1]].tolist()
         lists = [flat[s - base:e - base] for s, e in zip(starts[lo:hi], ends[lo:hi])]
+        if mask is not None:
+            keep = mask[base:ends[hi - 1]].tolist()
+            lists = [[t for t, k in zip(ids, keep[s - base:e - base]) if k]
+                     for ids, s, e in zip(lists, starts[lo:hi], ends[lo:hi])]
         texts += tokenizer.batch_decode(lists, skip_special_tokens=True)
     return texts
 
