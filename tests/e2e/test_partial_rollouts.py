@@ -144,3 +144,15 @@ def test_partial_config_errors():
         "algorithm.filter_groups.enable=true")
     assert "remax" in errors("algorithm.adv_estimator=remax")
     assert "rollout.partial.max_staleness" in errors("rollout.partial.max_staleness=-1")
+
+
+def test_max_staleness_zero_trains_no_older_token(model, tmp_path):
+    """max_staleness=0: an unfinished sample starts over at each step (resampled), and every
+    trained token is of the step's own weights."""
+    [trained] = _run(_overrides(model, tmp_path / "run", "rollout.partial.max_staleness=0",
+                                steps=3))
+    rows = _rows(tmp_path / "run")
+    assert sum(rows[s]["rollout/partial/resampled"] for s in rows) > 0
+    assert all(rows[s]["rollout/token_age/max"] == 0 for s in rows)
+    for step, _, versions in trained:
+        assert all(set(v) == {step - 1} for v in versions)
