@@ -60,8 +60,9 @@ class PartialProducer(Producer):
         self.share = d.train_batch_size // self.replicas  # groups each replica finishes a step
         wanted = max(d.train_batch_size + 1,
                      math.ceil(d.train_batch_size * (1 + r.partial.over_sampling)))
+        logprobs = sampler.sampling(r.n, r.temperature, 0).logprobs  # the learner weighs them
         self.pool = PartialPool(r.n, d.max_response_length, r.partial.max_staleness,
-                                math.ceil(wanted / self.replicas), sampler.sampling(r.n, r.temperature, 0).logprobs)
+                                math.ceil(wanted / self.replicas), logprobs)
         self.drawn_before: dict[int, dict] = {}  # draw -> the loader's state before it
 
     # ------------------------------------------------------------------ the step
@@ -140,7 +141,6 @@ class PartialProducer(Producer):
 
     def _draw(self) -> None:
         """Whole loader batches into the pool until it holds its in-flight groups."""
-        r, tb = self.cfg.rollout, self.cfg.data.train_batch_size
         while len(self.pool.groups) < self.pool.in_flight:
             d = self.generated
             self.drawn_before[d] = self.loader.state_dict()

@@ -5,7 +5,8 @@ model on CPU.
   their steps abort and continue samples: every trained token is at most
   rollout.partial.max_staleness versions old, and the metrics say so;
 - a run stopped after step 2 and resumed equals the uninterrupted one (its checkpoint holds the
-  samples in flight), on 1 rank and over 2 generation replicas (DP_g = 2);
+  samples in flight), on 1 rank and over 2 generation replicas (DP_g = 2), and so does one
+  preempted by SIGTERM during step 2 and requeued;
 - at TP_g = 2 both ranks of the generation group train on the same batches.
 
 The trained batches are recorded by wrapping Learner.train."""
@@ -46,8 +47,10 @@ def _overrides(model, run_dir, *extra, steps=4):
             "data.max_response_length=40", "rollout.max_num_seqs=8", *PARTIAL, *extra]
 
 
-def _train_recording(rank, world_size, overrides):
-    """(fit's exit code, per trained step: each sample's finish reason, its tokens' versions)."""
+def _train_recording(rank, world_size, overrides, signal_at=None):
+    """(fit's exit code, per trained step: each sample's finish reason, its tokens' versions);
+    signal_at (rank, step, signal): that rank receives it during that step."""
+    from tests.e2e.test_rollout_set import _signalled
     from verl_mcore.config import Config
     from verl_mcore.learner import Learner
     from verl_mcore.trainer import Trainer
@@ -64,15 +67,16 @@ def _train_recording(rank, world_size, overrides):
 
     Learner.train = train
     try:
-        code = Trainer(Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)).fit()
+        cls = Trainer if signal_at is None else _signalled(Trainer, *signal_at)
+        code = cls(Config.load(str(ROOT / "configs/quickstart.yaml"), overrides)).fit()
     finally:
         Learner.train = original
     return code, trained
 
 
-def _run(overrides, world=1):
-    results = run_on_ranks(_train_recording, world, args=(overrides,), timeout=900)
-    assert [r[0] for r in results] == [0] * world
+def _run(overrides, world=1, signal_at=None, code=0):
+    results = run_on_ranks(_train_recording, world, args=(overrides, signal_at), timeout=900)
+    assert [r[0] for r in results] == [code] * world
     return [r[1] for r in results]
 
 
@@ -109,7 +113,7 @@ def test_partial_runs_are_reproducible_bounded_and_resume_exactly(model, tmp_pat
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_replicas_resume_exactly_and_tp2_ranks_agree(model, tmp_path):
+def test_two_replicas_resume_and_requeue_exactly_and_tp2_ranks_agree(model, tmp_path):
     dp = ["actor.micro_batch_size_per_gpu=2"]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _run(_overrides(model, full, *dp), world=2)
@@ -119,6 +123,21 @@ def test_two_replicas_resume_exactly_and_tp2_ranks_agree(model, tmp_path):
     assert sum(ra[s]["rollout/partial/continued"] for s in ra) > 0
     for step in (3, 4):
         _assert_same(ra[step], rc[step], COMPARED, f"DP_g=2 resumed step {step}")
+
+    # Preempted: SIGTERM reaches rank 1 during step 2; both ranks stop after it with a
+    # checkpoint, and the requeued run carries on as if never stopped.
+    import signal
+
+    from verl_mcore.distributed.preemption import EXIT_PREEMPTED
+
+    preempted = tmp_path / "preempted"
+    overrides = _overrides(model, preempted, *dp, "checkpoint.save_every=0")
+    _run(overrides, world=2, signal_at=(1, 2, signal.SIGTERM), code=EXIT_PREEMPTED)
+    assert sorted(_rows(preempted)) == [1, 2]
+    _run(overrides, world=2)
+    rp = _rows(preempted)
+    for step in (3, 4):
+        _assert_same(ra[step], rp[step], COMPARED, f"DP_g=2 requeued step {step}")
 
     tp = ["parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2"]
     first, second = _run(_overrides(model, tmp_path / "tp", *tp, steps=3), world=2)

@@ -5,6 +5,8 @@ abort (rollout/native.py NativeServer.abort): tokens so far, slots and blocks ba
 continuation from them that samples what the uninterrupted sample did."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from verl_mcore.rollout.base import SampleOutput
@@ -171,10 +173,8 @@ def test_the_oldest_groups_are_in_flight_and_a_restored_pool_continues_alike():
     pool.run(server, need=1, version=0)
     assert {r.prompt_index for r in server.requests} == {0, 1}  # g2, g3 wait: not in flight
     # As a checkpoint keeps it: the samples as a Rollout, restored into a fresh pool.
-    class Prompts:
-        input_ids = [g.prompt for g in pool.groups]
-        rows = [g.row for g in pool.groups]
-
+    Prompts = SimpleNamespace(input_ids=[g.prompt for g in pool.groups],
+                              rows=[g.row for g in pool.groups])
     saved = Rollout.from_state(Rollout.from_outputs(Prompts, PartialPool.outputs(pool.groups),
                                                     1000).state(), Prompts.rows)
     other = _pool(in_flight=2)
