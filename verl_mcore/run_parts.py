@@ -27,8 +27,8 @@ from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender
 from verl_mcore.learner import Learner
-from verl_mcore.planning import memory as planner
 from verl_mcore.partial_rollouts import PartialProducer
+from verl_mcore.planning import memory as planner
 from verl_mcore.rollouts import Producer
 from verl_mcore.sampler import Sampler
 from verl_mcore.scoring import Scorer
