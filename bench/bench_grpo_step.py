@@ -79,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "leave it unset, the trainer's default (the planner's budget)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="rollout.gpu_memory_utilization: KV cache cap, share of free memory")
+    p.add_argument("--stop-tokens", type=int, default=0,
+                   help="random token ids that also end a response (generation_config.json's "
+                        "eos_token_id beside EOS): lengths vary as in reasoning runs, a long "
+                        "tail up to --response-len (random weights otherwise run every response "
+                        "to the limit)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--workdir", help="model, data and run directory (default: a temp dir, removed)")
     p.add_argument("--json", help="write every number here")
@@ -124,8 +129,24 @@ def prepare(args, workdir: str, rank: int) -> tuple[str, str]:
     if rank == 0:
         common.make_model_dir(model_dir, args.shape, "bfloat16" if args.dtype == "bf16" else "float32")
         common.write_parquet(data_file, common.prompt_rows(args.prompts, args.prompt_len))
+        _write_stop_ids(model_dir, args.stop_tokens)
     dist.barrier()
     return model_dir, data_file
+
+
+def _write_stop_ids(model_dir: str, count: int) -> None:
+    """generation_config.json with `count` random stop ids beside EOS (the trainer stops at
+    every eos_token_id listed there: build.ModelInfo.eos_token_ids), the same ids for a seed;
+    written every run, so a reused --workdir never keeps another run's ids."""
+    import torch
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    eos = config["eos_token_id"]
+    stops = torch.randperm(config["vocab_size"], generator=torch.Generator().manual_seed(0))
+    ids = [eos] + [t for t in stops[:count + 1].tolist() if t != eos][:count]
+    with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": ids if count else eos}, f)
 
 
 def run(args, workdir: str) -> tuple[list[dict], dict]:
@@ -231,6 +252,16 @@ def summarize(rows: list[dict], world: int, estimate: Optional[dict] = None) -> 
         "response_length_clip_ratio": med("response_length/clip_ratio"),
         "prompt_length_mean": med("prompt_length/mean"),
         "peak_memory_gib": peak("perf/max_memory_allocated_gb"),
+        # The engine's share of stepped slots that decoded a live sequence, and (partial
+        # rollouts: rollout.partial) how old the trained tokens were and what was interrupted.
+        "slot_occupancy": med("rollout/slot_occupancy") if "rollout/slot_occupancy" in rows[0] else None,
+        "trained_response_tokens": response_tokens,
+        "gen_seconds": med("timing_s/gen"),
+        # What partial rollouts change: generation time per trained token (not per sampled one)
+        "gen_seconds_per_1k_trained_tokens": 1000 * med("timing_s/gen") / response_tokens,
+        **{key.replace("/", "_"): med(key) for key in (
+            "rollout/token_age/mean", "rollout/token_age/max", "rollout/partial/aborted",
+            "rollout/partial/continued", "rollout/partial/resampled") if key in rows[-1]},
         "steps_in_median": max(1, len(rows) - 1),
     }
     return {"phases": phases, "step": step}
@@ -258,6 +289,13 @@ def print_tables(summary: dict, world: int) -> None:
         ["mean response length", s["response_length_mean"]],
         ["share of responses at the length limit", s["response_length_clip_ratio"]],
         ["peak memory GiB (process, perf/max_memory_allocated_gb)", s["peak_memory_gib"]],
+        ["generation seconds (timing_s/gen)", s["gen_seconds"]],
+        ["trained response tokens per step", s["trained_response_tokens"]],
+        ["generation seconds per 1,000 trained response tokens", s["gen_seconds_per_1k_trained_tokens"]],
+        ["slot occupancy (rollout/slot_occupancy)", s["slot_occupancy"]],
+        *[[k, s[k]] for k in ("rollout_token_age_mean", "rollout_token_age_max",
+                              "rollout_partial_aborted", "rollout_partial_continued",
+                              "rollout_partial_resampled") if k in s],
     ]))
 
 
@@ -286,7 +324,7 @@ def main(argv=None) -> dict:
         **summary,
         "per_step": [{k: v for k, v in r.items()
                       if k.split("/")[0] in ("timing_s", "memory_gb", "memory", "perf", "response_length",
-                                             "prompt_length", "actor", "critic", "step")}
+                                             "prompt_length", "actor", "critic", "step", "rollout")}
                      for r in rows],
     }
     if dist.get_rank() == 0:

@@ -227,6 +227,17 @@ def _cases() -> list[Case]:
                                   "algorithm.filter_groups.on_max_gen_batches=train"),
              expect=("rollout/filter/gen_batches", "rollout/filter/kept_groups",
                      "rollout/filter/trained_groups")),
+        # Partial rollouts (partial_rollouts.py, rollout/partial.py): responses of up to 40
+        # tokens (several of the engine's 16-step rounds) on 8 slots, 6 groups in flight for 4:
+        # samples are aborted at a step's end and continued with the next weights (their KV
+        # recomputed), every token's version carried; resumed from the groups in flight.
+        Case("partial-rollout", ("rollout.partial.enable=true", "rollout.partial.over_sampling=0.5",
+                                 "data.max_response_length=40", "rollout.max_num_seqs=8",
+                                 "rollout.tis_cap=2.0"), resume=True,
+             expect=("rollout/partial/aborted", "rollout/partial/continued",
+                     "rollout/partial/resampled", "rollout/partial/in_flight",
+                     "rollout/token_age/mean", "rollout/token_age/max", "rollout/slot_occupancy",
+                     "rollout/tis_weight_mean")),
         # A custom generate function (rollout.generate_fn): the example's second pass, masked out
         # of the loss.
         Case("generate-fn", ("data.max_response_length=16",

@@ -155,3 +155,16 @@ def test_the_corrections_pass_validation():
                   "rollout.tis_cap=2.0"), 1, data_files=False)
     validate(_cfg("rollout.correction.decoupled=true", "rollout.correction.decoupled_cap=3.0"), 1,
              data_files=False)
+
+
+def test_partial_rollouts_run_the_old_log_prob_pass_in_the_learner_and_the_planner():
+    """rollout.partial trains tokens of earlier weights: an on-policy-shaped update still
+    recomputes its old log-probs, and the planner's phase-time model counts the pass."""
+    from verl_mcore.plan_time import _needs_old_log_probs
+
+    batch = SimpleNamespace(num_samples=16 * 8)
+    plain, partial = _cfg(), _cfg("rollout.partial.enable=true")
+    assert not Learner(plain, None, "cpu", None).needs_old_log_probs(batch)
+    assert not _needs_old_log_probs(plain)
+    assert Learner(partial, None, "cpu", None).needs_old_log_probs(batch)
+    assert _needs_old_log_probs(partial)

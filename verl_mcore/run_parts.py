@@ -27,6 +27,7 @@ from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
 from verl_mcore.engine.engine import training_device
 from verl_mcore.generation import WeightSender
 from verl_mcore.learner import Learner
+from verl_mcore.partial_rollouts import PartialProducer
 from verl_mcore.planning import memory as planner
 from verl_mcore.rollouts import Producer
 from verl_mcore.sampler import Sampler
@@ -150,9 +151,13 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
                       build.build_offloaders(cfg, roles["actor"], roles["critic"], offload))
     scorer = Scorer(cfg, rewards, roles["reward_models"], list(inputs.reward_models), place,
                     info.tokenizer, device, rank)
-    producer = Producer(sampler, loader, place, cfg, learner.offload_training_state,
-                        cfg.rollout.max_staleness if cfg.rollout.mode == "one_step_off" else 0,
-                        scorer, inputs.group_filters)
+    if cfg.rollout.partial.enable:  # colocated, sync mode (config/validate.py)
+        producer = PartialProducer(sampler, loader, place, cfg, learner.offload_training_state,
+                                   scorer)
+    else:
+        producer = Producer(sampler, loader, place, cfg, learner.offload_training_state,
+                            cfg.rollout.max_staleness if cfg.rollout.mode == "one_step_off" else 0,
+                            scorer, inputs.group_filters)
     checkpoints = build.build_checkpointers(
         cfg, run_dir, info,
         role_ranks=None if placement.colocated else place.role_ranks())

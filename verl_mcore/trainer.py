@@ -220,6 +220,7 @@ class Trainer:
         rollouts = self.producer.state_dict()
         return {"step": self.step_index, "loader": rollouts["loader"],
                 "rollout_queue": rollouts["queue"], "gen_batches": rollouts["gen_batches"],
+                "rollout_partial": rollouts.get("partial"),  # rollout.partial's samples in flight
                 "kl_ctrl": self.learner.kl_ctrl.state_dict(),
                 "skipped_updates": self.skipped_updates,
                 "optimizer_steps_per_step": {  # the LR schedules' unit (resume.rescale_schedule)
@@ -260,7 +261,8 @@ class Trainer:
         self.learner.last_good_step = self.step_index
         self.producer.load_state_dict({"loader": state["loader"],
                                        "queue": state.get("rollout_queue", []),
-                                       "gen_batches": state.get("gen_batches")}, self.step_index)
+                                       "gen_batches": state.get("gen_batches"),
+                                       "partial": state.get("rollout_partial")}, self.step_index)
         if state["kl_ctrl"] is not None:
             self.learner.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.skipped_updates = int(state.get("skipped_updates", 0))

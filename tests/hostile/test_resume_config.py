@@ -119,6 +119,21 @@ def test_a_batch_size_change_is_refused_with_batches_sampled_ahead():
     assert state["loader"]["batch_size"] == 4
 
 
+def test_a_batch_size_change_is_refused_with_partial_rollouts_in_flight(caplog):
+    """rollout.partial: the groups in flight are found again by their place in the saved
+    batches; turning partial rollouts off drops them, said in the log."""
+    loader = {"epoch": 0, "batch_in_epoch": 3, "batch_size": 8, "seed": 1}
+    saved = {"loader": loader, "rollout_queue": [], "rollout_partial": {"serials": [17]}}
+    with pytest.raises(resume.ResumeConfigError,
+                       match=r"holds partial rollouts in flight.*Set data.train_batch_size=8 again"):
+        resume.apply_to_state([resume.Change("data.train_batch_size", 8, 4)], saved,
+                              PromptLoader.rebatch)
+    with caplog.at_level("WARNING", logger="verl_mcore.config.resume"):
+        resume.apply_to_state([resume.Change("rollout.partial.enable", True, False)], saved,
+                              PromptLoader.rebatch)
+    assert "samples in flight are dropped" in caplog.text
+
+
 @pytest.mark.parametrize("change", [["actor.ppo_mini_batch_size=4"], ["actor.ppo_epochs=3"],
                                     ["data.train_batch_size=16"]])
 def test_the_lr_continues_at_the_training_step_after_a_batch_change(change):

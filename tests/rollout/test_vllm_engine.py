@@ -249,3 +249,38 @@ def test_serving_through_a_stand_in_of_vllms_request_api():
     assert server.busy and server.step()[0][0] == b and not server.busy
     with pytest.raises(ValueError, match="exceed the session's max_len 16"):
         server.submit(Request((1,) * 10))
+
+
+def test_abort_through_a_stand_in_of_vllms_request_api():
+    """VLLMServer.abort up to vLLM's engine (a stand-in streaming each open request's tokens so
+    far, unfinished): abort_request gets every open id, each output keeps its tokens so far
+    ("aborted"), a request never stepped has none. vLLM itself cannot run here."""
+    from verl_mcore.rollout.serving import Request
+    from verl_mcore.rollout.vllm_engine import VLLMServer
+
+    class Engine:
+        def __init__(self):
+            self.added, self.aborted, self.steps = [], [], 0
+
+        def add_request(self, rid, prompt, params):
+            self.added.append(rid)
+
+        def step(self):
+            self.steps += 1
+            comp = SimpleNamespace(index=0, token_ids=[4] * self.steps, finish_reason=None,
+                                   logprobs=None)
+            return [SimpleNamespace(request_id=self.added[0], finished=False, outputs=[comp])]
+
+        def abort_request(self, ids):
+            self.aborted += ids
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    engine = Engine()
+    server = VLLMServer(engine, lambda **kw: SimpleNamespace(**kw), sp, max_len=16, vocab_size=50)
+    a = server.submit(Request((5, 6), key=9, prompt_index=2, sample_index=1))
+    b = server.submit(Request((7,), key=8))
+    assert server.step() == [] and server.step() == []
+    out = server.abort()
+    assert engine.aborted == [str(a), str(b)] and not server.busy
+    assert [(rid, o.prompt_index, o.sample_index, o.token_ids, o.finish_reason) for rid, o in out] == [
+        (a, 2, 1, [4, 4], "aborted"), (b, 0, 0, [], "aborted")]

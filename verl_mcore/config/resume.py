@@ -19,8 +19,9 @@ and the config's value is used, including where the checkpoint restores state:
   - the KL controller: a changed algorithm.kl_ctrl.type or kl_coef starts it afresh at the
     config's coefficient (unchanged, an adaptive controller keeps the coefficient it reached);
   - data.train_batch_size: the prompt loader keeps its place in the epoch (PromptLoader.rebatch);
-    refused when the checkpoint holds batches sampled ahead (one_step_off), whose prompts are
-    drawn again at the saved batch size (apply_to_state, after the weights are loaded).
+    refused when the checkpoint holds batches sampled ahead (one_step_off) or partial rollouts
+    in flight, whose prompts are drawn again at the saved batch size (apply_to_state, after the
+    weights are loaded); rollout.partial.enable turned off drops the samples in flight (logged).
 Refused before any weight is read (ResumeConfigError, naming the key and what to do):
   - another model architecture (model_arch.json against model.path's config.json);
   - another padded vocabulary size (model.make_vocab_size_divisible_by with the training TP):
@@ -198,6 +199,18 @@ def apply_to_state(changes: list[Change], state: dict,
     state = dict(state)
     if any(k in keys for k in KL_KEYS):
         state["kl_ctrl"] = None  # the controller starts afresh from the config
+    if "data.train_batch_size" in keys and state.get("rollout_partial") is not None:
+        # The groups in flight are found again by their place in the saved batches.
+        change = keys["data.train_batch_size"]
+        raise ResumeConfigError(
+            f"cannot resume with this config: {change}: the checkpoint holds partial rollouts "
+            f"in flight (rollout.partial), whose prompts are found again by drawing batches of "
+            f"{change.saved} prompts. Set data.train_batch_size={change.saved} again for this "
+            f"resume")
+    if "rollout.partial.enable" in keys and state.get("rollout_partial") is not None:
+        log.warning("resume: rollout.partial.enable changed: the checkpoint's samples in flight "
+                    "are dropped, and the prompt loader goes back to the oldest batch they came "
+                    "from (some of its prompts train again)")
     if "data.train_batch_size" in keys:
         queued = state.get("rollout_queue") or []
         if queued:

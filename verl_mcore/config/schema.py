@@ -234,6 +234,26 @@ class OffPolicyCorrectionConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """Partial (interruptible) rollouts, colocated (rollout/partial.py, partial_rollouts.py):
+    each step keeps data.train_batch_size x (1 + over_sampling) prompt groups in flight
+    (rounded up, at least one more than the batch), stops generating as soon as
+    train_batch_size of them are finished (every sample stopped or hit the length limit),
+    and continues the unfinished samples at the next step with the new weights, their tokens
+    kept with the policy version of each. The long tail of response lengths then no longer
+    holds up every step. The batch is off-policy: the actor recomputes its old log-probs, and
+    rollout.tis_cap / rollout.correction weigh tokens against the engine's."""
+
+    enable: bool = False
+    over_sampling: float = 0.25  # extra prompt groups in flight, a share of the batch
+    # A sample whose oldest token is more than this many policy versions older than the weights
+    # about to sample is dropped and sampled again from its prompt: every trained token is at
+    # most this many versions old. 0: nothing trains on older weights (unfinished samples start
+    # over each step; only the over-sampling remains).
+    max_staleness: int = 1
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["native", "vllm"] = "native"
     tensor_parallel_size: int = 1  # TP_g, generation layout; must divide training TP
@@ -276,6 +296,7 @@ class RolloutConfig:
     # pi_old the actor's recomputed log-probs. null: off.
     tis_cap: Optional[float] = None
     correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     logprob_check: LogprobCheckConfig = field(default_factory=LogprobCheckConfig)
     group_filter: UserFunctionConfig = field(default_factory=UserFunctionConfig)
     generate_fn: UserFunctionConfig = field(default_factory=UserFunctionConfig)

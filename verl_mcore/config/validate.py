@@ -58,6 +58,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.max_num_seqs": ("[1, inf)", ""),
     "rollout.max_staleness": ("[1, inf)", "rollout.mode=one_step_off: batches sampled ahead"),
     "rollout.tis_cap": ("(0, inf)", "null: no importance weights"),
+    "rollout.partial.over_sampling": ("[0, inf)", "extra prompt groups in flight, a share of the batch"),
+    "rollout.partial.max_staleness": ("[0, inf)", "policy versions a trained token may lag"),
     "rollout.correction.token_mask": ("(1, inf)", "tokens kept within [1/k, k]; null: off"),
     "rollout.correction.seq_mask": ("(1, inf)", "samples kept within [1/k, k]; null: off"),
     "rollout.correction.decoupled_cap": ("(0, inf)", "null: no cap"),
@@ -458,6 +460,7 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                     f"top-p / top-k truncated distribution (rollout.top_p={r.top_p}, "
                     f"rollout.top_k={r.top_k}), not the model's: set rollout.top_p=1 and "
                     f"rollout.top_k=-1, use rollout.engine=native, or turn {what} off")
+    errs += _partial_errors(cfg)
     a, g = r.agent_loop, r.generate_fn
     if not a.path and a.name in ("tools", "environment"):  # the built-in loops (agent/builtin.py)
         needs = {"tools": ("tools", bool(a.tools) or bool(a.environment.path)),
@@ -475,6 +478,36 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
         errs.append(f"rollout.agent_loop ({a.path}:{a.name}) and rollout.generate_fn ({g.path}:"
                     f"{g.name}) both sample the batch: keep one (an agent loop's turns can do what "
                     "a generate function's engine calls do)")
+    return errs
+
+
+def _partial_errors(cfg: Config) -> list[str]:
+    """rollout.partial.enable against what its producer (partial_rollouts.py) does not do: it
+    samples over the native engine's serving session, colocated, one prompt group at a time."""
+    r, errs = cfg.rollout, []
+    if not r.partial.enable:
+        return errs
+    why = "rollout.partial.enable=true "
+    if r.mode != "sync":
+        errs.append(why + f"continues samples across steps itself: set rollout.mode=sync (got "
+                    f"{r.mode})")
+    if r.engine != "native":
+        errs.append(why + f"aborts and continues requests on the native engine: set "
+                    f"rollout.engine=native (got {r.engine})")
+    placed = [f"placement.{k}" for k in ("actor", "reference", "critic", "reward_model", "rollout")
+              if getattr(cfg.placement, k) is not None]
+    if placed:
+        errs.append(why + f"runs colocated (every role on every rank): unset {', '.join(placed)}")
+    users = [k for k, c in (("rollout.generate_fn", r.generate_fn), ("rollout.agent_loop", r.agent_loop),
+                            ("rollout.group_filter", r.group_filter)) if c.path or c.name]
+    if cfg.algorithm.filter_groups.enable:
+        users.append("algorithm.filter_groups.enable")
+    if users:
+        errs.append(why + f"samples prompt groups across steps, which {', '.join(users)} "
+                    "cannot follow: turn one of them off")
+    if cfg.algorithm.adv_estimator == "remax":
+        errs.append(why + "has no greedy baselines to continue: algorithm.adv_estimator=remax "
+                    "is not supported with it")
     return errs
 
 

@@ -82,6 +82,18 @@ def gather_rollout(mine: Optional[Rollout], groups, vocab_size: int) -> Rollout:
     return joined(parts)
 
 
+def gather_integers(mine: Optional[Tensor], groups) -> list[Tensor]:
+    """Each replica's 1-D int64 tensor on every rank, in replica order, from TP_g rank 0 of each
+    (None on the other ranks): the per-prompt numbers a caller keeps beside a gathered batch
+    (partial rollouts' prompt serials in checkpoints)."""
+    lead = groups.gen_tp_rank == 0
+    gather = _Gather(groups, lead)
+    lengths = gather.tensors(torch.tensor([mine.numel()]) if lead else None, [1] * gather.n,
+                             torch.int64)
+    return gather.tensors(mine.to(torch.int64) if lead else None,
+                          [int(n) for n in lengths], torch.int64)
+
+
 class _Gather:
     """The two-stage collective over the leads' gen_dp group and each TP_g group."""
 

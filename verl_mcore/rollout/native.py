@@ -1072,6 +1072,11 @@ class NativeServer(serving.Server):
     def release(self, session) -> None:
         self.st.release(session)
 
+    def abort(self) -> list[tuple[int, SampleOutput]]:
+        # Between rounds the host holds every token the device sampled (_collect), so the
+        # outputs are complete up to the last round.
+        return [(s, self.st.output(s)) for s in self.st.abort()]
+
     def stats(self) -> dict[str, float]:
         st = self.st
         return {**self.engine._stats(st, time.perf_counter() - self.start),
@@ -1340,6 +1345,18 @@ class _Schedule:
         entry = self.kept.pop(session, None)
         if entry is not None:
             self.pool.release(entry[1])
+
+    def abort(self) -> list[int]:
+        """Every waiting and live sequence ends "aborted" with the tokens it has; the live ones'
+        slots and blocks go back to the pool. Returns their ids, in id order."""
+        ended = sorted([*self.waiting, *(self.slot_seq[slot] for slot in self.live)])
+        self.waiting.clear()
+        for slot in list(self.live):
+            self._vacate(slot)
+        for s in ended:
+            self.finish[s] = "aborted"
+            self.cached.pop(s, None)
+        return ended
 
     # ------------------------------------------------------------ slots
 

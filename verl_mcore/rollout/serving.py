@@ -10,6 +10,7 @@ serves requests one round at a time:
             for rid, out in server.step():   # one round: admit, decode, retire
                 ...                          # out: a SampleOutput of the request's new tokens
         server.release(session)              # the KV a session kept is no longer needed
+        aborted = server.abort()             # stop the rest: (rid, tokens so far, "aborted")
 
 `sampling` fixes what a round's decode step is compiled for (temperature, top_p, top_k, logprobs;
 its stop ids and max_new_tokens are the defaults of requests that give none); each request
@@ -107,6 +108,13 @@ class Server(abc.ABC):
     @abc.abstractmethod
     def release(self, session: Hashable) -> None:
         """Free the KV `session` kept (nothing when it kept none)."""
+
+    @abc.abstractmethod
+    def abort(self) -> list[tuple[int, SampleOutput]]:
+        """End every waiting and live request now: (id, output) of each, in id order, with the
+        tokens (and log-probs) it sampled so far and finish reason "aborted"; their slots and KV
+        go back (a session keeps nothing of an aborted request). Partial rollouts stop a step's
+        generation with it and continue the samples later from their tokens."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, float]:

@@ -201,6 +201,7 @@ class VLLMServer(Server):
         self.llm_engine, self.sampling_cls, self.sp = llm_engine, sampling_cls, sampling
         self.max_len, self.vocab_size = max_len, vocab_size
         self.requests: dict[str, tuple[int, Request]] = {}
+        self.partial: dict[str, Any] = {}  # request id -> its latest unfinished RequestOutput
         self.next_id = 0
         self.finished = 0
 
@@ -224,7 +225,9 @@ class VLLMServer(Server):
         done = []
         for out in self.llm_engine.step():
             if not out.finished:
+                self.partial[out.request_id] = out  # its tokens so far, for `abort`
                 continue
+            self.partial.pop(out.request_id, None)
             rid, request = self.requests.pop(out.request_id)
             [sample] = from_vllm_outputs([out], dataclasses.replace(self.sp, n=1))
             done.append((rid, dataclasses.replace(sample, prompt_index=request.prompt_index,
@@ -238,6 +241,27 @@ class VLLMServer(Server):
 
     def release(self, session) -> None:
         pass  # vLLM's prefix cache keeps and evicts blocks by their tokens
+
+    def abort(self) -> list[tuple[int, SampleOutput]]:
+        """vLLM's abort_request on every open request; each one's tokens are those of its latest
+        step output (none for a request vLLM had not scheduled yet). Untested against vLLM."""
+        names = sorted(self.requests, key=lambda name: self.requests[name][0])
+        if names:
+            self.llm_engine.abort_request(names)
+        out = []
+        for name in names:
+            rid, request = self.requests.pop(name)
+            seen = self.partial.pop(name, None)
+            tokens, logprobs = [], [] if self.sp.logprobs else None
+            if seen is not None:
+                [c] = seen.outputs
+                tokens = [int(t) for t in c.token_ids]
+                if self.sp.logprobs and c.logprobs is not None:
+                    logprobs = [_logprob_of(entry, t) for entry, t in zip(c.logprobs, tokens)]
+            out.append((rid, SampleOutput(prompt_index=request.prompt_index,
+                                          sample_index=request.sample_index, token_ids=tokens,
+                                          logprobs=logprobs, finish_reason="aborted")))
+        return out
 
     def stats(self) -> dict[str, float]:
         return {"rollout/requests_finished": float(self.finished)}
