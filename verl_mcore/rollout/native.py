@@ -57,6 +57,7 @@ from verl_mcore.rollout import kv_blocks
 from verl_mcore.rollout import sampling as sampling_mod
 from verl_mcore.rollout import tp_sampling
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
+from verl_mcore.rollout.moe_mlp import MoEDecodeMLP, is_moe_layer
 
 _SP_FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
 
@@ -99,6 +100,9 @@ class _CachedGPT:
         if getattr(model, "position_embedding_type", "rope") != "rope":
             raise ValueError("native rollout engine: only RoPE position embeddings are supported")
         self.layers = list(model.decoder.layers)
+        # Each layer's MLP as the engine calls it: a MoE layer through rollout/moe_mlp.py.
+        self.mlps = [MoEDecodeMLP(layer.mlp, f"layer {i}") if is_moe_layer(layer.mlp) else layer.mlp
+                     for i, layer in enumerate(self.layers)]
         attn = self.layers[0].self_attention
         self.tp_size = attn.world_size if hasattr(attn, "world_size") else 1
         if cfg.num_query_groups is not None and cfg.num_query_groups < self.tp_size:
@@ -173,7 +177,7 @@ class _CachedGPT:
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer, x, cos, sin)
             h = self._add(h, layer.self_attention.linear_proj(attend(i, q, k, v)))
-            h = self._add(h, layer.mlp(layer.pre_mlp_layernorm(h)))
+            h = self._add(h, self.mlps[i](layer.pre_mlp_layernorm(h)))
         return self.final_norm(h)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -199,7 +203,7 @@ class _CachedGPT:
             if not (_is_identity(attn.q_layernorm) and _is_identity(attn.k_layernorm)):
                 return "q/k layernorm"
             if getattr(attn.linear_proj, "bias", None) is not None or \
-                    getattr(layer.mlp.linear_fc2, "bias", None) is not None:
+                    getattr(getattr(layer.mlp, "linear_fc2", None), "bias", None) is not None:
                 return "biases on the attention output or MLP output projection"
             norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
         for norm in norms:
@@ -228,7 +232,7 @@ class _CachedGPT:
             out = attend(i, q)
             delta, _ = layer.self_attention.linear_proj(out.view(1, b, self.heads * self.head_dim))
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.pre_mlp_layernorm))
-            delta = self._mlp(layer.mlp, x)
+            delta = self._mlp(self.mlps[i], x)
         return decode_ops.rmsnorm(h, delta, *_rmsnorm_params(self.model.decoder.final_layernorm))
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
