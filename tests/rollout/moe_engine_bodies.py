@@ -30,3 +30,45 @@ def greedy_body(rank, world_size, hf_dir: str, tp_gen: int, flat_buffer: bool, g
                 m.w13.untyped_storage().data_ptr() == storage and
                 m.w2.untyped_storage().data_ptr() == storage for m in moe),
             "last_experts": [tuple(m.last_experts.shape) for m in moe]}
+
+
+def repartition_body(rank, world_size, hf_dir: str, pp: int, ep: int, tp_gen: int):
+    """A training model at PP x EP (TP 1; DP = world / PP) from the HF weights, repartitioned
+    into the TP_g generation model (every expert on every rank): the generation weights against
+    the same model loaded from HF at TP_g, the bytes each rank received against the lower
+    bound, and the engine's greedy tokens on the repartitioned weights."""
+    import torch
+
+    from verl_mcore.config import Config
+    from verl_mcore.distributed import cpu_compat
+    from verl_mcore.distributed.groups import build_groups
+    from verl_mcore.models.load import build_and_load
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.repartition import Repartitioner, global_param_names
+
+    cpu_compat.install()
+    torch.manual_seed(0)
+    cfg = Config.load(None, [f"parallel.pipeline_model_parallel_size={pp}",
+                             f"parallel.expert_model_parallel_size={ep}",
+                             f"rollout.tensor_parallel_size={tp_gen}"])
+    groups = build_groups(cfg)
+    train, arch = build_and_load("actor", hf_path=hf_dir, dtype="fp32", pp=pp,
+                                 expert_model_parallel_size=ep)
+    _, gen = eb.generation_model(hf_dir, groups, tp_gen, 1, load=False)
+    rep = Repartitioner([train], gen, groups, gated_linear_unit=True)
+    stats = rep.run()
+    _, ref = eb.generation_model(hf_dir, groups, tp_gen, 1)
+    want = global_param_names(ref)
+    got = global_param_names(gen)
+    mismatched = sorted(n for n, p in got.items() if not torch.equal(p, want[n]))
+    engine = NativeEngine(gen, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=3)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=eb.MAX_NEW)
+    tokens = [o.token_ids for o in sorted(engine.generate(eb.PROMPTS, sp),
+                                          key=lambda o: o.prompt_index)]
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in got.items()
+                       if ".local_experts." in n)
+    return {"mismatched": mismatched, "names": len(got), "tokens": tokens,
+            "received": stats.bytes_received, "lower_bound": stats.min_bytes_received,
+            "gen_bytes": stats.generation_bytes, "expert_bytes": expert_bytes,
+            "train_bytes": sum(p.numel() * p.element_size() for p in train.parameters())}

@@ -50,3 +50,30 @@ def test_moe_tp2_and_one_gemm_per_expert(hf_models):
     [res] = run_on_ranks(meb.greedy_body, 1, args=(path, 1, False, False), timeout=240)
     _check(res, tokens, logps, 3)
     assert not any(res["grouped"])
+
+
+def _check_repartition(results, tokens, world, pp, ep):
+    for res in results:
+        assert res["mismatched"] == [], res["mismatched"][:5]
+        assert res["tokens"] == tokens
+        # Each rank starts with its stage's layers and its EP block of their experts and ends
+        # with every weight: what it lacked is the least it can receive, and it receives that.
+        assert res["received"] == res["lower_bound"] == res["gen_bytes"] - res["train_bytes"]
+    if pp == 1:  # everything but the other EP ranks' experts is already here
+        assert results[0]["received"] == results[0]["expert_bytes"] * (ep - 1) // ep
+
+
+@pytest.mark.distributed
+def test_repartition_moves_experts_from_ep2(hf_models):
+    path, tokens, _ = hf_models["qwen3_moe"]
+    results = run_on_ranks(meb.repartition_body, 2, args=(path, 1, 2, 1), timeout=240)
+    _check_repartition(results, tokens, 2, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_repartition_moves_experts_from_ep2_pp2(hf_models, family):
+    path, tokens, _ = hf_models[family]
+    results = run_on_ranks(meb.repartition_body, 4, args=(path, 2, 2, 1), timeout=300)
+    _check_repartition(results, tokens, 4, 2, 2)
