@@ -182,7 +182,9 @@ def generation_seconds(cfg: Config, dims: ModelDims, gpus: int, hw: Hardware,
     waves = math.ceil(seqs / r.max_num_seqs)
     steps = max(round(d.max_response_length * response_fraction) - 1, 0)  # D
     h, v, prompt = dims.hidden_size, dims.vocab_size, d.max_prompt_length
-    weights = 2 * (dims.num_layers * layer_params(dims, tp_g) + h + v * h / tp_g)  # W_g
+    # W_g; a MoE model's every expert (a decode batch of many sequences touches most of them)
+    layers = sum(layer_params(dims, tp_g, layer) for layer in range(dims.num_layers))
+    weights = 2 * (layers + h + v * h / tp_g)
     kv_token = 2 * dims.num_layers * max(dims.num_key_value_heads // tp_g, 1) * dims.head_dim * 2
     decode = waves * steps * weights + seqs * kv_token * (steps * prompt + steps * (steps + 1) / 2)
     attention = 2 * dims.num_layers * dims.num_attention_heads * dims.head_dim * prompt ** 2
