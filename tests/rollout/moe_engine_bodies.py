@@ -5,10 +5,25 @@ from __future__ import annotations
 from tests.rollout import engine_bodies as eb
 
 
-def greedy_body(rank, world_size, hf_dir: str, tp_gen: int, flat_buffer: bool, grouped: bool):
+def greedy_body(rank, world_size, hf_dir: str, tp_gen: int, flat_buffer: bool, grouped: bool,
+                fused: bool = False):
     """Greedy tokens and log-probs of the TP_g engine on a tiny MoE model, with the generation
     weights in the repartition's flat buffer (as the trainer holds them) or loaded on their own,
-    and with the experts' GEMMs grouped (torch._grouped_mm) or one per expert."""
+    with the experts' GEMMs grouped (torch._grouped_mm) or one per expert, and through the
+    fused decode step (its ops' torch references on CPU) or the plain one."""
+    from verl_mcore.rollout import native
+
+    supported = native._CachedGPT.fused_decode_supported
+    if fused:
+        native._CachedGPT.fused_decode_supported = lambda self: None
+    try:  # the ranks are pooled processes: restore the class for the next task
+        res = _greedy(tp_gen, hf_dir, flat_buffer, grouped)
+    finally:
+        native._CachedGPT.fused_decode_supported = supported
+    return res
+
+
+def _greedy(tp_gen: int, hf_dir: str, flat_buffer: bool, grouped: bool):
     from verl_mcore.rollout.base import SamplingParams
     from verl_mcore.rollout.native import NativeEngine
     from verl_mcore.rollout.repartition import FlatParameterBuffer
@@ -24,7 +39,7 @@ def greedy_body(rank, world_size, hf_dir: str, tp_gen: int, flat_buffer: bool, g
     out = sorted((o.prompt_index, o.token_ids, o.logprobs) for o in engine.generate(eb.PROMPTS, sp))
     storage = buffer.buffer.untyped_storage().data_ptr() if buffer is not None else None
     return {"tokens": [o[1] for o in out], "logprobs": [o[2] for o in out],
-            "moe_layers": len(moe), "grouped": [m.grouped for m in moe],
+            "moe_layers": len(moe), "fused": engine.fused, "grouped": [m.grouped for m in moe],
             # In the flat buffer the stacked experts are views of it, not copies.
             "views_of_buffer": storage is not None and all(
                 m.w13.untyped_storage().data_ptr() == storage and

@@ -52,6 +52,16 @@ def test_moe_tp2_and_one_gemm_per_expert(hf_models):
     assert not any(res["grouped"])
 
 
+@pytest.mark.distributed
+def test_moe_through_the_fused_decode_step(hf_models):
+    """The fused decode step calls the MoE MLP where it calls a dense one (on CPU its ops run
+    their torch references)."""
+    path, tokens, logps = hf_models["mixtral"]
+    [res] = run_on_ranks(meb.greedy_body, 1, args=(path, 1, True, True, True), timeout=240)
+    assert res["fused"]
+    _check(res, tokens, logps, 4)
+
+
 def _check_repartition(results, tokens, world, pp, ep):
     for res in results:
         assert res["mismatched"] == [], res["mismatched"][:5]
