@@ -25,6 +25,8 @@ def _run(tiny_moe, run_dir: Path, algo: str):
                                            "critic.micro_batch_size_per_gpu=1"]
     codes = run_on_ranks(tt._train, 2, args=(overrides,), timeout=600)
     assert codes == [0, 0]
+    # dist checkpoints of the EP-sharded experts at steps 2 and 3 (checkpoint.save_every=2)
+    assert (run_dir / "checkpoints" / "actor" / "step_00000003").is_dir()
     return tt._check_metrics(run_dir, algo, 3, values_pass=False)
 
 
