@@ -14,6 +14,12 @@ Bytes received per rank: Σ over tensors of (what this rank lacks of its TP_g sh
 model/TP_g − model/(TP_t·PP) for a model with uniform stages, the minimum any scheme can do since
 a rank starts with model/(TP_t·PP) and must end with model/TP_g.
 
+Mixture-of-experts models: the generation model holds every expert (EP_g = 1, each sliced over
+TP_g like a dense MLP); a training rank holds its EP block of them. Each expert tensor is first
+broadcast from its EP rank inside the owning stage's EP group, then goes through steps 1 and 2
+like any tensor: a rank receives each tensor it lacks once, so the bound above holds with the
+experts counted in (the bytes a rank lacks: the other EP ranks' experts too).
+
 Layouts with TP_g = TP_t and PP = 1 need no copy: the training model serves generation as it is
 (see `generation_model_is_training_model`).
 """
