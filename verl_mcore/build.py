@@ -354,12 +354,19 @@ def role_lora(cfg: Config, role: str):
     return lora if lora is not None and lora.enable else None
 
 
-def _transformer_config(cfg: Config, info: ModelInfo, dtype: str, tp: int, pp: int, vpp=None):
+def _transformer_config(cfg: Config, info: ModelInfo, dtype: str, tp: int, pp: int, vpp=None,
+                        training: bool = True):
     extra = {}
     if vpp and vpp > 1:
         extra["virtual_pipeline_model_parallel_size"] = vpp
     if cfg.parallel.sequence_parallel and tp > 1:
         extra["sequence_parallel"] = True
+    if info.arch.moe is not None and training:
+        # The training layout's expert parallelism (groups.build_set_groups initialised it);
+        # a generation model holds every expert (EP_g = 1, its TransformerConfig's default).
+        extra["expert_model_parallel_size"] = cfg.parallel.expert_model_parallel_size
+    if info.arch.moe is not None and cfg.parallel.moe_aux_loss_coeff is not None:
+        extra["moe_aux_loss_coeff"] = cfg.parallel.moe_aux_loss_coeff
     return transformer_config(info.arch, tp=tp, pp=pp, dtype=dtype, **extra)
 
 
@@ -499,7 +506,11 @@ def build_generation_model(cfg: Config, groups, info: ModelInfo, actor):
     tp_g = lay.tp_gen
     # With LoRA the generation model holds W + (alpha/r)·B·A, so it is a model of its own even
     # in the training layout: the base weights are never merged in place.
-    if not role_lora(cfg, "actor") and generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
+    # A MoE model's engine runs each layer's experts as one grouped GEMM over their weights
+    # stacked in the generation buffer (rollout/moe_mlp.py); the training model holds them
+    # apart (and under EP only its own block), so MoE generation always has a model of its own.
+    if not role_lora(cfg, "actor") and info.arch.moe is None and \
+            generation_model_is_training_model(lay.tp, lay.pp, tp_g, lay.vpp):
         return unwrap(actor.engine.model[0]), None
 
     # The training model's padded vocabulary, so its vocab shards concatenate into ours; the
@@ -525,7 +536,7 @@ def fp8_generation_weights(cfg: Config, model, in_place: bool) -> Optional[Fp8Li
 def generation_gpt(cfg: Config, info: ModelInfo, pg_collection, tp_g: int, vocab: int, device):
     """An empty generation-layout model (TP_g, every layer) in the actor's compute dtype, its
     weights to be written by a repartition or a cross-set transfer."""
-    config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1)
+    config = _transformer_config(cfg, info, cfg.actor.dtype, tp_g, 1, training=False)
     config.perform_initialization = False  # every weight is written before use
     gen = build_gpt_model(info.arch, config, role="actor", pg_collection=pg_collection,
                           pre_process=True, post_process=True, padded_vocab=vocab,

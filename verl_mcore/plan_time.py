@@ -197,6 +197,9 @@ def decode_weight_bytes(dims: ModelDims, tp_g: int, fp8: bool) -> float:
     """W_g: the weight bytes one GPU reads per decode step (bf16; an FP8 generation copy's
     linears at 1 byte a weight plus a 4-byte scale per output row, rollout/fp8_weights.py)."""
     h, v, hd = dims.hidden_size, dims.vocab_size, dims.head_dim
+    # A MoE model's every expert counts: a decode batch of many sequences touches most of them
+    # (FP8 generation refuses MoE models, so the FP8 arithmetic below is the dense layer's).
+    layers = sum(2 * layer_params(dims, tp_g, layer) for layer in range(dims.num_layers))
     per_layer = 2 * layer_params(dims, tp_g)
     if fp8:
         q = dims.num_attention_heads * hd // tp_g
@@ -205,6 +208,8 @@ def decode_weight_bytes(dims: ModelDims, tp_g: int, fp8: bool) -> float:
         linear = h * (q + 2 * kv) + q * h + 3 * h * f
         rows = (q + 2 * kv) + h + 2 * f + h
         per_layer -= 2 * linear - (linear + 4 * rows)
+    if not fp8:
+        return layers + 2 * (h + v * h / tp_g)
     return dims.num_layers * per_layer + 2 * (h + v * h / tp_g)
 
 

@@ -54,28 +54,40 @@ def build_tokenizer(vocab_size: int = 40):
 
 def make_tiny_model(out: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
                     kv_heads: int = 2, ffn: int = 128, max_positions: int = 128,
-                    reward_model: bool = False, initializer_range: float = 0.02) -> str:
+                    reward_model: bool = False, initializer_range: float = 0.02,
+                    moe: bool = False) -> str:
     """reward_model: a Qwen2ForSequenceClassification with one label (a reward model with the
     quickstart's tokenizer) instead of the causal LM. initializer_range: the std of the random
     weights (transformers' default 0.02 leaves this small a model's logits nearly uniform, and
-    a frozen head at that scale caps what adapters on the other layers can learn)."""
+    a frozen head at that scale caps what adapters on the other layers can learn).
+    moe: a Qwen2-MoE causal LM instead (4 experts of ffn / 2, top-2, a shared expert of ffn / 2
+    with its gate, the load-balancing loss at transformers' default coefficient): the
+    mixture-of-experts path end to end at the quickstart's size."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
+                              Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
+    kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, initializer_range=initializer_range,
     )
-    torch.manual_seed(seed)
-    if reward_model:
-        config.num_labels = 1
-        model = Qwen2ForSequenceClassification(config).to(torch.float32)
+    if moe and reward_model:
+        raise ValueError("make_tiny_model: moe and reward_model together are not made")
+    if moe:
+        config = Qwen2MoeConfig(**kwargs, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=ffn // 2,
+                                shared_expert_intermediate_size=ffn // 2, norm_topk_prob=False,
+                                output_router_logits=True)
     else:
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        config = Qwen2Config(**kwargs, num_labels=1) if reward_model else Qwen2Config(**kwargs)
+    torch.manual_seed(seed)
+    cls = (Qwen2MoeForCausalLM if moe else Qwen2ForSequenceClassification if reward_model
+           else Qwen2ForCausalLM)
+    model = cls(config).to(torch.float32)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -172,14 +184,16 @@ def main(argv=None) -> int:
                    help="std of the random weights (0.08 gives a head that LoRA alone can steer)")
     p.add_argument("--reward-model", action="store_true",
                    help="a sequence classifier with one label (a reward model) instead")
+    p.add_argument("--moe", action="store_true",
+                   help="a Qwen2-MoE model (4 experts, top-2, a shared expert) instead")
     args = p.parse_args(argv)
     if os.path.exists(os.path.join(args.out, "config.json")):
         print(f"{args.out} already holds a model; leaving it as it is")
         return 0
     write_tiny_model_atomic(args.out, seed=args.seed, hidden=args.hidden, layers=args.layers,
                             reward_model=args.reward_model,
-                            initializer_range=args.initializer_range)
-    kind = "reward model" if args.reward_model else "model"
+                            initializer_range=args.initializer_range, moe=args.moe)
+    kind = "reward model" if args.reward_model else "MoE model" if args.moe else "model"
     print(f"wrote a tiny random Qwen2-architecture {kind} to {args.out}")
     return 0
 

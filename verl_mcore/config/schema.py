@@ -71,7 +71,14 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # Mixture-of-experts models: the experts split over this many ranks of each data-parallel
+    # group (it must divide DP and the number of experts); colocated runs only. Generation keeps
+    # every expert on each rank (rollout/moe_mlp.py).
     expert_model_parallel_size: int = 1
+    # The load-balancing loss coefficient of MoE training (megatron's moe_aux_loss_coeff, added
+    # per MoE layer); null: the HF config's router_aux_loss_coef mapped to megatron's form when
+    # output_router_logits is true, else 0 (models/hf_config.MoESpec says how).
+    moe_aux_loss_coeff: Optional[float] = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
 

@@ -45,6 +45,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "parallel.virtual_pipeline_model_parallel_size": ("[1, inf)", "null: no virtual stages"),
     "parallel.context_parallel_size": ("[1, inf)", ""),
     "parallel.expert_model_parallel_size": ("[1, inf)", ""),
+    "parallel.moe_aux_loss_coeff": ("[0, inf)", "null: the model's own"),
     "rollout.tensor_parallel_size": ("[1, inf)", ""),
     **{f"placement.{role}.{k}": ("[1, inf)", "null: parallel.*'s")
        for role in ("actor", "reference", "critic", "reward_model", "rollout")
@@ -221,6 +222,7 @@ class ModelShape:
     hidden_size: int
     max_position_embeddings: Optional[int] = None  # None: not in config.json, not checked
     tie_word_embeddings: Optional[bool] = None  # None: not in config.json, not checked
+    num_experts: Optional[int] = None  # routed experts of a MoE model; None: a dense model
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Optional["ModelShape"]:
@@ -244,7 +246,10 @@ class ModelShape:
                    hidden_size=positive("hidden_size"),
                    max_position_embeddings=positive("max_position_embeddings", required=False),
                    tie_word_embeddings=(bool(hf["tie_word_embeddings"])
-                                        if "tie_word_embeddings" in hf else None))
+                                        if "tie_word_embeddings" in hf else None),
+                   # qwen*_moe say num_experts (transformers 5 writes num_local_experts), mixtral
+                   # num_local_experts
+                   num_experts=hf.get("num_experts") or hf.get("num_local_experts") or None)
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -329,11 +334,35 @@ def _layout_errors(cfg: Config, world: int, shape: Optional[ModelShape],
             if shape.num_key_value_heads % t and t % shape.num_key_value_heads:
                 errs.append(f"model has {shape.num_key_value_heads} KV heads: {tp_name}={t} must "
                             "divide it (or be a multiple of it)")
+        errs += _expert_errors(cfg, shape)
         chunks = pp * (vpp or 1)
         if shape.num_layers % chunks:
             errs.append(f"model has {shape.num_layers} layers, not divisible by PP×VPP = {chunks}: "
                         "change parallel.pipeline_model_parallel_size or "
                         "parallel.virtual_pipeline_model_parallel_size")
+    return errs
+
+
+def _expert_errors(cfg: Config, shape: ModelShape) -> list[str]:
+    """Expert parallelism fits the model: a MoE model whose expert count it divides, and no
+    tensor parallelism beside it (megatron-core's MoE layer needs sequence parallelism with TP
+    in training, which needs TransformerEngine's norms)."""
+    p, errs = cfg.parallel, []
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if ep > 1 and shape.num_experts is None:
+        errs.append(f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts model "
+                    f"(model.path {cfg.model.path} has no num_experts / num_local_experts)")
+    elif ep > 1 and shape.num_experts % ep:
+        errs.append(f"parallel.expert_model_parallel_size={ep} must divide the model's "
+                    f"{shape.num_experts} experts")
+    if shape.num_experts is not None and tp > 1 and not p.sequence_parallel:
+        errs.append(f"a mixture-of-experts model at parallel.tensor_model_parallel_size={tp} "
+                    "trains only with parallel.sequence_parallel=true (megatron-core's MoE layer), "
+                    "which needs TransformerEngine: set tensor_model_parallel_size=1 and use "
+                    "parallel.expert_model_parallel_size instead")
+    if p.moe_aux_loss_coeff is not None and shape.num_experts is None:
+        errs.append(f"parallel.moe_aux_loss_coeff={p.moe_aux_loss_coeff} is for "
+                    "mixture-of-experts models; model.path is dense: leave it null")
     return errs
 
 

@@ -289,6 +289,18 @@ class _GroupMaker:
         return found
 
 
+def generation_collection(gen_tp, gen_dp, alone, whole):
+    """The ProcessGroupCollection of a generation-layout model: TP_g, no PP / CP, and every
+    expert of a MoE model on each rank (EP_g = 1: the engine replicates experts and slices each
+    over TP_g like a dense MLP, rollout/moe_mlp.py), so the expert groups are the dense ones."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(tp=gen_tp, pp=alone, cp=alone, embd=alone, pos_embd=alone,
+                                  dp=gen_dp, dp_cp=gen_dp, mp=gen_tp, tp_cp=gen_tp,
+                                  ep=alone, expt_tp=gen_tp, tp_ep=gen_tp, tp_ep_pp=gen_tp,
+                                  expt_dp=gen_dp, tp_dp_cp=whole)
+
+
 def _set_groups(layout: GroupLayout, make: _GroupMaker) -> Optional[ParallelGroups]:
     """Every group of one set, created on every rank; this rank's ParallelGroups or None."""
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -317,9 +329,7 @@ def _set_groups(layout: GroupLayout, make: _GroupMaker) -> Optional[ParallelGrou
     return ParallelGroups(
         layout=lay, rank=make.rank, train=ProcessGroupCollection(**train),
         gen_tp=gen_tp, gen_dp=gen_dp, micro_dp=micro_dp,
-        gen=ProcessGroupCollection(tp=gen_tp, pp=alone, cp=alone, embd=alone, pos_embd=alone,
-                                   dp=gen_dp, dp_cp=gen_dp, mp=gen_tp, tp_cp=gen_tp),
-        whole=whole)
+        gen=generation_collection(gen_tp, gen_dp, alone, whole), whole=whole)
 
 
 def build_set_groups(layouts: Sequence[GroupLayout],
@@ -392,8 +402,7 @@ def _colocated_groups(layout: GroupLayout, distributed_timeout_minutes: int,
         gen_tp=gen_tp,
         gen_dp=gen_dp,
         micro_dp=micro_dp,
-        gen=ProcessGroupCollection(tp=gen_tp, pp=alone, cp=alone, embd=alone, pos_embd=alone,
-                                   dp=gen_dp, dp_cp=gen_dp, mp=gen_tp, tp_cp=gen_tp),
+        gen=generation_collection(gen_tp, gen_dp, alone, dist.group.WORLD),
         whole=dist.group.WORLD,
     )
 

@@ -219,6 +219,7 @@ def run_ppo_epochs(engine, batch, mini_batch_size, epochs, mb_kwargs, loss, norm
             stats = engine.optimizer_step()
             metrics = engine.reduce_metrics(per_mb)
             metrics.update(stats)
+            metrics.update(engine.moe_metrics())
             steps.append((metrics, _now() - t0))
     return steps
 

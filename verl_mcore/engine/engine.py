@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from verl_mcore.engine import optim_step
 from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.engine.moe_metrics import RoutingMetrics
 from verl_mcore.engine.packing import (MicroBatch, build_micro_batch, pad_micro_batch,
                                        plan_micro_batches)
 from verl_mcore.models import grad_accum
@@ -178,6 +179,8 @@ class MegatronEngine:
 
         self.optimizer = None
         self.scheduler = None
+        self.routing: Optional[RoutingMetrics] = None  # a trainable MoE model's (below)
+        self._routed_micro_batches = 0
         if not self.trainable:
             for m in chunks:
                 m.eval()
@@ -198,6 +201,9 @@ class MegatronEngine:
             )
             for i, m in enumerate(chunks)
         ]
+        # A MoE model's load-balancing loss and tokens per expert, per optimizer step.
+        if self.config.num_moe_experts:
+            self.routing = RoutingMetrics(chunks, self.pg, self.config.num_layers)
         self.optimizer = _build_optimizer(optim, self.model, dtype, use_distributed_optimizer,
                                           self.pg)
         self.scheduler = _build_scheduler(optim, self.optimizer, lr_decay_steps)
@@ -285,6 +291,9 @@ class MegatronEngine:
         seq = max(mb.input_ids.shape[1] for mb in micro_batches)
         if self.pp_size > 1:
             micro_batches = [pad_micro_batch(mb, (rows, seq)) for mb in micro_batches]
+        if self.routing is not None and not forward_only:
+            self.routing.begin()
+            self._routed_micro_batches = n_micro
         # One iterator per chunk over the same micro-batches, as the interleaved schedule expects.
         on_device = [mb.to(device) for mb in micro_batches]
         iterators = [iter(on_device) for _ in self.model]
@@ -302,6 +311,13 @@ class MegatronEngine:
                 **self._schedule_groups(),
             )
         return list(out) if self.is_last_stage else []
+
+    def moe_metrics(self) -> dict[str, float]:
+        """The last training pass's routing metrics (engine/moe_metrics.py; {} for a dense
+        model). Collective over PP and DP."""
+        if self.routing is None or not self._routed_micro_batches:
+            return {}
+        return self.routing.take(self._routed_micro_batches)
 
     def _schedule(self):
         """megatron's schedule for this engine's layout (not parallel_state's, which a role set

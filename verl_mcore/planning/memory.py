@@ -10,7 +10,8 @@ The estimate is for the pipeline stage with the highest total (usually the first
 
   parameters          b·P.  P per rank: every decoder layer of the stage (matrices / t, norms whole)
                       plus the vocab-parallel embedding (first stage) and output layer (last
-                      stage; with tied embeddings and p = 1 they are one tensor). Vocabulary
+                      stage; with tied embeddings and p = 1 they are one tensor). A MoE layer
+                      holds its router, E / EP routed experts (each / t) and a shared expert. Vocabulary
                       padded as our builder does (a multiple of lcm(make_vocab_size_divisible_by,
                       t)). The critic has a [h, 1] value head instead of the output layer.
   gradients           4·P: megatron's DDP accumulates and reduces gradients in an fp32 buffer
@@ -18,7 +19,8 @@ The estimate is for the pipeline stage with the highest total (usually the first
                       distributed optimizer).
   optimizer           Adam m and v in fp32 (8·P) plus an fp32 master copy for 16-bit models
                       (4·P): 12·P for bf16, 8·P for fp32; divided by d with
-                      parallel.use_distributed_optimizer (ZeRO-1).
+                      parallel.use_distributed_optimizer (ZeRO-1), the routed experts' part by
+                      d / EP (their expert data-parallel group).
   activations         per layer and token, the tensors autograd keeps for backward (bf16):
                         attention: 2·h/s (norm input, QKV input) + (a_l + 2·kv_l)·hd (the QKV
                                    output, kept whole by the v view into it) + (a_l + kv_l)·hd
@@ -128,12 +130,21 @@ class ModelDims:
     head_dim: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3's per-head q / k RMSNorm weights
+    # Mixture of experts (models/hf_config.MoESpec): routed experts per MoE layer (0: dense),
+    # their FFN size, top-k, the shared expert's FFN size (0: none), the MoE layers' indices.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf: dict, where: str = "config.json") -> "ModelDims":
         try:
+            moe = _moe_dims(hf)
             heads = hf["num_attention_heads"]
-            return cls(
+            return cls(**moe,
                 hidden_size=hf["hidden_size"],
                 ffn_hidden_size=hf["intermediate_size"],
                 num_layers=hf["num_hidden_layers"],
@@ -142,14 +153,21 @@ class ModelDims:
                 vocab_size=hf["vocab_size"],
                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+                # Qwen2 always, Qwen2-MoE as its qkv_bias says (models/hf_config.read_hf_arch)
+                qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")) or (
+                    hf.get("model_type") == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+                qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
             )
         except KeyError as e:
             raise ConfigError(f"{where}: missing field {e.args[0]} (model.path)") from None
 
     def shape(self) -> ModelShape:
         return ModelShape(self.num_attention_heads, self.num_key_value_heads, self.num_layers,
-                          self.vocab_size, self.hidden_size)
+                          self.vocab_size, self.hidden_size,
+                          num_experts=self.num_experts or None)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer in self.moe_layers
 
     # models/hf_config.HFArch's spellings, so that models/lora.part_shapes reads a ModelDims too.
     @property
@@ -159,6 +177,27 @@ class ModelDims:
     @property
     def num_kv_heads(self) -> int:
         return self.num_key_value_heads
+
+
+def _moe_dims(hf: dict) -> dict:
+    """The MoE fields of a qwen2_moe / qwen3_moe / mixtral config.json, read as
+    models/hf_config._read_moe reads them (that module imports torch, which the planner, run on
+    login nodes, does not; tests/hpc/test_plan_moe.py holds the two readers together)."""
+    model_type = hf.get("model_type")
+    if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        return {}
+    layers = hf["num_hidden_layers"]
+    if model_type == "mixtral":
+        ffn, moe_layers, shared = hf["intermediate_size"], tuple(range(layers)), 0
+    else:
+        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+        ffn = hf["moe_intermediate_size"]
+        moe_layers = tuple(i for i in range(layers)
+                           if i not in dense and step > 0 and (i + 1) % step == 0)
+        shared = (hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    return dict(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+                moe_ffn_hidden_size=ffn, moe_topk=hf["num_experts_per_tok"],
+                shared_expert_ffn_hidden_size=shared, moe_layers=moe_layers)
 
 
 # Published shapes (the models' config.json on the Hugging Face hub), for planning offline with
@@ -214,22 +253,45 @@ def padded_vocab(dims: ModelDims, tp: int, divisible_by: int) -> int:
     return math.ceil(dims.vocab_size / multiple) * multiple
 
 
-def layer_params(dims: ModelDims, tp: int) -> int:
-    """Parameters of one decoder layer on one TP rank."""
+def layer_params(dims: ModelDims, tp: int, layer: int = 0, ep: int = 1) -> int:
+    """Parameters of decoder layer `layer` (global index) on one TP (and EP) rank. A MoE
+    layer's MLP: the router [E, h] (replicated), E / ep routed SwiGLU experts sliced over TP
+    (expert TP = TP), the shared expert over TP and its [1, h] gate."""
     h, hd = dims.hidden_size, dims.head_dim
     q = dims.num_attention_heads * hd // tp
     kv = max(dims.num_key_value_heads // tp, 1) * hd
     attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if dims.qkv_bias else 0)
-    mlp = 3 * h * dims.ffn_hidden_size // tp
+    attn += 2 * hd if dims.qk_norm else 0
+    if dims.is_moe_layer(layer):
+        shared = dims.shared_expert_ffn_hidden_size
+        mlp = (dims.num_experts * h + expert_params(dims, tp, layer, ep)
+               + (3 * h * shared // tp + h if shared else 0))
+    else:
+        mlp = 3 * h * dims.ffn_hidden_size // tp
     return attn + mlp + 2 * h  # two RMSNorm weights, replicated over TP
 
 
+def expert_params(dims: ModelDims, tp: int, layer: int, ep: int = 1) -> int:
+    """The routed experts' parameters of layer `layer` on one TP x EP rank (0 for a dense
+    layer): the optimizer shards them over the expert data-parallel group (DP / EP), not DP."""
+    if not dims.is_moe_layer(layer):
+        return 0
+    return dims.num_experts // ep * 3 * dims.hidden_size * dims.moe_ffn_hidden_size // tp
+
+
+def stage_layers(dims: ModelDims, pp: int, stage: int) -> range:
+    per = dims.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
 def stage_params(dims: ModelDims, tp: int, pp: int, stage: int, divisible_by: int,
-                 vocab_tp: Optional[int] = None) -> int:
-    """Parameters held by one rank of pipeline stage `stage`. The vocabulary is padded for TP
-    `vocab_tp` (default `tp`): the generation copy keeps the training TP's padding."""
+                 vocab_tp: Optional[int] = None, ep: int = 1) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (of a MoE model, its EP block of
+    the routed experts: all of them at ep = 1, as the generation copy holds). The vocabulary is
+    padded for TP `vocab_tp` (default `tp`): the generation copy keeps the training TP's
+    padding."""
     vocab_shard = padded_vocab(dims, vocab_tp or tp, divisible_by) // tp * dims.hidden_size
-    n = dims.num_layers // pp * layer_params(dims, tp)
+    n = sum(layer_params(dims, tp, layer, ep) for layer in stage_layers(dims, pp, stage))
     if stage == 0:
         n += vocab_shard
     if stage == pp - 1:
@@ -252,7 +314,7 @@ def role_params(cfg: Config, dims: ModelDims, role: str, stage: int) -> int:
     """
     p, div = cfg.parallel, cfg.model.make_vocab_size_divisible_by
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    n = stage_params(dims, tp, pp, stage, div)
+    n = stage_params(dims, tp, pp, stage, div, ep=p.expert_model_parallel_size)
     if role == "critic" and stage == pp - 1:
         if dims.tie_word_embeddings and pp == 1:
             n += dims.hidden_size
@@ -366,7 +428,23 @@ def activation_bytes_per_token_layer(dims: ModelDims, tp: int, sequence_parallel
     kv_l = max(dims.num_key_value_heads // tp, 1)
     attn = (2 * h // s + (a_l + 2 * kv_l) * hd + (a_l + kv_l) * hd + a_l * hd) * dtype_bytes + 4 * a_l
     mlp = (2 * h // s + 5 * f // tp) * dtype_bytes
+    if dims.num_experts:
+        mlp = max(mlp, moe_activation_bytes_per_token(dims, tp, sequence_parallel, dtype_bytes))
     return attn + mlp
+
+
+def moe_activation_bytes_per_token(dims: ModelDims, tp: int, sequence_parallel: bool,
+                                   dtype_bytes: int = 2) -> int:
+    """A MoE layer's MLP activations per token (estimated, not yet checked against a measured
+    run): the norm and router inputs (2·h/s), the router's fp32 logits and probabilities
+    (8·E), and for each of its k experts the permuted input and the all-to-all's received copy
+    (2·h) and a SwiGLU expert's fc1 output and glu tensors (5·f_e/t), the unpermuted output
+    (h), plus a shared expert as a dense MLP (5·f_s/t) with its gate. Every layer of a MoE
+    model is counted as its larger kind (a few dense layers among MoE ones are overestimated)."""
+    h, s, k = dims.hidden_size, tp if sequence_parallel else 1, dims.moe_topk
+    routed = k * (2 * h + 5 * dims.moe_ffn_hidden_size // tp + h)
+    shared = 5 * dims.shared_expert_ffn_hidden_size // tp + 1
+    return (2 * h // s + routed + shared) * dtype_bytes + 8 * dims.num_experts
 
 
 def lora_activation_bytes_per_token_layer(dims: ModelDims, lora, tp: int, sequence_parallel: bool,
@@ -443,7 +521,13 @@ def training_bytes(cfg: Config, dims: ModelDims, world: int, role: str, stage: i
     opt_per_param = 8 + (4 if b < 4 else 0)
     optimizer = opt_per_param * trained
     if p.use_distributed_optimizer:
-        optimizer = math.ceil(optimizer / dp)
+        # A MoE model's routed experts (trained unless LoRA freezes the base) are sharded over
+        # the expert data-parallel group, DP / EP ranks; everything else over DP.
+        ep = p.expert_model_parallel_size
+        experts = 0 if role in lora_roles(cfg) else sum(
+            expert_params(dims, tp, layer, ep) for layer in stage_layers(dims, pp, stage))
+        optimizer = (math.ceil(opt_per_param * (trained - experts) / dp)
+                     + math.ceil(opt_per_param * experts / max(dp // ep, 1)))
 
     tokens, samples = _micro_tokens(cfg, role)
     tokens = math.ceil(tokens / cp)
@@ -576,10 +660,11 @@ def generation_bytes(cfg: Config, dims: ModelDims, world: int, knobs: Knobs,
     dp_g = world // tp_g
     tp_t, div = p.tensor_model_parallel_size, cfg.model.make_vocab_size_divisible_by
     if tp_g == tp_t and p.pipeline_model_parallel_size == 1 and not cfg.actor.lora.enable \
-            and not own_set:
+            and not own_set and not dims.num_experts:
         weights = 0  # the training layout already is the generation layout
     else:  # bf16, every layer of this rank's TP_g slice, vocabulary padded as training pads it;
-        # with LoRA always a copy of its own, holding the merged W + (alpha/r)·B·A
+        # with LoRA always a copy of its own, holding the merged W + (alpha/r)·B·A; a MoE
+        # model's always (every expert, stacked per layer: build.build_generation_model)
         weights = 2 * stage_params(dims, tp_g, 1, 0, div, vocab_tp=tp_t)
     seqs = math.ceil(d.train_batch_size * r.n / dp_g)
     concurrent = min(r.max_num_seqs, seqs)

@@ -65,6 +65,7 @@ from verl_mcore.rollout import serving
 from verl_mcore.rollout import tp_sampling
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 from verl_mcore.rollout.fp8_weights import Fp8LinearWeights
+from verl_mcore.rollout.moe_mlp import MoEDecodeMLP, is_moe_layer
 
 _SP_FLAGS = ("sequence_parallel", "reduce_scatter_embeddings")
 
@@ -112,6 +113,9 @@ class _CachedGPT:
         if getattr(model, "position_embedding_type", "rope") != "rope":
             raise ValueError("native rollout engine: only RoPE position embeddings are supported")
         self.layers = list(model.decoder.layers)
+        # Each layer's MLP as the engine calls it: a MoE layer through rollout/moe_mlp.py.
+        self.mlps = [MoEDecodeMLP(layer.mlp, f"layer {i}") if is_moe_layer(layer.mlp) else layer.mlp
+                     for i, layer in enumerate(self.layers)]
         attn = self.layers[0].self_attention
         self.tp_size = attn.world_size if hasattr(attn, "world_size") else 1
         if cfg.num_query_groups is not None and cfg.num_query_groups < self.tp_size:
@@ -193,7 +197,7 @@ class _CachedGPT:
         """The MLP's (output, fc2 bias): megatron's forward, or with FP8 linears the same steps
         -- fc1 (+ its bias), the (gated) activation, fc2 -- through `_linear` (the variants
         megatron adds around them are refused at construction)."""
-        if self.fp8 is None:
+        if self.fp8 is None or isinstance(mlp, MoEDecodeMLP):  # (FP8 refuses MoE models)
             return mlp(x)
         h, bias = self._linear(mlp.linear_fc1, x)
         if bias is not None:
@@ -222,7 +226,7 @@ class _CachedGPT:
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer, x, cos, sin)
             h = self._add(h, self._linear(layer.self_attention.linear_proj, attend(i, q, k, v)))
-            h = self._add(h, self._mlp_out(layer.mlp, layer.pre_mlp_layernorm(h)))
+            h = self._add(h, self._mlp_out(self.mlps[i], layer.pre_mlp_layernorm(h)))
         return self.final_norm(h)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -248,7 +252,7 @@ class _CachedGPT:
             if not (_is_identity(attn.q_layernorm) and _is_identity(attn.k_layernorm)):
                 return "q/k layernorm"
             if getattr(attn.linear_proj, "bias", None) is not None or \
-                    getattr(layer.mlp.linear_fc2, "bias", None) is not None:
+                    getattr(getattr(layer.mlp, "linear_fc2", None), "bias", None) is not None:
                 return "biases on the attention output or MLP output projection"
             norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
         for norm in norms:
@@ -277,14 +281,14 @@ class _CachedGPT:
             out = attend(i, q)
             delta, _ = self._linear(layer.self_attention.linear_proj, out.view(1, b, self.heads * self.head_dim))
             x = decode_ops.rmsnorm(h, delta, *_rmsnorm_params(layer.pre_mlp_layernorm))
-            delta = self._mlp(layer.mlp, x)
+            delta = self._mlp(self.mlps[i], x)
         return decode_ops.rmsnorm(h, delta, *_rmsnorm_params(self.model.decoder.final_layernorm))
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """The MLP's output (its fc2 bias refused by fused_decode_supported): megatron's own
         forward, or for a plain SwiGLU MLP fc1, the one-kernel gated activation and fc2 (megatron's
         activation is two kernels and Python around them)."""
-        if not self.plain_swiglu:
+        if not self.plain_swiglu or isinstance(mlp, MoEDecodeMLP):
             return self._mlp_out(mlp, x)[0]
         gate_up, bias = self._linear(mlp.linear_fc1, x)
         if bias is not None:

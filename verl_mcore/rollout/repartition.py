@@ -19,6 +19,12 @@ With rollout.dtype=fp8 the generation model's linear weights are e4m3 views into
 quantized as soon as it is assembled (`quantize_into`, a few thousand rows at a time), so no
 full-precision copy of them exists beside the tensor in flight.
 
+Mixture-of-experts models: the generation model holds every expert (EP_g = 1, each sliced over
+TP_g like a dense MLP); a training rank holds its EP block of them. Each expert tensor is first
+broadcast from its EP rank inside the owning stage's EP group, then goes through steps 1 and 2
+like any tensor: a rank receives each tensor it lacks once, so the bound above holds with the
+experts counted in (the bytes a rank lacks: the other EP ranks' experts too).
+
 Layouts with TP_g = TP_t and PP = 1 need no copy: the training model serves generation as it is
 (see `generation_model_is_training_model`).
 """
@@ -32,20 +38,29 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore.models.gpt import unwrap
+from verl_mcore.models.hf_weights import expert_layout
 from verl_mcore.models.weight_map import ParamMap, tp_merge
 
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)\.(.*)$")
 
 
 def global_param_names(chunk: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Parameters of one model chunk keyed by layout-independent names (global layer index)."""
+    """Parameters of one model chunk keyed by layout-independent names: global layer index, and
+    a routed expert's global index (`mlp.experts.local_experts.<e>.`; an EP rank holds experts
+    `expert_range(E, ep_rank, EP)` under local indices 0..)."""
     model = unwrap(chunk)
+    first_expert = expert_layout(model)[0] if model.config.num_moe_experts else 0
     out = {}
     for name, param in model.named_parameters():
         m = _LAYER.match(name)
         if m:
             layer = model.decoder.layers[int(m.group(1))]
-            name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+            rest = name[m.end():]
+            e = _LOCAL_EXPERT.match(rest)
+            if e:
+                rest = f"{e.group(1)}{int(e.group(2)) + first_expert}.{e.group(3)}"
+            name = f"decoder.layers.{layer.layer_number - 1}." + rest
         out[name] = param
     return out
 
@@ -76,9 +91,10 @@ def tensor_kind(name: str, gated_linear_unit: bool) -> str:
         return "vocab"
     if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
         return "qkv"
-    if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")):
+    # Dense MLPs, routed experts (sliced over expert TP = TP) and shared experts alike.
+    if name.endswith(("self_attention.linear_proj.weight", "linear_fc2.weight")):
         return "row"
-    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return "gate_up" if gated_linear_unit else "qkv"  # qkv: contiguous rows
     return "replicated"
 
@@ -150,6 +166,7 @@ class _Entry:
     shape: tuple  # the TP_t shard's shape
     dtype: torch.dtype
     kind: str  # weight_map's TP kind: replicated, row, vocab, qkv, gate_up
+    owner_ep: Optional[int] = None  # a routed expert's EP rank; None: every EP rank holds it
 
 
 class Repartitioner:
@@ -186,23 +203,39 @@ class Repartitioner:
         self.pp_group = groups.train.pp
         self.micro_group = groups.micro_dp
         self.stage = coords["pp"]
+        # Expert parallelism: each EP rank holds a block of every MoE layer's experts; the
+        # generation model holds them all (EP_g = 1), so each expert is first broadcast from its
+        # EP rank inside the owning stage's EP group.
+        ep = getattr(groups.train, "ep", None)
+        self.ep_group = ep if ep is not None and dist.get_world_size(ep) > 1 else None
+        self.ep_ranks = dist.get_process_group_ranks(ep) if self.ep_group is not None else [self.rank]
+        self.ep_rank = self.ep_ranks.index(self.rank)
         self.entries = self._catalog()
 
     def _catalog(self) -> list[_Entry]:
-        """Agree, across the pipeline group, on who owns each generation tensor."""
+        """Agree, across the pipeline group (and the EP group), on who owns each generation
+        tensor."""
         mine = {n: (tuple(p.shape), p.dtype, tensor_kind(n, self.gated))
                 for n, p in self.train_params.items()}
         if tie := ("output_layer.weight" not in self.gen_params):
             mine.pop("output_layer.weight", None)  # the last stage's copy of a tied embedding
         all_stages: list = [None] * len(self.pp_ranks)
         dist.all_gather_object(all_stages, mine, group=self.pp_group)
+        by_ep = [all_stages]  # [ep rank][stage] -> {name: (shape, dtype, kind)}
+        if self.ep_group is not None:
+            by_ep = [None] * len(self.ep_ranks)
+            dist.all_gather_object(by_ep, all_stages, group=self.ep_group)
         entries = []
         for name in self.gen_params:
-            owners = [s for s, held in enumerate(all_stages) if name in held]
+            owners = [(s, e) for e, stages in enumerate(by_ep) for s, held in enumerate(stages)
+                      if name in held]
             if not owners:
                 raise RuntimeError(f"repartition: no pipeline stage holds {name!r} "
                                    f"(tied embeddings: {tie})")
-            entries.append(_Entry(name, owners[0], *all_stages[owners[0]][name]))
+            stage, ep_rank = owners[0]
+            everywhere = all(name in stages[stage] for stages in by_ep)
+            entries.append(_Entry(name, stage, *by_ep[ep_rank][stage][name],
+                                  owner_ep=None if everywhere else ep_rank))
         return entries
 
     @torch.no_grad()
@@ -222,21 +255,29 @@ class Repartitioner:
             esize = torch.empty((), dtype=entry.dtype).element_size()
             shard_bytes = int(torch.Size(entry.shape).numel()) * esize
             # This rank's TP_t shard of the tensor is part of its TP_g shard whenever it holds it.
-            held = entry.owner_stage == self.stage
-            # 1. pipeline gather: the owner stage broadcasts its TP_t shard
-            if held and entry.name in self.merge:
+            at_stage = entry.owner_stage == self.stage
+            own = at_stage and entry.owner_ep in (None, self.ep_rank)
+            if own and entry.name in self.merge:
                 shard = self.merge[entry.name].merged(self.train_params[entry.name].detach())
-            elif held:
+            elif own:
                 shard = self.train_params[entry.name].detach().contiguous()
             else:
                 shard = torch.empty(entry.shape, dtype=entry.dtype, device=gen_param.device)
+            # 0. a routed expert: its EP rank broadcasts it inside the owning stage's EP group
+            if entry.owner_ep is not None and at_stage:
+                dist.broadcast(shard, src=self.ep_ranks[entry.owner_ep], group=self.ep_group)
+                if own:
+                    stats.bytes_sent += shard_bytes * (len(self.ep_ranks) - 1)
+                else:
+                    stats.bytes_received += shard_bytes
+            # 1. pipeline gather: the owner stage broadcasts its TP_t shard
             if pp > 1:
                 dist.broadcast(shard, src=self.pp_ranks[entry.owner_stage], group=self.pp_group)
-                if held:
+                if at_stage:
                     stats.bytes_sent += shard_bytes * (pp - 1)
                 else:
                     stats.bytes_received += shard_bytes
-            temp = 0 if held and entry.name not in self.merge else shard_bytes
+            temp = 0 if own and entry.name not in self.merge else shard_bytes
             # 2. tensor re-slice inside the micro-DP group
             if k > 1 and entry.kind != "replicated":
                 parts = [torch.empty_like(shard) for _ in range(k)]
@@ -253,6 +294,6 @@ class Repartitioner:
             temp += store_into(gen_param, full, self.fp8)
             stats.peak_temp_bytes = max(stats.peak_temp_bytes, temp)
             # The lower bound: what this rank lacked of its TP_g piece of this tensor.
-            stats.min_bytes_received += gen_param.numel() * esize - (shard_bytes if held else 0)
+            stats.min_bytes_received += gen_param.numel() * esize - (shard_bytes if own else 0)
         stats.seconds = time.perf_counter() - start
         return stats

@@ -1,0 +1,34 @@
+"""Routing replay (models/router_replay.py): where the engine and the trainer route a near-tie
+differently, the trainer's log-probs differ from the engine's; with the engine's routing replayed
+they are equal, and the replay counts the one token-layer whose routing it changed."""
+import pytest
+import torch
+
+from tests.models import hf_factory, replay_bodies
+from tests.multiproc import run_on_ranks
+
+POSITION, EPS = 5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay")
+    return {f: hf_factory.save_tiny_model(f, str(root / f), seed=3) for f in ("qwen2_moe", "mixtral")}
+
+
+@pytest.mark.parametrize("family, layer", [("qwen2_moe", 2),  # softmax, then top-k: probs gathered
+                                           ("mixtral", 0)])  # top-k logits, then softmax over them
+def test_replay_makes_trainer_log_probs_equal_the_engines_on_a_near_tie(moe_dirs, family, layer):
+    tokens = torch.randint(0, hf_factory.COMMON["vocab_size"], (1, 12),
+                           generator=torch.Generator().manual_seed(11))
+    [res] = run_on_ranks(replay_bodies.near_tie_body, 1,
+                         args=(moe_dirs[family], tokens, POSITION, layer, EPS), timeout=240)
+    assert res["flipped"][1] in res["engine_chose"]  # the engine took the other expert
+    diff = (res["plain"] - res["engine"]).abs()[0]
+    # log-prob i is of token i + 1: positions before the near-tie see the same network
+    assert diff[:POSITION].max() < 1e-5
+    assert diff[POSITION:].max() > 1e-3, diff
+    replayed = (res["replayed"] - res["engine"]).abs().max()
+    assert replayed < 1e-4, replayed  # left: the gates' eps-sized difference
+    assert res["differed"] == 1
+    assert res["forced"] == tokens.shape[1] * res["moe_layers"]

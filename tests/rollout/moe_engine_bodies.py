@@ -1,0 +1,89 @@
+"""Rank bodies for the native engine's mixture-of-experts tests (module level: spawn pickles
+them by name)."""
+from __future__ import annotations
+
+from tests.rollout import engine_bodies as eb
+
+
+def greedy_body(rank, world_size, hf_dir: str, tp_gen: int, flat_buffer: bool, grouped: bool,
+                fused: bool = False):
+    """Greedy tokens and log-probs of the TP_g engine on a tiny MoE model, with the generation
+    weights in the repartition's flat buffer (as the trainer holds them) or loaded on their own,
+    with the experts' GEMMs grouped (torch._grouped_mm) or one per expert, and through the
+    fused decode step (its ops' torch references on CPU) or the plain one."""
+    from verl_mcore.rollout import native
+
+    supported = native._CachedGPT.fused_decode_supported
+    if fused:
+        native._CachedGPT.fused_decode_supported = lambda self: None
+    try:  # the ranks are pooled processes: restore the class for the next task
+        res = _greedy(tp_gen, hf_dir, flat_buffer, grouped)
+    finally:
+        native._CachedGPT.fused_decode_supported = supported
+    return res
+
+
+def _greedy(tp_gen: int, hf_dir: str, flat_buffer: bool, grouped: bool):
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.repartition import FlatParameterBuffer
+
+    groups = eb.setup(tp_gen, tp_gen)
+    arch, model = eb.generation_model(hf_dir, groups, tp_gen, tp_gen)
+    buffer = FlatParameterBuffer(model) if flat_buffer else None
+    engine = NativeEngine(model, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=3)
+    moe = [m for m in engine.net.mlps if hasattr(m, "grouped")]
+    for m in moe:
+        m.grouped = m.grouped and grouped
+    sp = SamplingParams(temperature=0.0, max_new_tokens=eb.MAX_NEW, logprobs=True)
+    out = sorted((o.prompt_index, o.token_ids, o.logprobs) for o in engine.generate(eb.PROMPTS, sp))
+    storage = buffer.buffer.untyped_storage().data_ptr() if buffer is not None else None
+    return {"tokens": [o[1] for o in out], "logprobs": [o[2] for o in out],
+            "moe_layers": len(moe), "fused": engine.fused, "grouped": [m.grouped for m in moe],
+            # In the flat buffer the stacked experts are views of it, not copies.
+            "views_of_buffer": storage is not None and all(
+                m.w13.untyped_storage().data_ptr() == storage and
+                m.w2.untyped_storage().data_ptr() == storage for m in moe),
+            "last_experts": [tuple(m.last_experts.shape) for m in moe]}
+
+
+def repartition_body(rank, world_size, hf_dir: str, pp: int, ep: int, tp_gen: int):
+    """A training model at PP x EP (TP 1; DP = world / PP) from the HF weights, repartitioned
+    into the TP_g generation model (every expert on every rank): the generation weights against
+    the same model loaded from HF at TP_g, the bytes each rank received against the lower
+    bound, and the engine's greedy tokens on the repartitioned weights."""
+    import torch
+
+    from verl_mcore.config import Config
+    from verl_mcore.distributed import cpu_compat
+    from verl_mcore.distributed.groups import build_groups
+    from verl_mcore.models.load import build_and_load
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.repartition import Repartitioner, global_param_names
+
+    cpu_compat.install()
+    torch.manual_seed(0)
+    cfg = Config.load(None, [f"parallel.pipeline_model_parallel_size={pp}",
+                             f"parallel.expert_model_parallel_size={ep}",
+                             f"rollout.tensor_parallel_size={tp_gen}"])
+    groups = build_groups(cfg)
+    train, arch = build_and_load("actor", hf_path=hf_dir, dtype="fp32", pp=pp,
+                                 expert_model_parallel_size=ep)
+    _, gen = eb.generation_model(hf_dir, groups, tp_gen, 1, load=False)
+    rep = Repartitioner([train], gen, groups, gated_linear_unit=True)
+    stats = rep.run()
+    _, ref = eb.generation_model(hf_dir, groups, tp_gen, 1)
+    want = global_param_names(ref)
+    got = global_param_names(gen)
+    mismatched = sorted(n for n, p in got.items() if not torch.equal(p, want[n]))
+    engine = NativeEngine(gen, vocab_size=arch.vocab_size, tp_group=groups.gen_tp, max_num_seqs=3)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=eb.MAX_NEW)
+    tokens = [o.token_ids for o in sorted(engine.generate(eb.PROMPTS, sp),
+                                          key=lambda o: o.prompt_index)]
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in got.items()
+                       if ".local_experts." in n)
+    return {"mismatched": mismatched, "names": len(got), "tokens": tokens,
+            "received": stats.bytes_received, "lower_bound": stats.min_bytes_received,
+            "gen_bytes": stats.generation_bytes, "expert_bytes": expert_bytes,
+            "train_bytes": sum(p.numel() * p.element_size() for p in train.parameters())}
