@@ -255,6 +255,31 @@ def _cases() -> list[Case]:
                             "trainer.val_every=3"),
              expect=("agent/turns_mean", "agent/masked_share", "agent/tool_wait_seconds_mean",
                      "rollout/slot_occupancy", "actor/pg_loss", "val/*")),
+        # The built-in agent loops (agent/builtin.py): the calculator called in the sandbox on
+        # every turn (a test parser makes each turn a call; plain-text prompts: the tiny model's
+        # 16-token prompts leave no room for a tools description), observations as user turns;
+        # a two-step environment whose reward trains beside the rule's.
+        Case("agent-tools", ("data.max_response_length=32", "data.apply_chat_template=false",
+                             "rollout.agent_loop.name=tools",
+                             "rollout.agent_loop.tools=[{path: {root}/examples/agent/calculator.py, "
+                             "name: calculator}]",
+                             "rollout.agent_loop.parser={path: {root}/tests/agent/always_call.py, "
+                             "name: always}",
+                             "rollout.agent_loop.max_turns=3",
+                             "rollout.agent_loop.kwargs={max_tokens_per_turn: 4}",
+                             "rollout.agent_loop.observation_role=user",
+                             "rollout.agent_loop.sandbox.num_workers=2"),
+             expect=("agent/tool/calculator/calls", "rollout/turns/mean",
+                     "rollout/masked_token_share")),
+        Case("agent-environment", ("data.max_response_length=32", "data.apply_chat_template=false",
+                                   "rollout.agent_loop.name=environment",
+                                   "rollout.agent_loop.environment={path: {root}/tests/agent/"
+                                   "counting_env.py, name: Counting}",
+                                   "rollout.agent_loop.kwargs={max_tokens_per_turn: 4}",
+                                   "rollout.agent_loop.sandbox.num_workers=2",
+                                   "reward.sources=[{name: rule, type: rule}, "
+                                   "{name: env, type: environment, weight: 0.5}]"),
+             expect=("reward/env/mean", "agent/env/steps", "rollout/masked_token_share")),
         # The reference's weights in host memory between its passes.
         Case("reference-offload", ("actor.use_kl_loss=true", "reference.offload_params=true"),
              expect=("actor/kl_loss",)),

@@ -35,7 +35,7 @@ def test_option_fields_come_from_the_schema_literals():
     fields = gm.option_fields()
     assert fields["algorithm.adv_estimator"][:2] == ("gae", "grpo")
     assert fields["trainer.offload_between_phases"] == (True, False, "auto")  # bool | "auto"
-    assert fields["reward.sources[].type"] == ("rule", "custom", "reward_model")  # in a list
+    assert fields["reward.sources[].type"] == ("rule", "custom", "reward_model", "environment")  # in a list
     assert "actor.optim.lr_schedule" in fields and "critic.optim.lr_schedule" in fields
     assert "trainer.total_steps" not in fields
 
