@@ -80,6 +80,7 @@ FUNCTION_LEVEL = {
     ("verl_mcore/__init__.py", "verl_mcore"),  # `from verl_mcore import api`: the lazy API names
     ("verl_mcore/ops/_extension.py", "verl_mcore"),  # `_C`: the optional compiled extension
     ("verl_mcore/ops/triton_paged.py", "verl_mcore.ops"),  # the Triton kernels (triton optional)
+    ("verl_mcore/ops/fp8.py", "verl_mcore.ops"),  # the Triton FP8 quantization (triton optional)
     ("verl_mcore/reward/__init__.py", "verl_mcore.reward.placement"),  # torch-free workers
     ("verl_mcore/train.py", "verl_mcore.job"),  # a config error before torch and megatron load
 }

@@ -47,6 +47,10 @@ def test_every_range_is_enforced_by_name(key):
     if key.startswith("reward.sources[]."):
         field = key.rsplit(".", 1)[1]
         override, written = f"reward.sources=[{{name: a, {field}: {value}}}]", f"reward.sources[0].{field}="
+    elif key.startswith("rollout.agent_loop.tools[]."):
+        field = key.rsplit(".", 1)[1]
+        override = f"rollout.agent_loop.tools=[{{path: a.py, name: a, {field}: {value}}}]"
+        written = f"rollout.agent_loop.tools[0].{field}="
     else:
         override, written = f"{key}={value}", f"{key}="
     with pytest.raises(ConfigError) as e:

@@ -72,6 +72,15 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.generate_fn.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.agent_loop.import_timeout_s": ("(0, inf)", "seconds"),
     "rollout.agent_loop.max_turns": ("[1, inf)", "model turns per trajectory"),
+    "rollout.agent_loop.max_observation_tokens": ("[1, inf)", "one observation turn's tokens"),
+    "rollout.agent_loop.tools[].import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.environment.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.parser.import_timeout_s": ("(0, inf)", "seconds"),
+    "rollout.agent_loop.sandbox.num_workers": ("[1, inf)", "tool calls at once"),
+    "rollout.agent_loop.sandbox.timeout_s": ("(0, inf)", "seconds per call or environment step"),
+    "rollout.agent_loop.sandbox.max_memory_mb": ("[1, inf)", "null: no cap"),
+    "rollout.agent_loop.sandbox.max_output_chars": ("[1, inf)", "a result's characters"),
+    "rollout.agent_loop.sandbox.startup_timeout_s": ("(0, inf)", "seconds"),
     "rollout.val_n": ("[1, inf)", ""),
     "rollout.val_temperature": ("[0, inf)", "0: greedy"),
     "data.max_prompt_length": ("[1, inf)", ""),
@@ -499,6 +508,10 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                         f"{needs[0]}: set rollout.agent_loop.{needs[0]}"
                         + (" (a list of {path, name})" if needs[0] == "tools" else
                            " (path, name of the environment class)"))
+    elif a.name and not a.path:
+        errs.append(f"rollout.agent_loop.name={a.name} without a path is none of the built-in "
+                    "loops (tools, environment): give rollout.agent_loop.path, the file of your "
+                    "AgentLoop class")
     elif (a.tools or a.environment.path) and not a.path:
         errs.append("rollout.agent_loop.tools / .environment are set but no agent loop runs them: "
                     "set rollout.agent_loop.name to a built-in loop (tools, environment) or to "
