@@ -150,7 +150,9 @@ def test_an_environment_reward_needs_a_sampling_that_gives_one(tiny_model, tmp_p
 
     env = "reward.sources=[{name: env, type: environment}]"
     cfg = Config.load(str(ROOT / "configs/quickstart.yaml"), _overrides(
-        tiny_model, tmp_path / "run", extra=["rollout.agent_loop.path=null", env]))
+        tiny_model, tmp_path / "run", extra=["rollout.agent_loop.path=null",
+                                             "rollout.agent_loop.name=null",
+                                             "rollout.agent_loop.kwargs={}", env]))
     with pytest.raises(ConfigError, match=r"reward.sources\[0\] \('env'\) is an environment "
                                           "reward.*rollout.agent_loop"):
         validate(cfg, 1)

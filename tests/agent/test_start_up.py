@@ -12,9 +12,9 @@ CALC = "[{path: examples/agent/calculator.py, name: calculator}]"
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.agent_loop.name=tool"],
-     "rollout.agent_loop.name='tool' is not a built-in agent loop"),
+     "rollout.agent_loop.name=tool without a path is none of the built-in loops"),
     (["rollout.agent_loop.name=toolz", f"rollout.agent_loop.tools={CALC}"],
-     "rollout.agent_loop.name='toolz' is not a built-in agent loop"),
+     "rollout.agent_loop.name=toolz without a path is none of the built-in loops"),
     (["rollout.agent_loop.name=environment"],
      "rollout.agent_loop.name=environment (built in) runs the configured environment"),
     (["rollout.agent_loop.name=tools"],

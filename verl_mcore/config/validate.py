@@ -499,10 +499,10 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                         f"{needs[0]}: set rollout.agent_loop.{needs[0]}"
                         + (" (a list of {path, name})" if needs[0] == "tools" else
                            " (path, name of the environment class)"))
-    elif a.name and not a.path:  # a typo of a built-in name would read as a missing file
-        errs.append(f"rollout.agent_loop.name={a.name!r} is not a built-in agent loop (tools, "
-                    "environment): name one of them, or give your class's file with "
-                    "rollout.agent_loop.path")
+    elif a.name and not a.path:
+        errs.append(f"rollout.agent_loop.name={a.name} without a path is none of the built-in "
+                    "loops (tools, environment): give rollout.agent_loop.path, the file of your "
+                    "AgentLoop class")
     elif (a.tools or a.environment.path) and not a.path:
         errs.append("rollout.agent_loop.tools / .environment are set but no agent loop runs them: "
                     "set rollout.agent_loop.name to a built-in loop (tools, environment) or to "
