@@ -181,4 +181,5 @@ def test_observation_tokens_on_a_template_without_a_system_role(no_system):
     """Observations as user turns work on a template that has no system role."""
     obs = ObservationTokens(no_system, role="user")
     got = obs.turn(["42"], after_token=None).ids
-    assert no_system.decode(got) == "<|im_end|>\n<|im_start|>user\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert no_system.decode(got) == ("<|im_end|>\n<|im_start|>user\n42<|im_end|>\n"
+                                     "<|im_start|>assistant\n")

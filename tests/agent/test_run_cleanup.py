@@ -31,8 +31,8 @@ def test_a_failed_run_stops_the_sandbox_workers(tiny_model, tmp_path):  # noqa: 
         f"rollout.agent_loop.parser={{path: {FAILING}, name: fail_later}}",
         "rollout.agent_loop.max_turns=4", "rollout.agent_loop.kwargs={max_tokens_per_turn: 4}",
         "data.max_response_length=64"]
+    config = str(ROOT / "examples/agent/calculator.yaml")
     [(outcome, alive)] = run_on_ranks(_children_after_failed_run, 1, fresh=True,
-                                      args=(overrides, str(ROOT / "examples/agent/calculator.yaml")),
-                                      timeout=300)
+                                      args=(overrides, config), timeout=300)
     assert outcome != 0 and "the parser gives up" in str(outcome), outcome
     assert alive == [], alive

@@ -21,7 +21,7 @@ def _recording_with_pid(rank, world_size, overrides, config):
 
 @pytest.mark.slow  # ~40 s: two ranks build and train
 @pytest.mark.distributed
-def test_the_tools_loop_at_tp_g_2_calls_each_tool_once_per_replica(tiny_model, tmp_path):  # noqa: F811
+def test_the_tools_loop_at_tp_g_2_calls_each_tool_once(tiny_model, tmp_path):  # noqa: F811
     log = tmp_path / "calls.log"
     run = tmp_path / "run"
     overrides = _tiny(tiny_model, run) + [

@@ -14,10 +14,10 @@
 
 Both stop at the runtime's limits (rollout.agent_loop.max_turns, data.max_response_length); a
 trajectory a limit ends while the model still wanted a turn (calls in its last allowed turn,
-which are not run; an episode not done) finishes with "length", as the runtime's cut. The prompt is the
-dataset row's; an environment's reset(row) prepares the episode from the row (its observation
-is kept in the trajectory's info as "first_observation": put what the model must read first in
-the dataset's prompt).
+which are not run; an episode not done) finishes with "length", as the runtime's cut. The
+prompt is the dataset row's; an environment's reset(row) prepares the episode from the row (its
+observation is kept in the trajectory's info as "first_observation": put what the model must
+read first in the dataset's prompt).
 """
 from __future__ import annotations
 

@@ -354,7 +354,7 @@ class RLHFDataset:
                        f"(data.truncation=filter) left out {s.too_long_filtered} of the {seen} "
                        f"rows: their prompts have {span} tokens after the chat template")
             every = "" if low == high else f" ({high} keeps every prompt)"
-            tools = getattr(self, "_tool_prompt", None) is not None and bool(self._tool_prompt.schemas)
+            tools = self._shows_tools()
             fixes.append(f"raise data.max_prompt_length to at least {low}{every}" + (
                 " (the prompts include the tools' description, data.tools)" if tools else
                 ", or set data.truncation=truncate_left to keep them shortened"))
@@ -446,6 +446,11 @@ class RLHFDataset:
         # maybe_filter_out_long_prompts left out before they reached a part.
         self.stats.rows_read = len(lengths) + self.stats.bad_rows_skipped + self.stats.too_long_filtered
 
+    def _shows_tools(self) -> bool:
+        """Whether the prompts show data.tools (ToolPrompt, made at the first prompt)."""
+        shown = getattr(self, "_tool_prompt", None)
+        return shown is not None and bool(shown.schemas)
+
     def _too_long(self, ids: list[int], part: FileRows, row: int) -> Optional[list[int]]:
         """Apply data.truncation to a prompt longer than data.max_prompt_length."""
         cfg = self.config
@@ -455,7 +460,7 @@ class RLHFDataset:
             return None
         # data.tools: the tools' description opens the prompt (the system turn), so a cut on
         # the left would take the tools away from the model without a word.
-        tools = getattr(self, "_tool_prompt", None) is not None and bool(self._tool_prompt.schemas)
+        tools = self._shows_tools()
         if cfg.truncation == "truncate_left" and tools:
             raise DataError(part.path, f"the prompt has {len(ids)} tokens (after the chat "
                                        f"template), more than data.max_prompt_length={limit}, and "
