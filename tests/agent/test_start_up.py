@@ -36,3 +36,12 @@ def test_tools_beside_a_users_loop_are_allowed():
         "rollout.agent_loop.path=tests/agent/toy_loop.py", "rollout.agent_loop.name=ToyLoop",
         f"rollout.agent_loop.tools={CALC}"])
     validate(cfg, 1)
+
+
+def test_an_environment_reward_with_the_builtin_tools_loop_is_refused():
+    """The built-in tools loop returns no reward: every sample would fail its score."""
+    cfg = Config.load("examples/agent/calculator.yaml", [
+        "model.path=/nonexistent", "reward.sources=[{name: env, type: environment}]"])
+    with pytest.raises(ConfigError, match=r"reward.sources\[0\] \('env'\) is an environment "
+                                          r"reward.*built-in `tools` loop gives none"):
+        validate(cfg, 1)
