@@ -51,3 +51,17 @@ def test_nothing_left_after_the_filter_names_the_tools(tok, path):
     with pytest.raises(DataError, match=r"include the tools' description") as e:
         RLHFDataset(path, tok, cfg)
     assert "truncate_left" not in str(e.value)
+
+
+def test_data_tools_are_checked_as_tool_schemas(tok):
+    """data.tools given by hand: a schema of the wrong shape fails naming its place, before any
+    prompt shows it (the template would print it as it is)."""
+    from types import SimpleNamespace
+
+    from verl_mcore.build import build_datasets
+    from verl_mcore.config import Config
+
+    cfg = Config.load("configs/quickstart.yaml", ["data.val_files=[]",
+                                                  "data.tools=[{name: calc}]"])
+    with pytest.raises(ValueError, match=r"data\.tools\[0\]: a tool schema is"):
+        build_datasets(cfg, SimpleNamespace(tokenizer=tok))
