@@ -133,3 +133,31 @@ def test_environment_loop_turn_at_the_budget_keeps_the_reward():
     ctx = _ctx([(ANSWER, ANSWER, ANSWER)], tools, max_turns=5, max_tokens=3)
     result, reason = _run(EnvironmentLoop(), ctx)
     assert result["reward"] == 0.5 and reason == "length" and result["env_steps"] == 1
+
+
+def test_a_turn_that_stops_on_its_last_allowed_token_is_complete():
+    """The model's EOS is the budget's last token: the response is complete ("stop"), as a
+    one-turn generation of the same tokens is; only asking for more ends it with "length"."""
+    tools = _Tools()
+    ctx = _ctx([(ANSWER, ANSWER, 0)], tools, max_turns=5, max_tokens=3)
+    _, reason = _run(ToolLoop(), ctx)
+    assert reason == "stop" and ctx.response == [ANSWER, ANSWER, 0]
+
+
+def test_asking_past_the_token_budget_ends_with_length():
+    from verl_mcore.agent.loop import TrajectoryEnded
+
+    ctx = _ctx([(ANSWER, 0)], _Tools(), max_turns=5, max_tokens=2)
+
+    async def two():
+        await ctx.generate()
+        assert not ctx.ended  # it stopped by itself, on the budget's last token
+        await ctx.generate()
+
+    try:
+        asyncio.run(two())
+    except TrajectoryEnded:
+        pass
+    else:
+        raise AssertionError("a turn past the budget ran")
+    assert ctx.close() == "length" and ctx.turns == 1
