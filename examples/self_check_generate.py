@@ -9,8 +9,8 @@ pass whose tokens do not train.
 
 Each response is the model's answer, then the check instruction, then the model's check of its
 answer; the loss mask is 1 on the answer only, so the update trains the answer and nothing of
-the second pass. The reward reads the whole response text (answer and check): a scorer that
-wants the answer alone cuts the text at the instruction.
+the second pass. The reward reads what the loss mask keeps (rollout/batch.py decode_responses:
+the answer alone, neither the instruction nor the check), so a scorer cannot reward the check.
 """
 from __future__ import annotations
 

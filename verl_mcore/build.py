@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 
 from verl_mcore.agent.runtime import AgentRuntime, load_agent_loop
+from verl_mcore.agent.tools import check_schema
 from verl_mcore.algo.kl import make_kl_controller
 from verl_mcore.checkpoints import RunCheckpoints
 from verl_mcore.config import Config, ConfigError, ModelShape, validate
@@ -731,6 +732,8 @@ def build_datasets(cfg: Config, info: ModelInfo, cls: Optional[type] = None,
     class when already loaded (data.load_dataset_class: build_inputs' user-code check);
     `tools`: the agent loop's tool schemas, shown in the prompts where data.tools is empty."""
     d = data_config(cfg)  # data.seed as the run draws it (max_samples' choice)
+    for i, schema in enumerate(d.tools):  # given by hand: shown as they are, so checked first
+        check_schema(schema, f"data.tools[{i}]")
     if tools and not d.tools:
         d = dataclasses.replace(d, tools=list(tools))
     cls = cls or load_dataset_class(d)  # imported under data.import_timeout_s first

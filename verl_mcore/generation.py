@@ -161,10 +161,13 @@ class GenerationPhase:
         self.to_check = (list(prompt_ids), temperature,
                          checked_outputs(first_turns, self.cfg.logprob_check.num_sequences, self.check_length))
 
-    def note(self, metrics: dict[str, float]) -> None:
+    def note(self, metrics: dict[str, float], summed: Optional[dict[str, float]] = None) -> None:
         """A caller's metrics of its calls (an agent loop's turns, observation tokens...), taken
-        with the engine's (the last call's value of each)."""
+        with the engine's (the last call's value of each); `summed`: counts, added to those of
+        the earlier calls since the last look (a step of dynamic sampling makes several)."""
         self.noted.update(metrics)
+        for k, v in (summed or {}).items():
+            self.noted[k] = self.noted.get(k, 0.0) + v
 
     @property
     def check_length(self) -> int:

@@ -119,6 +119,9 @@ class Trainer:
                 # Raised on every rank alike (from reduced or gathered values): commit the
                 # pending async saves, which hold good steps, before stopping.
                 self.checkpoints.close()
+            # The agent tools' sandbox workers: this process may live on (the Python API,
+            # pooled test ranks), and finish() is not reached.
+            self.sampler.close()
             self.run.close()  # this process may start another Trainer on the directory
             raise
         finally:

@@ -11,6 +11,9 @@ The model's program runs as `python -I` (isolated: no user site, no PYTHON* vari
 fresh temporary directory, with an empty environment, under:
   - RLIMIT_CPU (timeout_s, and a wall-clock kill of its process group at timeout_s);
   - RLIMIT_AS (max_memory_mb);
+  - death with the sandbox worker (PR_SET_PDEATHSIG): its own session, which the timeout's kill
+    needs, takes it out of the worker's process group, so a worker the sandbox kills (its
+    timeout, the end of the run) would otherwise leave a program that sleeps running for good;
   - RLIMIT_FSIZE (what it prints goes to a file; past max_output_bytes it is stopped, and the
     result says so);
   - no network: in a new user and network namespace (`unshare -rn`) where the machine allows
@@ -23,6 +26,7 @@ The class has a `schema` attribute, so the model calls it `python`.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import resource
@@ -30,6 +34,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 _AUDIT_HOOK = """\
 import sys
@@ -108,6 +114,8 @@ class PythonInterpreter:
 
     def _limits(self) -> None:
         """In the child, before exec."""
+        if sys.platform.startswith("linux"):  # SIGKILL when the worker dies (module docstring)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         cpu = max(1, int(self.timeout_s + 0.999))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         memory = int(self.max_memory_mb) << 20

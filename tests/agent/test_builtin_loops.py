@@ -46,8 +46,10 @@ def _fit(config, overrides):
 
 @pytest.mark.distributed
 def test_the_tools_loop_calls_the_calculator_in_the_sandbox(tiny_model, tmp_path):
-    """~15 s. Three turns of at most 8 tokens, each a call of calculator("6*7"): the response
-    holds the model's tokens and three results "42", masked, and the metrics count the calls."""
+    """~15 s. Three turns of at most 8 tokens, each a call of calculator("6*7"): the first two
+    calls run and the response holds their results "42", masked; the third turn's call, which
+    no turn is left to read, does not run and the trajectory ends with "length"; the metrics
+    count the calls."""
     run = tmp_path / "run"
     outcome, trained, served = _fit("examples/agent/calculator.yaml", _tiny(tiny_model, run, 2) + [
         f"rollout.agent_loop.parser={{path: {ALWAYS}, name: always}}",
@@ -61,13 +63,14 @@ def test_the_tools_loop_calls_the_calculator_in_the_sandbox(tiny_model, tmp_path
         for _, _, ids, mask, turns in call:
             assert turns == 3
             observed = [t for t, m in zip(ids, mask) if not m]
-            assert tok.decode(observed) == "424242", tok.decode(observed)
+            assert tok.decode(observed) == "4242", tok.decode(observed)
     for step in trained:
         for mask in step:
-            assert len(_zero_runs(mask)) == 3
+            assert len(_zero_runs(mask)) == 2
     for row in _rows(run):
-        assert row["agent/tool/calculator/calls"] == 3 * 4  # 4 trajectories a step
+        assert row["agent/tool/calculator/calls"] == 2 * 4  # 4 trajectories a step
         assert row["agent/tool/calculator/errors"] == 0 and row["agent/turns_mean"] == 3
+        assert row["agent/length_ended_share"] == 1.0
         assert row["rollout/turns/mean"] == 3 and row["rollout/masked_token_share"] > 0
 
 

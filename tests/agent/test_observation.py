@@ -148,3 +148,38 @@ def test_from_the_config(chatml):
     assert (obs.role, obs.max_tokens) == ("user", 100)
     assert chatml.decode(obs.turn(["42"]).ids).startswith("<|im_end|>\n<|im_start|>user\n42")
     assert obs.turn(["hello world " * 100]).truncated
+
+
+# A Gemma-style template: no system role (it raises on one), no tool role; tools not rendered.
+NO_SYSTEM_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ('user', 'assistant') %}"
+    "{{ raise_exception('Only user and assistant roles are supported') }}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def no_system():
+    tok = make_chatml_tokenizer()
+    tok.chat_template = NO_SYSTEM_TEMPLATE
+    return tok
+
+
+def test_tools_in_the_prompt_of_a_template_without_a_system_role(no_system):
+    """The tools' description goes into the first user message when the template refuses a
+    system message; the prompt renders and shows the tools."""
+    ids = render_prompt(no_system, [{"role": "user", "content": "What is 6*7?"}], [SCHEMA])
+    text = no_system.decode(ids)
+    assert '"calculator"' in text and "What is 6*7?" in text
+
+
+def test_observation_tokens_on_a_template_without_a_system_role(no_system):
+    """Observations as user turns work on a template that has no system role."""
+    obs = ObservationTokens(no_system, role="user")
+    got = obs.turn(["42"], after_token=None).ids
+    assert no_system.decode(got) == ("<|im_end|>\n<|im_start|>user\n42<|im_end|>\n"
+                                     "<|im_start|>assistant\n")

@@ -12,10 +12,12 @@
                   configured, are called as in `tools` before the environment sees a turn
                   without calls.
 
-Both stop at the runtime's limits (rollout.agent_loop.max_turns, data.max_response_length). The prompt is the
-dataset row's; an environment's reset(row) prepares the episode from the row (its observation
-is kept in the trajectory's info as "first_observation": put what the model must read first in
-the dataset's prompt).
+Both stop at the runtime's limits (rollout.agent_loop.max_turns, data.max_response_length); a
+trajectory a limit ends while the model still wanted a turn (calls in its last allowed turn,
+which are not run; an episode not done) finishes with "length", as the runtime's cut. The
+prompt is the dataset row's; an environment's reset(row) prepares the episode from the row (its
+observation is kept in the trajectory's info as "first_observation": put what the model must
+read first in the dataset's prompt).
 """
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ def _room(ctx: AgentContext) -> bool:
     """Whether the trajectory can take another model turn (ending here instead keeps the
     loop's result: the runtime's TrajectoryEnded would drop it)."""
     return ctx.turns < ctx.max_turns and ctx.tokens_left > 0
+
+
+def _cut(ctx: AgentContext, result: dict) -> dict:
+    """`result`, the trajectory ended by its limits while the model still wanted a turn (a call
+    to answer, an episode still open): finish reason "length", as the runtime gives a loop that
+    asks past them, so the overlong filter and the length metrics count it."""
+    if not ctx.ended:
+        ctx.finish_reason = "length"
+    return result
 
 
 def _tools_of(ctx: AgentContext, loop: str):
@@ -60,6 +71,8 @@ class ToolLoop(AgentLoop):
             parsed = tools.parse(_text(ctx, turn.token_ids))
             if ctx.ended or not (parsed.calls or parsed.errors):  # no room for results: over
                 return {"tool_calls": calls}
+            if not _room(ctx):  # no turn left to read the results: they are not run
+                return _cut(ctx, {"tool_calls": calls})
             results = await tools.call(parsed)
             calls += len(results)
             ctx.append_observation(tools.observation(results, after_token=turn.token_ids[-1]))
@@ -83,12 +96,16 @@ class EnvironmentLoop(AgentLoop):
             first = await env.reset(row)
             while True:
                 if not _room(ctx):
-                    return {"reward": total, "env_steps": steps, "first_observation": first}
+                    return _cut(ctx, {"reward": total, "env_steps": steps,
+                                      "first_observation": first})
                 turn = await ctx.generate(self.max_tokens_per_turn)
                 text = _text(ctx, turn.token_ids)
                 last: Optional[int] = turn.token_ids[-1] if turn.token_ids else None
                 parsed = tools.parse(text) if tools.specs else None
                 if parsed is not None and (parsed.calls or parsed.errors) and not ctx.ended:
+                    if not _room(ctx):  # no turn left to read the results
+                        return _cut(ctx, {"reward": total, "env_steps": steps,
+                                          "first_observation": first})
                     results = await tools.call(parsed)
                     ctx.append_observation(tools.observation(results, after_token=last))
                     continue

@@ -128,7 +128,7 @@ class AgentContext:
         """The model's next turn, continuing `token_ids`: at most `max_new_tokens` (None: all
         that is left of the budget) new tokens, appended to the response (loss mask 1). Raises
         TrajectoryEnded when no turn or token is left."""
-        if self.turns >= self.max_turns and not self.ended:
+        if (self.turns >= self.max_turns or self.tokens_left <= 0) and not self.ended:
             self.finish_reason = "length"  # it wanted another turn: cut, as by a length limit
         if self.ended:
             raise TrajectoryEnded(self.finish_reason)
@@ -145,7 +145,9 @@ class AgentContext:
         self.has_logprobs &= turn.logprobs is not None
         self.logprobs += turn.logprobs if turn.logprobs is not None else [0.0] * len(turn.token_ids)
         self._last_reason = turn.finish_reason
-        if not self.tokens_left:
+        if not self.tokens_left and turn.finish_reason != "stop":
+            # Cut at the budget; a turn whose stop token was the budget's last is complete
+            # (as a one-turn generation of the same tokens), until more is asked for.
             self.finish_reason = "length"
         return turn
 

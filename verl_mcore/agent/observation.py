@@ -177,15 +177,22 @@ class ObservationTokens:
             return self._layouts[k]
         where = f"{self.key}.observation_role={self.role!r}"
         turn = [{"role": self.role, "content": _content(i)} for i in range(k)]
-        try:
-            a = render(self.tokenizer, _PLACEHOLDER_HISTORY, **self.template_kwargs)
-            b = render(self.tokenizer, _PLACEHOLDER_HISTORY + turn, add_generation_prompt=True,
-                       **self.template_kwargs)
-        except TemplateError:
-            raise
-        except Exception as e:  # jinja's raise_exception, an unknown role
+        # Without the system message for a template that has no system role (Gemma's): the
+        # new turn's delimiters do not depend on it.
+        for history in (_PLACEHOLDER_HISTORY, _PLACEHOLDER_HISTORY[1:]):
+            try:
+                a = render(self.tokenizer, history, **self.template_kwargs)
+                b = render(self.tokenizer, history + turn, add_generation_prompt=True,
+                           **self.template_kwargs)
+                break
+            except TemplateError:
+                raise
+            except Exception as e:  # jinja's raise_exception, an unknown role
+                refused = e
+        else:
             raise TemplateError(f"{where}: the chat template refuses a {self.role!r} message "
-                                f"after an assistant message ({type(e).__name__}: {e}); try "
+                                f"after an assistant message ({type(refused).__name__}: "
+                                f"{refused}); try "
                                 "the other observation_role") from None
         if a.count(_ASSISTANT) != 1:
             raise TemplateError(f"{where}: the chat template does not render an assistant "

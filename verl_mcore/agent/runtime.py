@@ -53,6 +53,7 @@ from verl_mcore.user_code import exit_raises_in_this_thread, load_checked, user_
 from verl_mcore.utils.doing import doing
 
 _KEY = "rollout.agent_loop"
+_SUMMED = ("agent/tool/", "agent/env/")  # ToolMetrics.to_dict's keys
 
 
 class AgentLoopError(RuntimeError):
@@ -117,7 +118,10 @@ class AgentRuntime:
             else:
                 outputs, firsts, metrics = _follow(server, channel)
         phase.keep_for_check(prompts.input_ids, firsts, sampling.temperature)
-        phase.note(metrics)
+        # The tools' and environment's metrics are counts and summed seconds (agent/metrics.py):
+        # they add up over the step's calls; the rest are this batch's.
+        counts = {k: v for k, v in metrics.items() if k.startswith(_SUMMED)}
+        phase.note({k: v for k, v in metrics.items() if k not in counts}, summed=counts)
         try:
             check_outputs(outputs, len(prompts.input_ids), sampling, self.vocab_size, self.label)
         except GenerateFnError as e:

@@ -697,6 +697,13 @@ def _reward_errors(cfg: Config) -> list[str]:
             errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it reads the "
                         "reward each trajectory's sampling gave, which only rollout.agent_loop "
                         "(or a rollout.generate_fn setting SampleOutput.reward) gives; set one")
+        a = cfg.rollout.agent_loop
+        if s.type == "environment" and not a.path and a.name == "tools":  # agent/builtin.py
+            errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it reads the "
+                        "reward each trajectory's sampling gave, and the built-in `tools` loop "
+                        "gives none (every sample would fail its score); use "
+                        "rollout.agent_loop.name=environment, or score with a rule or custom "
+                        "source")
         if s.type == "environment" and (s.path or s.function):
             errs.append(f"reward.sources[{i}] ({s.name!r}) is an environment reward: it has no "
                         "path or function (the agent loop's run returns the reward)")

@@ -30,6 +30,16 @@ def template_supports_tools(tokenizer, **template_kwargs: Any) -> bool:
     return _PROBE_TOOL["function"]["name"] in text
 
 
+def template_supports_system(tokenizer, **template_kwargs: Any) -> bool:
+    """Whether the chat template accepts a system message (Gemma's raises on one)."""
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+    except Exception:  # jinja's raise_exception: no system role
+        return False
+    return True
+
+
 def tools_system_prompt(schemas: Sequence[dict]) -> str:
     """The tools described as text, in the format the hermes parser reads, for templates
     without tool support."""
@@ -50,15 +60,26 @@ class ToolPrompt:
         self.schemas = list(schemas)
         self.native = bool(self.schemas) and template_supports_tools(tokenizer, **template_kwargs)
         self.text = tools_system_prompt(self.schemas) if self.schemas and not self.native else ""
+        # Where the description goes: the system message, or the first user message of a
+        # template that refuses a system one.
+        self.system = bool(self.text) and template_supports_system(tokenizer, **template_kwargs)
 
     def messages(self, messages: list[dict]) -> tuple[list[dict], dict]:
         """(messages, extra apply_chat_template kwargs) that put the schemas in the prompt:
         `tools=` when the template renders them, else the tools' description appended to the
-        system message (one is inserted first when there is none)."""
+        system message (one is inserted first when there is none), or put before the first
+        user message's text when the template has no system role."""
         if not self.schemas:
             return list(messages), {}
         if self.native:
             return list(messages), {"tools": self.schemas}
+        if not self.system:
+            at = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+            if at is None:
+                raise ValueError("data.tools: the chat template has no system role and the "
+                                 "prompt has no user message to describe the tools in")
+            first = dict(messages[at], content=f"{self.text}\n\n{messages[at]['content']}")
+            return list(messages[:at]) + [first] + list(messages[at + 1:]), {}
         if messages and messages[0].get("role") == "system":
             first = dict(messages[0], content=f"{messages[0]['content']}\n\n{self.text}")
             return [first] + list(messages[1:]), {}

@@ -354,8 +354,10 @@ class RLHFDataset:
                        f"(data.truncation=filter) left out {s.too_long_filtered} of the {seen} "
                        f"rows: their prompts have {span} tokens after the chat template")
             every = "" if low == high else f" ({high} keeps every prompt)"
-            fixes.append(f"raise data.max_prompt_length to at least {low}{every}, or set "
-                         f"data.truncation=truncate_left to keep them shortened")
+            tools = self._shows_tools()
+            fixes.append(f"raise data.max_prompt_length to at least {low}{every}" + (
+                " (the prompts include the tools' description, data.tools)" if tools else
+                ", or set data.truncation=truncate_left to keep them shortened"))
         if s.bad_rows_skipped:
             out.append(f"data.on_bad_row=skip skipped {s.bad_rows_skipped} of the {seen} rows as "
                        f"bad, e.g. {self.bad_rows[0]}")
@@ -444,6 +446,11 @@ class RLHFDataset:
         # maybe_filter_out_long_prompts left out before they reached a part.
         self.stats.rows_read = len(lengths) + self.stats.bad_rows_skipped + self.stats.too_long_filtered
 
+    def _shows_tools(self) -> bool:
+        """Whether the prompts show data.tools (ToolPrompt, made at the first prompt)."""
+        shown = getattr(self, "_tool_prompt", None)
+        return shown is not None and bool(shown.schemas)
+
     def _too_long(self, ids: list[int], part: FileRows, row: int) -> Optional[list[int]]:
         """Apply data.truncation to a prompt longer than data.max_prompt_length."""
         cfg = self.config
@@ -451,15 +458,28 @@ class RLHFDataset:
         if cfg.truncation == "filter":
             self._left_out_too_long(len(ids))
             return None
+        # data.tools: the tools' description opens the prompt (the system turn), so a cut on
+        # the left would take the tools away from the model without a word.
+        tools = self._shows_tools()
+        if cfg.truncation == "truncate_left" and tools:
+            raise DataError(part.path, f"the prompt has {len(ids)} tokens (after the chat "
+                                       f"template), more than data.max_prompt_length={limit}, and "
+                                       "data.truncation=truncate_left would cut the tools' "
+                                       "description (data.tools, at the prompt's start) off it: "
+                                       "raise data.max_prompt_length, or set data.truncation="
+                                       "filter", part.file_row(row), self.prompt_key)
         if cfg.truncation == "truncate_left":  # keep the end: the generation prompt is there
             self.stats.too_long_truncated += 1
             return ids[len(ids) - limit:]
         if cfg.truncation == "truncate_right":
             self.stats.too_long_truncated += 1
             return ids[:limit]
-        raise DataError(part.path, f"the prompt has {len(ids)} tokens (after the chat template), "
-                                   f"more than data.max_prompt_length={limit}; raise it, or set "
-                                   f"data.truncation to filter, truncate_left or truncate_right",
+        shown = (" including the tools' description (data.tools, which a left cut would drop)"
+                 if tools else "")
+        raise DataError(part.path, f"the prompt has {len(ids)} tokens (after the chat template"
+                                   f"{shown}), more than data.max_prompt_length={limit}; raise it, "
+                                   f"or set data.truncation to filter"
+                                   + ("" if tools else ", truncate_left or truncate_right"),
                         part.file_row(row), self.prompt_key)
 
 
