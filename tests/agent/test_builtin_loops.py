@@ -103,25 +103,3 @@ def test_a_shipped_agent_recipe_runs_a_step(tiny_model, tmp_path, config):
     assert outcome == 0, outcome
     assert served and all(len(call) == 4 for call in served)
 
-
-@pytest.mark.slow  # ~30 s: two ranks build and train
-@pytest.mark.distributed
-def test_the_tools_loop_at_tp_g_2_runs_the_tools_once_per_replica(tiny_model, tmp_path):
-    """Two ranks of one generation replica: the loops and the sandbox run on the first rank
-    only, the other replays its rounds; both return the same trajectories, each with its three
-    calculator results, and the calls are counted once (the replica's, not twice)."""
-    run = tmp_path / "run"
-    results = run_on_ranks(_train_recording, 2, args=(_tiny(tiny_model, run, 2) + [
-        f"rollout.agent_loop.parser={{path: {ALWAYS}, name: always}}",
-        "rollout.agent_loop.max_turns=3", "rollout.agent_loop.kwargs={max_tokens_per_turn: 8}",
-        "data.max_response_length=64", "parallel.tensor_model_parallel_size=2",
-        "rollout.tensor_parallel_size=2"], str(ROOT / "examples/agent/calculator.yaml")),
-        timeout=400)
-    (first, trained0, served0), (second, trained1, served1) = results
-    assert first == second == 0, (first, second)
-    assert served0 == served1 and trained0 == trained1
-    for call in served0:
-        for _, _, ids, mask, turns in call:
-            assert turns == 3 and len(_zero_runs(mask)) == 3
-    for row in _rows(run):
-        assert row["agent/tool/calculator/calls"] == 3 * 4
