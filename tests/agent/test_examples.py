@@ -44,11 +44,11 @@ def python_tool():
 
 
 def test_python_interpreter_limits(python_tool):
-    run = python_tool.PythonInterpreter(timeout_s=1, max_memory_mb=256, max_output_bytes=1000)
+    run = python_tool.PythonInterpreter(timeout_s=3, max_memory_mb=256, max_output_bytes=1000)
     assert run("print(sum(range(10)))") == "45\n"
     assert run("x = 1") == "[the program printed nothing: use print()]"
     assert "ZeroDivisionError" in run("1 / 0")
-    assert run("while True: pass").endswith("[the program did not finish within 1 s and was stopped]")
+    assert run("while True: pass").endswith("[the program did not finish within 3 s and was stopped]")
     assert run("print('y' * 100000)").endswith("y\n[output stopped at 1000 bytes]")
     assert "MemoryError" in run("x = bytearray(1 << 30)")
     assert run("import os; print(sorted(os.environ))") == "['LC_CTYPE', 'PATH']\n"
