@@ -166,8 +166,10 @@ def test_fully_async_equals_the_lagged_partial_reference_and_resumes(model, tmp_
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_short_fully_async_run_keeps_the_bound(model, tmp_path):
-    """The default tier's case: two steps, every trained token within the bound."""
+    """Two steps, every trained token within the bound (~50 s on the 2-core machine, most of it
+    starting 4 ranks: slow too; the default tier keeps the config's refusals)."""
     got = _run(_overrides(model, tmp_path / "run", *ASYNC, steps=2))
     rows = _rows(tmp_path / "run")
     assert [t[0] for t in got] == [1, 2]
@@ -208,34 +210,39 @@ def _pool_fails_on_rank_3(rank):
     return lambda: setattr(PartialPool, "run", original)
 
 
-def _update_fails_on_rank_1(rank):
-    """The actor set's second rank fails in step 2's update."""
+def _update_fails_on_the_actor_set(rank):
+    """Step 2's update fails on both actor ranks (as a reward function's error does, on every
+    training rank alike: one failing alone would leave its DP peer in the update's collectives,
+    whatever the rollout mode), while the rollout set makes the next batch."""
     from verl_mcore.learner import Learner
 
     original = Learner.train
 
     def train(self, step, rollout, phase, score=None):
-        if rank == 1 and step == 2:
-            raise RuntimeError("injected update failure on rank 1")
+        if rank in (0, 1) and step == 2:
+            raise RuntimeError(f"injected update failure on rank {rank}")
         return original(self, step, rollout, phase, score)
 
     Learner.train = train
     return lambda: setattr(Learner, "train", original)
 
 
-INJECT = {"pool": _pool_fails_on_rank_3, "update": _update_fails_on_rank_1}
+INJECT = {"pool": _pool_fails_on_rank_3, "update": _update_fails_on_the_actor_set}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("inject,rank", [("pool", 3), ("update", 1)])
-def test_a_failure_on_either_set_stops_every_rank(model, tmp_path, inject, rank):
+@pytest.mark.parametrize("inject,failed", [("pool", {3}), ("update", {0, 1})])
+def test_a_failure_on_either_set_stops_every_rank(model, tmp_path, inject, failed):
+    """Every rank raises an error that carries the injected one (a failed rank its own, the
+    others naming a failed rank), none waits for the collective timeout's watchdog."""
     overrides = _overrides(model, tmp_path / "run", *ASYNC, *SHORT_TIMEOUT, steps=3)
     outcomes = run_on_ranks(_failing, 4, args=(overrides, inject), timeout=300, fresh=True)
-    for r, (kind, text, seconds) in enumerate(outcomes):
+    for r, (kind, text, _) in enumerate(outcomes):
         assert kind != "ok", f"rank {r} finished the run: {outcomes}"
         assert "injected" in text, f"rank {r}: {kind}: {text} (all: {outcomes})"
-        assert r == rank or f"rank {rank}" in text, f"rank {r} does not name rank {rank}: {text}"
+        assert r in failed or any(f"rank {f}" in text for f in failed), \
+            f"rank {r} does not name a failed rank {sorted(failed)}: {text}"
 
 
 def test_fully_async_config_errors():
