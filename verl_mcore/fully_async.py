@@ -55,7 +55,12 @@ from verl_mcore.config.placement import format_ranks
 from verl_mcore.distributed.groups import collective_device
 from verl_mcore.partial_rollouts import COUNTS, METRICS, PartialProducer
 from verl_mcore.rollout.batch import Rollout
-from verl_mcore.rollout.gather import agreed_failure, broadcast_part, gather_integers, gather_rollout
+from verl_mcore.rollout.gather import (
+    agreed_failure,
+    broadcast_part,
+    gather_integers,
+    gather_rollout,
+)
 from verl_mcore.rollout.partial import PartialPool
 from verl_mcore.rollouts import Producer
 

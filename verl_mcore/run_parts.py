@@ -25,8 +25,8 @@ from verl_mcore.distributed.placement import RolePlacement
 from verl_mcore.distributed.preemption import PreemptionGuard
 from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
 from verl_mcore.engine.engine import training_device
-from verl_mcore.generation import WeightSender
 from verl_mcore.fully_async import FullyAsyncProducer
+from verl_mcore.generation import WeightSender
 from verl_mcore.learner import Learner
 from verl_mcore.partial_rollouts import PartialProducer
 from verl_mcore.planning import memory as planner

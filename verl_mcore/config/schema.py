@@ -249,7 +249,9 @@ class PartialRolloutConfig:
     and continues the unfinished samples at the next step with the new weights, their tokens
     kept with the policy version of each. The long tail of response lengths then no longer
     holds up every step. The batch is off-policy: the actor recomputes its old log-probs, and
-    rollout.tis_cap / rollout.correction weigh tokens against the engine's."""
+    rollout.tis_cap / rollout.correction weigh tokens against the engine's.
+    rollout.mode=fully_async keeps such a pool on its rollout set (fully_async.py) with enable
+    left false: it reads over_sampling, and its bound is rollout.max_staleness."""
 
     enable: bool = False
     over_sampling: float = 0.25  # extra prompt groups in flight, a share of the batch

@@ -522,13 +522,21 @@ def _partial_errors(cfg: Config) -> list[str]:
     if r.mode != "sync":
         errs.append(why + f"continues samples across steps itself: set rollout.mode=sync (got "
                     f"{r.mode})")
-    if r.engine != "native":
-        errs.append(why + f"aborts and continues requests on the native engine: set "
-                    f"rollout.engine=native (got {r.engine})")
     placed = [f"placement.{k}" for k in ("actor", "reference", "critic", "reward_model", "rollout")
               if getattr(cfg.placement, k) is not None]
     if placed:
         errs.append(why + f"runs colocated (every role on every rank): unset {', '.join(placed)}")
+    return errs + _pool_errors(cfg, why)
+
+
+def _pool_errors(cfg: Config, why: str) -> list[str]:
+    """What a pool of prompt groups in flight across steps (rollout/partial.py: partial
+    rollouts, fully_async) cannot follow; `why`: the option that keeps one, as the errors'
+    first words."""
+    r, errs = cfg.rollout, []
+    if r.engine != "native":
+        errs.append(why + f"aborts and continues requests on the native engine: set "
+                    f"rollout.engine=native (got {r.engine})")
     users = [k for k, c in (("rollout.generate_fn", r.generate_fn), ("rollout.agent_loop", r.agent_loop),
                             ("rollout.group_filter", r.group_filter)) if c.path or c.name]
     if cfg.algorithm.filter_groups.enable:
@@ -554,32 +562,11 @@ def _fully_async_errors(cfg: Config) -> list[str]:
         errs.append(why + "generates on GPUs of its own while the actor trains: set "
                     "placement.rollout to the generation ranks (and placement.actor to the "
                     "others)")
-    else:
-        ranks = cfg.placement.rollout if isinstance(cfg.placement.rollout, list) else \
-            getattr(cfg.placement.rollout, "ranks", None) or cfg.placement.rollout.get("ranks", [])
-        replicas = max(1, len(ranks) // max(1, r.tensor_parallel_size))
-        if cfg.data.train_batch_size % replicas:
-            errs.append(why + f"splits each batch evenly over the rollout set's {replicas} "
-                        f"generation replicas: data.train_batch_size="
-                        f"{cfg.data.train_batch_size} must be a multiple of {replicas}")
-    if r.engine != "native":
-        errs.append(why + f"aborts and continues requests on the native engine: set "
-                    f"rollout.engine=native (got {r.engine})")
     if r.partial.enable:
         errs.append(why + "keeps its own pool of partial rollouts on the rollout set: set "
                     "rollout.partial.enable=false (rollout.partial.over_sampling still sets how "
                     "many groups are in flight; rollout.max_staleness bounds their age)")
-    users = [k for k, c in (("rollout.generate_fn", r.generate_fn), ("rollout.agent_loop", r.agent_loop),
-                            ("rollout.group_filter", r.group_filter)) if c.path or c.name]
-    if cfg.algorithm.filter_groups.enable:
-        users.append("algorithm.filter_groups.enable")
-    if users:
-        errs.append(why + f"samples prompt groups across steps, which {', '.join(users)} "
-                    "cannot follow: turn one of them off")
-    if cfg.algorithm.adv_estimator == "remax":
-        errs.append(why + "has no greedy baselines to continue: algorithm.adv_estimator=remax "
-                    "is not supported with it")
-    return errs
+    return errs + _pool_errors(cfg, why)
 
 
 def _filter_groups_errors(cfg: Config) -> list[str]:
