@@ -178,6 +178,22 @@ def test_a_short_fully_async_run_keeps_the_bound(model, tmp_path):
     assert rows[2]["rollout/partial/in_flight"] == 6  # 3 groups on each of the 2 replicas
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_one_replica_at_tp_g_2_keeps_the_bound_and_both_trainers_agree(model, tmp_path):
+    """The rollout set as one replica of TP_g = 2 (its two ranks hold the same pool; the lead
+    speaks for it): the batches reach both actor ranks alike, within the bound."""
+    overrides = _overrides(model, tmp_path / "run", *ASYNC, "rollout.tensor_parallel_size=2",
+                           steps=3)
+    results = run_on_ranks(_train_recording, 4, args=(overrides,), timeout=900)
+    assert [r[0] for r in results] == [0] * 4
+    first, second = results[0][1], results[1][1]
+    assert first == second and [t[0] for t in first] == [1, 2, 3]
+    rows = _rows(tmp_path / "run")
+    _check_bound(first, rows)
+    assert rows[2]["rollout/partial/in_flight"] == 6  # ceil(4 x 1.5) on the one replica
+
+
 # ---------------------------------------------------------------------------- hostile
 
 def _failing(rank, world_size, overrides, inject):
