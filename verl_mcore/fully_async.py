@@ -117,10 +117,15 @@ class FullyAsyncProducer(PartialProducer):
         with phase("sync"):  # weights + the cross-set check on the oldest in-flight prompts
             try:
                 self._draw()
-                prompts = [g.prompt for g in self.pool.groups] if self.pool is not None else True
-                metrics.update(s.begin(step, prompts))
             except Exception as e:  # noqa: BLE001 - every rank raises it at the hand-over
                 self.failure = e
+            # The weights' way in is collective with the actor set: taken after a failed draw
+            # too, so that no actor rank waits in it.
+            prompts = [g.prompt for g in self.pool.groups] if self.pool is not None else True
+            try:
+                metrics.update(s.begin(step, prompts))
+            except Exception as e:  # noqa: BLE001 - every rank raises it at the hand-over
+                self.failure = self.failure or e
         metrics.update(self._advance(step + (0 if self.place.trains else AHEAD), step, phase))
         s.end()
         metrics.update(s.stats())
