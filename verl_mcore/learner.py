@@ -126,10 +126,10 @@ class Learner:
         # Actor.is_on_policy_step, from the config: every set decides alike, the actor set or not.
         on_policy = (cfg.actor.ppo_epochs == 1
                      and cfg.actor.ppo_mini_batch_size * cfg.rollout.n == batch.num_samples)
-        # Samples of older weights (one_step_off, rollout.partial's continued samples), or
-        # weighed against the engine's log-probs (rollout.tis_cap, rollout.correction): the
-        # ratio's denominator is the actor's current policy.
-        off_policy = (cfg.rollout.mode == "one_step_off" or cfg.rollout.partial.enable
+        # Samples of older weights (one_step_off, fully_async, rollout.partial's continued
+        # samples), or weighed against the engine's log-probs (rollout.tis_cap,
+        # rollout.correction): the ratio's denominator is the actor's current policy.
+        off_policy = (cfg.rollout.mode != "sync" or cfg.rollout.partial.enable
                       or cfg.rollout.weighs_engine_log_probs)
         return (cfg.actor.recompute_old_log_probs == "always" or cfg.algorithm.use_kl_in_reward
                 or not on_policy or off_policy)

@@ -195,19 +195,37 @@ class PartialProducer(Producer):
         if saved is None:
             self.generated = int(state.get("gen_batches") or step)
             return
+        self._check_sizes(saved)
+        self.generated = int(state["gen_batches"])
+        rows = self._redraw(int(saved["first_draw"]))
+        self._restore_pool(saved, rows)
+
+    def _check_sizes(self, saved: dict) -> None:
+        """The checkpoint's pool was sampled with this run's batch size and samples per prompt
+        (its serials count prompts in batches of that size)."""
         tb, n = self.cfg.data.train_batch_size, self.cfg.rollout.n
         if (int(saved["train_batch_size"]), int(saved["n"])) != (tb, n):
             raise ValueError(
                 f"the checkpoint's partial rollouts were sampled with data.train_batch_size="
                 f"{saved['train_batch_size']} and rollout.n={saved['n']}, this run has {tb} and "
                 f"{n}: resume with the same values")
-        self.generated = int(state["gen_batches"])
+
+    def _redraw(self, first: int) -> dict[int, tuple[list[int], dict]]:
+        """The draws from `first` on drawn again, whole global batches (the loader at the
+        checkpoint's position): {serial: (prompt ids, dataset row)}."""
+        tb = self.cfg.data.train_batch_size
         rows: dict[int, tuple[list[int], dict]] = {}
-        for d in range(int(saved["first_draw"]), self.generated):
+        for d in range(first, self.generated):
             self.drawn_before[d] = self.loader.state_dict()
             batch = self.loader.next_global()
             for i, (ids, row) in enumerate(zip(batch.input_ids, batch.rows)):
                 rows[d * tb + i] = (list(ids), row)
+        return rows
+
+    def _restore_pool(self, saved: dict, rows: dict) -> None:
+        """This replica's groups of the saved pools (`saved`: state_dict's "partial") back in
+        its pool; `rows`: _redraw's."""
+        tb, n = self.cfg.data.train_batch_size, self.cfg.rollout.n
         serials = saved["serials"].tolist()
         missing = [x for x in serials if x not in rows]
         if missing:

@@ -214,13 +214,14 @@ def decode_weight_bytes(dims: ModelDims, tp_g: int, fp8: bool) -> float:
 
 
 def _needs_old_log_probs(cfg: Config, stale: bool = False) -> bool:
-    """Learner.needs_old_log_probs from the config; `stale` (one_step_off) or rollout.partial:
-    the samples come (partly) from earlier weights, so the update's own log-probs are not the
-    old ones; weighed against the engine's log-probs (rollout.tis_cap, rollout.correction), the
+    """Learner.needs_old_log_probs from the config; `stale` (one_step_off), fully_async or
+    rollout.partial: the samples come (partly) from earlier weights, so the update's own
+    log-probs are not the old ones; weighed against the engine's log-probs (rollout.tis_cap, rollout.correction), the
     pass always runs."""
     a = cfg.actor
     on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
-    return (stale or cfg.rollout.partial.enable or a.recompute_old_log_probs == "always"
+    return (stale or cfg.rollout.partial.enable or cfg.rollout.mode == "fully_async"
+            or a.recompute_old_log_probs == "always"
             or cfg.algorithm.use_kl_in_reward or not on_policy or cfg.rollout.weighs_engine_log_probs)
 
 

@@ -25,6 +25,7 @@ from verl_mcore.distributed.placement import RolePlacement
 from verl_mcore.distributed.preemption import PreemptionGuard
 from verl_mcore.distributed.watchdog import Watchdog, process_group_timeout
 from verl_mcore.engine.engine import training_device
+from verl_mcore.fully_async import FullyAsyncProducer
 from verl_mcore.generation import WeightSender
 from verl_mcore.learner import Learner
 from verl_mcore.partial_rollouts import PartialProducer
@@ -151,7 +152,10 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
                       build.build_offloaders(cfg, roles["actor"], roles["critic"], offload))
     scorer = Scorer(cfg, rewards, roles["reward_models"], list(inputs.reward_models), place,
                     info.tokenizer, device, rank)
-    if cfg.rollout.partial.enable:  # colocated, sync mode (config/validate.py)
+    if cfg.rollout.mode == "fully_async":  # on a rollout set of its own (config/validate.py)
+        producer = FullyAsyncProducer(sampler, loader, place, cfg, learner.offload_training_state,
+                                      scorer)
+    elif cfg.rollout.partial.enable:  # colocated, sync mode (config/validate.py)
         producer = PartialProducer(sampler, loader, place, cfg, learner.offload_training_state,
                                    scorer)
     else:

@@ -134,6 +134,21 @@ def test_a_batch_size_change_is_refused_with_partial_rollouts_in_flight(caplog):
     assert "samples in flight are dropped" in caplog.text
 
 
+def test_a_mode_change_is_refused_with_fully_async_samples_in_flight():
+    """rollout.mode=fully_async's checkpoint holds its pools and the batch it handed over, which
+    another producer would drop; a partial rollouts' checkpoint may still change mode."""
+    loader = {"epoch": 0, "batch_in_epoch": 3, "batch_size": 8, "seed": 1}
+    saved = {"loader": loader, "rollout_queue": [{"saved": 1}],
+             "rollout_partial": {"mode": "fully_async", "serials": [17]}}
+    with pytest.raises(resume.ResumeConfigError,
+                       match=r"fully_async's samples in flight.*Set rollout.mode=fully_async"):
+        resume.apply_to_state([resume.Change("rollout.mode", "fully_async", "sync")], saved,
+                              PromptLoader.rebatch)
+    partial = {"loader": loader, "rollout_queue": [], "rollout_partial": {"serials": [17]}}
+    resume.apply_to_state([resume.Change("rollout.mode", "sync", "one_step_off")], partial,
+                          PromptLoader.rebatch)
+
+
 @pytest.mark.parametrize("change", [["actor.ppo_mini_batch_size=4"], ["actor.ppo_epochs=3"],
                                     ["data.train_batch_size=16"]])
 def test_the_lr_continues_at_the_training_step_after_a_batch_change(change):

@@ -207,6 +207,15 @@ def apply_to_state(changes: list[Change], state: dict,
             f"in flight (rollout.partial), whose prompts are found again by drawing batches of "
             f"{change.saved} prompts. Set data.train_batch_size={change.saved} again for this "
             f"resume")
+    saved_pool = state.get("rollout_partial") or {}
+    if "rollout.mode" in keys and saved_pool.get("mode") == "fully_async":
+        # The pools and the batch handed over are fully_async's (fully_async.py): another
+        # producer would drop the batch, whose prompts the loader does not hand out again.
+        change = keys["rollout.mode"]
+        raise ResumeConfigError(
+            f"cannot resume with this config: {change}: the checkpoint holds rollout.mode="
+            f"fully_async's samples in flight and the batch it handed over for the next step. "
+            f"Set rollout.mode={change.saved} again for this resume")
     if "rollout.partial.enable" in keys and state.get("rollout_partial") is not None:
         log.warning("resume: rollout.partial.enable changed: the checkpoint's samples in flight "
                     "are dropped, and the prompt loader goes back to the oldest batch they came "

@@ -249,7 +249,9 @@ class PartialRolloutConfig:
     and continues the unfinished samples at the next step with the new weights, their tokens
     kept with the policy version of each. The long tail of response lengths then no longer
     holds up every step. The batch is off-policy: the actor recomputes its old log-probs, and
-    rollout.tis_cap / rollout.correction weigh tokens against the engine's."""
+    rollout.tis_cap / rollout.correction weigh tokens against the engine's.
+    rollout.mode=fully_async keeps such a pool on its rollout set (fully_async.py) with enable
+    left false: it reads over_sampling, and its bound is rollout.max_staleness."""
 
     enable: bool = False
     over_sampling: float = 0.25  # extra prompt groups in flight, a share of the batch
@@ -296,8 +298,17 @@ class RolloutConfig:
     # placement.rollout): the rollout set samples the batch of step t + max_staleness while the
     # actor set trains step t, with the weights of t - 1, so generation and training overlap and a
     # sample lags the policy it trains by up to max_staleness versions.
-    mode: Literal["sync", "one_step_off"] = "sync"
-    max_staleness: int = 1  # one_step_off: batches sampled ahead (policy versions a sample lags)
+    # fully_async (needs placement.rollout and the native engine; fully_async.py): the rollout
+    # set keeps prompt groups in flight (rollout.partial.over_sampling extra) across weight
+    # updates, continues their samples with each new version instead of restarting them, and
+    # hands over each batch of train_batch_size finished groups while the trainers train on the
+    # previous one; a sample holding a token more than max_staleness versions older than the
+    # weights it trains is sampled again.
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    # one_step_off: batches sampled ahead (policy versions a sample lags); fully_async: the
+    # versions a trained token may lag (1 restarts unfinished samples at each update; 2 and more
+    # continue them)
+    max_staleness: int = 1
     # Truncated importance sampling against the engine's own log-probs (verl's
     # tis_imp_ratio_cap): each token's policy loss is weighted by min(pi_old / pi_engine, tis_cap),
     # pi_old the actor's recomputed log-probs. null: off.

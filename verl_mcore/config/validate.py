@@ -57,7 +57,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.seed": ("[0, inf)", "null: derived from trainer.seed"),
     "rollout.gpu_memory_utilization": ("(0, 1]", ""),
     "rollout.max_num_seqs": ("[1, inf)", ""),
-    "rollout.max_staleness": ("[1, inf)", "rollout.mode=one_step_off: batches sampled ahead"),
+    "rollout.max_staleness": ("[1, inf)", "rollout.mode=one_step_off: batches sampled ahead; "
+                              "fully_async: versions a trained token may lag"),
     "rollout.tis_cap": ("(0, inf)", "null: no importance weights"),
     "rollout.partial.over_sampling": ("[0, inf)", "extra prompt groups in flight, a share of the batch"),
     "rollout.partial.max_staleness": ("[0, inf)", "policy versions a trained token may lag"),
@@ -499,6 +500,7 @@ def _rollout_mode_errors(cfg: Config) -> list[str]:
                     f"rollout.top_k={r.top_k}), not the model's: set rollout.top_p=1 and "
                     f"rollout.top_k=-1, use rollout.engine=native, or turn {what} off")
     errs += _partial_errors(cfg)
+    errs += _fully_async_errors(cfg)
     a, g = r.agent_loop, r.generate_fn
     if not a.path and a.name in ("tools", "environment"):  # the built-in loops (agent/builtin.py)
         needs = {"tools": ("tools", bool(a.tools) or bool(a.environment.path)),
@@ -533,13 +535,21 @@ def _partial_errors(cfg: Config) -> list[str]:
     if r.mode != "sync":
         errs.append(why + f"continues samples across steps itself: set rollout.mode=sync (got "
                     f"{r.mode})")
-    if r.engine != "native":
-        errs.append(why + f"aborts and continues requests on the native engine: set "
-                    f"rollout.engine=native (got {r.engine})")
     placed = [f"placement.{k}" for k in ("actor", "reference", "critic", "reward_model", "rollout")
               if getattr(cfg.placement, k) is not None]
     if placed:
         errs.append(why + f"runs colocated (every role on every rank): unset {', '.join(placed)}")
+    return errs + _pool_errors(cfg, why)
+
+
+def _pool_errors(cfg: Config, why: str) -> list[str]:
+    """What a pool of prompt groups in flight across steps (rollout/partial.py: partial
+    rollouts, fully_async) cannot follow; `why`: the option that keeps one, as the errors'
+    first words."""
+    r, errs = cfg.rollout, []
+    if r.engine != "native":
+        errs.append(why + f"aborts and continues requests on the native engine: set "
+                    f"rollout.engine=native (got {r.engine})")
     users = [k for k, c in (("rollout.generate_fn", r.generate_fn), ("rollout.agent_loop", r.agent_loop),
                             ("rollout.group_filter", r.group_filter)) if c.path or c.name]
     if cfg.algorithm.filter_groups.enable:
@@ -551,6 +561,25 @@ def _partial_errors(cfg: Config) -> list[str]:
         errs.append(why + "has no greedy baselines to continue: algorithm.adv_estimator=remax "
                     "is not supported with it")
     return errs
+
+
+def _fully_async_errors(cfg: Config) -> list[str]:
+    """rollout.mode=fully_async against what its producer (fully_async.py) does not do: it keeps
+    prompt groups in flight on a rollout set of its own, over the native engine's serving
+    session, one prompt group at a time (the batch's split over the replicas: _batch_errors)."""
+    r, errs = cfg.rollout, []
+    if r.mode != "fully_async":
+        return errs
+    why = "rollout.mode=fully_async "
+    if cfg.placement.rollout is None:
+        errs.append(why + "generates on GPUs of its own while the actor trains: set "
+                    "placement.rollout to the generation ranks (and placement.actor to the "
+                    "others)")
+    if r.partial.enable:
+        errs.append(why + "keeps its own pool of partial rollouts on the rollout set: set "
+                    "rollout.partial.enable=false (rollout.partial.over_sampling still sets how "
+                    "many groups are in flight; rollout.max_staleness bounds their age)")
+    return errs + _pool_errors(cfg, why)
 
 
 def _filter_groups_errors(cfg: Config) -> list[str]:
