@@ -69,6 +69,7 @@ def test_the_tools_loop_calls_the_calculator_in_the_sandbox(tiny_model, tmp_path
             assert len(_zero_runs(mask)) == 2
     for row in _rows(run):
         assert row["agent/tool/calculator/calls"] == 2 * 4  # 4 trajectories a step
+        assert row["agent/info/tool_calls_mean"] == 2  # the loop's run result
         assert row["agent/tool/calculator/errors"] == 0 and row["agent/turns_mean"] == 3
         assert row["agent/length_ended_share"] == 1.0
         assert row["rollout/turns/mean"] == 3 and row["rollout/masked_token_share"] > 0

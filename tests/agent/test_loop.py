@@ -102,3 +102,12 @@ def test_the_start_up_check_names_the_class(obj, kwargs, error):
     with pytest.raises(ValueError) as e:
         check_agent_loop(obj, "rollout.agent_loop", "/a/loop.py", name, kwargs)
     assert error in str(e.value) and "/a/loop.py" in str(e.value)
+
+
+def test_the_numbers_a_loop_reports_become_mean_metrics():
+    from verl_mcore.agent.runtime import info_metrics
+
+    got = info_metrics([{"tool_calls": 2, "note": "x"}, {"tool_calls": 4, "a/b": 1.0},
+                        {"flag": True, "bad": float("nan")}, {}])
+    assert got["agent/info/tool_calls_mean"] == 3.0
+    assert len(got) == 2 and any(k.startswith("agent/info/a_b-") for k in got)  # no "/" nesting

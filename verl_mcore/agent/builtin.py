@@ -16,8 +16,9 @@ Both stop at the runtime's limits (rollout.agent_loop.max_turns, data.max_respon
 trajectory a limit ends while the model still wanted a turn (calls in its last allowed turn,
 which are not run; an episode not done) finishes with "length", as the runtime's cut. The
 prompt is the dataset row's; an environment's reset(row) prepares the episode from the row (its
-observation is kept in the trajectory's info as "first_observation": put what the model must
-read first in the dataset's prompt).
+observation goes to the run result's info as "first_observation", which the training batch does
+not carry: put what the model must read first in the dataset's prompt). The numbers a loop
+reports in its info (tool_calls, env_steps) are logged as agent/info/<key>_mean.
 """
 from __future__ import annotations
 

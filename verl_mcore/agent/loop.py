@@ -34,8 +34,9 @@ the trajectory is over: the next `ctx.generate` raises TrajectoryEnded (a BaseEx
 reason "length". Otherwise the trajectory's finish reason is its last turn's.
 
 `run` returns None (the reward sources score the response), a float (the environment's reward
-for the trajectory), or a dict {"reward": float or None, ...} whose other keys are kept as the
-trajectory's info; the runtime puts them in SampleOutput.reward and SampleOutput.info.
+for the trajectory), or a dict {"reward": float or None, ...} whose other keys are the
+trajectory's info; the runtime puts them in SampleOutput.reward and SampleOutput.info, and logs
+the info's numbers as agent/info/<key>_mean (the training batch carries no per-sample info).
 """
 from __future__ import annotations
 

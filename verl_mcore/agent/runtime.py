@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import secrets
 import statistics
 import time
@@ -50,6 +51,7 @@ from verl_mcore.rollout.base import SampleOutput, SamplingParams
 from verl_mcore.rollout.generate_fn import GenerateFnError, check_outputs
 from verl_mcore.rollout.serving import Request, Server, stream_key
 from verl_mcore.user_code import exit_raises_in_this_thread, load_checked, user_line
+from verl_mcore.utils.metric_names import name_fragment
 from verl_mcore.utils.doing import doing
 
 _KEY = "rollout.agent_loop"
@@ -224,6 +226,7 @@ class _Leader:
         outputs = [self._output(t, ctx, *result) for t, (ctx, result) in enumerate(zip(contexts, results))]
         firsts = [self.firsts[t] for t in sorted(self.firsts)]
         metrics = self._metrics(contexts)
+        metrics.update(info_metrics([info for _, info in results]))
         if self.rt.tools is not None:  # per tool, of this batch's trajectories
             metrics.update(self.rt.tools.take_metrics())
         return outputs, firsts, metrics
@@ -312,6 +315,20 @@ class _Leader:
                 "agent/tool_wait_seconds_mean": statistics.fmean(c.tool_wait_s for c in contexts),
                 "agent/engine_idle_seconds": self.idle_s,
                 "agent/rounds": float(self.rounds)}
+
+
+def info_metrics(infos: Sequence[dict]) -> dict[str, float]:
+    """`agent/info/<key>_mean`: the mean of each number the loops' run results reported beside
+    the reward (SampleOutput.info: the tools loop's tool_calls, the environment loop's
+    env_steps), over the trajectories that reported it. Other values (text) stay in the
+    outputs' info only: the training batch carries no per-sample objects."""
+    sums: dict[str, list[float]] = {}
+    for info in infos:
+        for key, value in info.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                sums.setdefault(key, []).append(float(value))
+    return {f"agent/info/{name_fragment(k)}_mean": statistics.fmean(v) for k, v in sums.items()}
 
 
 def load_agent_loop(cfg, tokenizer, eos_token_ids: Sequence[int], vocab_size: int) -> Optional[AgentRuntime]:
