@@ -47,3 +47,18 @@ def test_ppo_at_ep2(tiny_moe, tmp_path):
     for r in rows:
         assert r["actor/moe_aux_loss"] > 0 and r["critic/moe_aux_loss"] > 0
         assert r["critic/moe_tokens_per_expert_max"] >= r["critic/moe_tokens_per_expert_mean"] > 0
+
+
+@pytest.mark.slow  # ~40 s on 2 cores; the data path's near-tie test is the default tier's
+@pytest.mark.distributed
+def test_grpo_with_routing_replay(tiny_moe, tmp_path):
+    """actor.router_replay=rollout on one rank for 2 steps: the engine records its routing, the
+    old-log-prob (ppo_epochs 2), reference (use_kl_loss) and update passes replay it, and the
+    mismatch metric is there: 0 here, where the engine and the trainer compute in fp32 on one
+    device and agree on every routing decision."""
+    run_dir = tmp_path / "replay"
+    overrides = tt._overrides(tiny_moe, run_dir, "grpo", (1, 1, 1)) + [
+        "actor.router_replay=rollout", "trainer.total_steps=2"]
+    assert run_on_ranks(tt._train, 1, args=(overrides,), timeout=600) == [0]
+    rows = tt._check_metrics(run_dir, "grpo", 2)
+    assert [r["actor/router_replay_mismatch"] for r in rows] == [0.0, 0.0]
