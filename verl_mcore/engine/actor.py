@@ -213,14 +213,15 @@ class Actor:
             summary["actor/router_replay_mismatch"] = self._replay_mismatch()
         return summary, [s for s, _ in steps]
 
-    def _replay_mismatch(self) -> float:
+    def _replay_mismatch(self) -> Optional[float]:
         """The share of token-layer routing decisions (response tokens, MoE layers) where the
         actor's router, left to itself, would have chosen other experts than the rollout
         engine: in the old-log-prob pass when it ran (the weights that sampled), else in the
-        update's passes (one on-policy step: the same weights)."""
+        update's passes (one on-policy step: the same weights). None when no decision was
+        replayed (the engine recorded none)."""
         differed, forced = self._replayed or self.engine.replay_mismatch()
         self._replayed = None
-        return differed / forced if forced else 0.0
+        return differed / forced if forced else None
 
 
 def run_ppo_epochs(engine, batch, mini_batch_size, epochs, mb_kwargs, loss, norm_len):

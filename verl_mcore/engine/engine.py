@@ -246,6 +246,8 @@ class MegatronEngine:
         # Micro-batches are laid out on the host; fields computed on the GPU (old log-probs,
         # advantages) come over once here, not once per micro-batch.
         batch = batch.cpu()
+        if self.replay is None and batch.routed_experts is not None:  # nothing here replays it
+            batch = dataclasses.replace(batch, routed_experts=None)
         plan = plan_micro_batches(
             batch.seq_lens.tolist(), self.dp_size, max_tokens=max_tokens,
             micro_batch_size=micro_batch_size, pad_multiple=self.pad_multiple,
