@@ -108,9 +108,6 @@ def routing_body(rank, world_size, hf_dir: str, fused: bool = False):
 
 
 def _routing(hf_dir: str):
-    import numpy as np
-    import torch
-
     from verl_mcore.rollout.base import SamplingParams
     from verl_mcore.rollout.native import NativeEngine
     from verl_mcore.rollout.serving import Request
@@ -137,29 +134,48 @@ def _routing(hf_dir: str):
     contexts = [(eb.PROMPTS[o.prompt_index], o) for o in outputs]
     contexts += [(eb.PROMPTS[0] if o.prompt_index == 0 else eb.PROMPTS[2] if o.prompt_index == 1
                   else list(context), o) for o in served]
+    bad, shapes = routing_errors(model, engine, contexts)
+    return {"bad": bad, "shapes": sorted(shapes), "outputs": len(contexts),
+            "same_tokens": [o.token_ids for o in outputs] == [o.token_ids for o in plain],
+            "plain_extras": [o.extras for o in plain][:1], "layers": len(engine.net.layers),
+            "topk": arch.moe.topk}
+
+
+def routing_errors(model, engine, samples) -> tuple[list, set]:
+    """(samples whose routed_experts are not what `engine`'s MoE MLPs route on the hidden
+    states of a teacher-forced megatron forward of `model`, as (prompt, sample, layer); the
+    routing shapes seen) for `samples` [(context, SampleOutput)]. Row j of a sample is the
+    routing of the position before response token j; tokens of loss mask 0 (observations, which
+    no forward produced) and dense layers hold -1."""
+    import numpy as np
+    import torch
+
     moe = {i: m for i, m in enumerate(engine.net.mlps) if hasattr(m, "route")}
     seen = {}
     hooks = [engine.net.layers[i].mlp.register_forward_pre_hook(
         lambda m, args, i=i: seen.__setitem__(i, args[0].detach())) for i in moe]
     bad, shapes = [], set()
-    with torch.no_grad():
-        for prompt, out in contexts:
-            got = out.extras["routed_experts"]
-            shapes.add(tuple(got.shape[1:]))
-            ids = torch.as_tensor([*prompt, *out.token_ids[:-1]]).unsqueeze(0)
-            model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
-            p, r = len(prompt), len(out.token_ids)
-            for i, m in moe.items():
-                x = seen[i][p - 1:p - 1 + r, 0]  # [r, H]: the positions that produced the tokens
-                want = m.route(x)[1].numpy()
-                if got.shape[0] != r or not np.array_equal(np.sort(got[:, i], -1), np.sort(want, -1)):
-                    bad.append((out.prompt_index, out.sample_index, i))
-            dense = [i for i in range(len(engine.net.layers)) if i not in moe]
-            if dense and (got[:, dense] != -1).any():
-                bad.append((out.prompt_index, out.sample_index, "dense"))
-    for h in hooks:
-        h.remove()
-    return {"bad": bad, "shapes": sorted(shapes), "outputs": len(contexts),
-            "same_tokens": [o.token_ids for o in outputs] == [o.token_ids for o in plain],
-            "plain_extras": [o.extras for o in plain][:1], "layers": len(engine.net.layers),
-            "topk": arch.moe.topk}
+    try:
+        with torch.no_grad():
+            for prompt, out in samples:
+                got = np.asarray(out.extras["routed_experts"])
+                shapes.add(tuple(got.shape[1:]))
+                ids = torch.as_tensor([*prompt, *out.token_ids[:-1]]).unsqueeze(0)
+                model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
+                p, r = len(prompt), len(out.token_ids)
+                own = np.asarray(out.loss_mask if out.loss_mask is not None else [1] * r, bool)
+                if got.shape[0] != r or (got[~own] != -1).any():
+                    bad.append((out.prompt_index, out.sample_index, "length or observations"))
+                    continue
+                for i, m in moe.items():
+                    x = seen[i][p - 1:p - 1 + r, 0]  # [r, H]: the positions that produced them
+                    want = np.sort(m.route(x)[1].numpy(), -1)[own]
+                    if not np.array_equal(np.sort(got[:, i], -1)[own], want):
+                        bad.append((out.prompt_index, out.sample_index, i))
+                dense = [i for i in range(len(engine.net.layers)) if i not in moe]
+                if dense and (got[:, dense] != -1).any():
+                    bad.append((out.prompt_index, out.sample_index, "dense"))
+    finally:
+        for h in hooks:
+            h.remove()
+    return bad, shapes
