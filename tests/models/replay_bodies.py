@@ -89,6 +89,7 @@ def trainer_path_body(rank, world_size, hf_dir: str, prompt: list, layer: int, e
     from verl_mcore.config.schema import ActorConfig, OptimConfig
     from verl_mcore.engine.actor import Actor, Reference, compute_log_probs
     from verl_mcore.engine.engine import MegatronEngine
+    from verl_mcore.generation import GenerationPhase
     from verl_mcore.models.gpt import build_gpt_model, unwrap
     from verl_mcore.models.hf_config import read_hf_arch, transformer_config
     from verl_mcore.models.hf_weights import load_hf_weights
@@ -97,6 +98,7 @@ def trainer_path_body(rank, world_size, hf_dir: str, prompt: list, layer: int, e
     from verl_mcore.rollout.base import SamplingParams
     from verl_mcore.rollout.batch import Rollout
     from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.rollout.sync_check import check_weight_sync
 
     setup_megatron(1, 1, 1)
     pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -150,10 +152,16 @@ def trainer_path_body(rank, world_size, hf_dir: str, prompt: list, layer: int, e
                                  {"max_tokens": 64}, False)
     padded, _ = compute_log_probs(actor_engine, batch, 1.0, {"micro_batch_size": 1}, False)
     ref = Reference(ref_engine, max_tokens_per_microbatch=64).compute_ref_log_prob(batch)
+    # The weight-sync check replays the routing too: it compares the weights, not near-ties.
+    phase = GenerationPhase(engine, actor, SimpleNamespace(gen_tp_rank=0, gen_dp_rank=0), None,
+                            (), 6, 0)
+    check = {name: check_weight_sync(outs, [prompt], phase.actor_logprobs, 1.0, 10.0)
+             ["rollout/logprob_diff_max"] for name, outs in (
+                 ("replayed", outputs), ("plain", [dataclasses.replace(o, extras={}) for o in outputs]))}
     summary, _ = actor.update(dataclasses.replace(
         batch, old_log_probs=replayed, advantages=torch.tensor([[1.0], [-1.0]]).expand_as(replayed)))
     mask = batch.response_field_mask()
-    return {"engine": rollout.engine_log_probs[mask], "replayed": replayed[mask],
+    return {"check": check, "engine": rollout.engine_log_probs[mask], "replayed": replayed[mask],
             "plain": plain[mask], "padded": padded[mask], "reference": ref[mask],
             "counts": counts, "metric": summary["actor/router_replay_mismatch"],
             "first_routed": batch.routed_experts[:, 0, layer].tolist(), "flipped": (kth, next_),

@@ -55,3 +55,4 @@ def test_old_log_probs_equal_the_engines_through_the_trainers_data_path(moe_dirs
     assert forced == res["tokens"] * res["moe_layers"] and 2 <= differed < forced / 4
     assert res["metric"] == pytest.approx(differed / forced)
     assert res["router_moved"] > 0
+    assert res["check"]["replayed"] < 1e-4 < 1e-3 < res["check"]["plain"]  # the weight-sync check

@@ -156,9 +156,13 @@ class Actor:
         the old log-probs from its own forward pass (see ActorConfig.recompute_old_log_probs)."""
         return self.cfg.ppo_epochs == 1 and self.mini_batch_size == num_samples
 
-    def compute_log_prob(self, batch: TrainBatch, compute_entropy: bool = False):
-        """Old log-probs `[B, R]` (and entropies) of the current weights, forward only."""
-        replayed = self.engine.replay is not None and batch.routed_experts is not None
+    def compute_log_prob(self, batch: TrainBatch, compute_entropy: bool = False,
+                         measure_replay: bool = True):
+        """Old log-probs `[B, R]` (and entropies) of the current weights, forward only.
+        measure_replay: this pass gives the update's routing-replay metric (`_replay_mismatch`);
+        False for other batches (the weight-sync check's)."""
+        replayed = (measure_replay and self.engine.replay is not None
+                    and batch.routed_experts is not None)
         if replayed:
             self.engine.replay.mismatch(reset=True)  # count this pass only
         out = compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, compute_entropy)
