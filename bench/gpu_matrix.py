@@ -319,6 +319,14 @@ def _cases() -> list[Case]:
         Case("device-cpu", ("trainer.device=cpu", "parallel.use_distributed_optimizer=true")),
         Case("device-cpu-2-ranks", ("trainer.device=cpu", "parallel.use_distributed_optimizer=true"),
              ranks=2),
+        # A mixture-of-experts actor ({model}-moe: tools.make_tiny_model --moe, 4 experts, top-2,
+        # a shared expert) with routing replay: the engine records its experts, the old-log-prob
+        # (two epochs), reference and update passes replay them; the mismatch metric is the
+        # share of decisions the trainer's bf16 routers would have taken otherwise.
+        Case("moe-router-replay", ("model.path={model}-moe", "actor.router_replay=rollout",
+                                   "actor.use_kl_loss=true", "actor.ppo_epochs=2"),
+             expect=("actor/router_replay_mismatch", "actor/moe_tokens_per_expert_max",
+                     "actor/kl_loss")),
         Case("lora-ppo-bf16", (GAE, "actor.lora.enable=true", "critic.lora.enable=true",
                                "actor.lora.target_modules=[q_proj,v_proj]", "actor.dtype=bf16",
                                "critic.dtype=bf16", "reference.dtype=bf16"), resume=True,
@@ -762,8 +770,10 @@ def main(argv=None) -> int:
             print(f"{c.name:<36} {c.summary}")
         print(f"{len(cases)} cases")
         return 0
-    # The tiny model, and a reward model with its tokenizer beside it ({model}-rm).
-    for out, extra in ((args.model, []), (args.model + "-rm", ["--reward-model"])):
+    # The tiny model, a reward model with its tokenizer beside it ({model}-rm) and a
+    # mixture-of-experts model ({model}-moe).
+    for out, extra in ((args.model, []), (args.model + "-rm", ["--reward-model"]),
+                       (args.model + "-moe", ["--moe"])):
         if not os.path.isfile(os.path.join(out, "config.json")):
             subprocess.run([sys.executable, "-m", "tools.make_tiny_model", "--out", out, *extra],
                            cwd=ROOT, env=case_env(os.cpu_count() or 1), check=True,

@@ -8,7 +8,7 @@ import pytest
 
 from verl_mcore import build
 from verl_mcore.config import Config
-from verl_mcore.config.validate import ModelShape, _layout_errors
+from verl_mcore.config.validate import ModelShape, _layout_errors, _router_replay_errors
 from verl_mcore.models.hf_config import HFArch, MoESpec, RopeSpec
 
 MOE = MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True, layers=(0, 1),
@@ -64,3 +64,35 @@ def test_model_shape_reads_the_expert_count(tmp_path):
             {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
              "hidden_size": 64, key: 8}))
         assert ModelShape.from_hf_dir(str(tmp_path)).num_experts == 8
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.recompute_activations=true"], "actor.recompute_activations=true"),
+    (["parallel.context_parallel_size=2"], "parallel.context_parallel_size=2"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
+    (["rollout.engine=vllm"], "rollout.engine=vllm"),
+])
+def test_routing_replay_refuses_what_it_cannot_replay_naming_the_key(overrides, message):
+    errors = _router_replay_errors(_cfg("actor.router_replay=rollout", *overrides))
+    assert len(errors) == 1 and errors[0].startswith("actor.router_replay=rollout cannot run "
+                                                     "with " + message), errors
+    assert _router_replay_errors(_cfg("actor.router_replay=off", *overrides)) == []
+
+
+def test_routing_replay_of_a_dense_model_is_refused_and_its_field_declared_for_moe():
+    from verl_mcore.rollout.token_fields import TOKEN_FIELDS
+
+    dense = dataclasses.replace(SHAPE, num_experts=None)
+    errors = _layout_errors(_cfg("actor.router_replay=rollout"), 2, dense)
+    assert any("actor.router_replay=rollout replays a mixture-of-experts" in e for e in errors)
+    assert _layout_errors(_cfg("actor.router_replay=rollout"), 2, SHAPE) == []
+    info = SimpleNamespace(arch=ARCH)
+    try:
+        build.declare_token_fields(_cfg("actor.router_replay=rollout"), info)
+        assert TOKEN_FIELDS["routed_experts"].shape == (2, 2)  # (layers, top-k)
+        with pytest.raises(ValueError, match="is dense"):
+            build.declare_token_fields(_cfg("actor.router_replay=rollout"),
+                                       SimpleNamespace(arch=dataclasses.replace(ARCH, moe=None)))
+    finally:
+        build.declare_token_fields(_cfg(), info)  # off: retracted
+    assert "routed_experts" not in TOKEN_FIELDS

@@ -58,6 +58,7 @@ from verl_mcore.rollout.cross_set import CrossSetPlan, CrossSetTransfer
 from verl_mcore.rollout.generate_fn import UserGenerateFn, load_generate_fn
 from verl_mcore.rollout.group_filter import GroupFilters
 from verl_mcore.rollout.fp8_weights import Fp8LinearWeights
+from verl_mcore.rollout import token_fields
 from verl_mcore.rollout.native import NativeEngine
 from verl_mcore.rollout.repartition import Repartitioner, generation_model_is_training_model
 from verl_mcore.rollout.vllm_engine import VLLMEngine
@@ -413,10 +414,29 @@ def role_seed(seed: int, role: str):
         yield
 
 
+def declare_token_fields(cfg: Config, info: ModelInfo) -> None:
+    """The per-token fields this run's samples carry beyond the built-in ones, declared the
+    same on every rank (rollout/token_fields.py): the engine's routing under
+    actor.router_replay=rollout, shaped (layers, top-k) by the model."""
+    if replays_routing(cfg):
+        if info.arch.moe is None:
+            raise ValueError(f"actor.router_replay={cfg.actor.router_replay}: model "
+                             f"{cfg.model.path} is dense; set actor.router_replay=off")
+        token_fields.declare(token_fields.routing_field(info.arch.num_layers, info.arch.moe.topk))
+    else:
+        token_fields.retract(token_fields.ROUTED_EXPERTS)
+
+
+def replays_routing(cfg: Config) -> bool:
+    """Whether the engine records routing and the actor and reference replay it."""
+    return cfg.actor.router_replay == "rollout"
+
+
 def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, optim=None,
                  recompute: bool = False, lr_decay_steps: int = 1):
     """The role's MegatronEngine on its set: TP / PP / VPP from `groups.layout` (the role's
-    set, which the placement gives its own layout), every group from `groups.train`."""
+    set, which the placement gives its own layout), every group from `groups.train`. The
+    actor and the reference replay the engine's routing under actor.router_replay=rollout."""
     lay = groups.layout
     config = _transformer_config(cfg, info, dtype, lay.tp, lay.pp, lay.vpp)
     arch, vocab = info.arch, role_padded_vocab(cfg, info.arch, role, lay.tp)
@@ -438,7 +458,8 @@ def build_engine(cfg: Config, groups, info: ModelInfo, role: str, dtype: str, op
     return MegatronEngine(provider, config, pg, dtype=dtype, optim=optim,
                           recompute_activations=recompute, lr_decay_steps=lr_decay_steps,
                           use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                          load_weights=loader, vocab_size=info.arch.vocab_size)
+                          load_weights=loader, vocab_size=info.arch.vocab_size,
+                          router_replay=replays_routing(cfg) and role in ("actor", "reference"))
 
 
 def optimizer_steps_per_training_step(cfg: Config, role: str) -> int:
@@ -455,6 +476,7 @@ def optimizer_steps_per_training_step(cfg: Config, role: str) -> int:
 
 
 def build_actor(cfg: Config, groups, info: ModelInfo):
+    declare_token_fields(cfg, info)  # (again: the Python API builds no run_parts)
     a = cfg.actor
     steps = cfg.trainer.total_steps * optimizer_steps_per_training_step(cfg, "actor")
     engine = build_engine(cfg, groups, info, "actor", a.dtype, optim=a.optim,
@@ -581,7 +603,8 @@ def _rollout_engine(cfg, groups, info, model, repartitioner):
                           tp_group=groups.gen_tp if r.tensor_parallel_size > 1 else None,
                           repartitioner=repartitioner, keep_weights_buffer=r.keep_weights_buffer,
                           max_num_seqs=r.max_num_seqs,
-                          gpu_memory_utilization=r.gpu_memory_utilization, fp8_weights=fp8)
+                          gpu_memory_utilization=r.gpu_memory_utilization, fp8_weights=fp8,
+                          record_routing=replays_routing(cfg))
     if dist.get_rank() == 0:
         log.info("native engine: decode attention %s (%s), fused decode step %s, CUDA graphs %s",
                  engine.attention or "reference", engine.attention_reason,

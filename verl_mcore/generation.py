@@ -26,11 +26,12 @@ import dataclasses
 import logging
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from verl_mcore.config.schema import logprob_check_bound
 from verl_mcore.config.seeds import rollout_config
-from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.engine.batch import TrainBatch, response_aligned
 from verl_mcore.rollout.base import SamplingParams
 from verl_mcore.rollout.sync_check import check_across_sets, check_weight_sync, checked_outputs
 
@@ -231,11 +232,13 @@ class GenerationPhase:
         while ranks of other roles run their own phases."""
         return getattr(self.groups, "whole", None)
 
-    def actor_logprobs(self, prompts, responses, temperature):
+    def actor_logprobs(self, prompts, responses, temperature, routing=None):
         """The trainer side of the sync check: every replica's sequences go through the actor
-        together (its roles take the global batch), and each replica gets its own rows back."""
+        together (its roles take the global batch), and each replica gets its own rows back.
+        routing: the engine's per sequence ([tokens, layers, k], or None), replayed."""
         lead = self.groups.gen_tp_rank == 0
-        mine = list(zip(map(list, prompts), map(list, responses))) if lead else None
+        routing = routing or [None] * len(prompts)
+        mine = list(zip(map(list, prompts), map(list, responses), routing)) if lead else None
         group = self._set_group()
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (self.groups.gen_dp_rank, mine), group=group)
@@ -244,8 +247,16 @@ class GenerationPhase:
         if not seqs:
             return []
         offset = sum(len(part) for r, part in parts if r < self.groups.gen_dp_rank)
-        batch = TrainBatch.from_sequences([p for p, _ in seqs], [r for _, r in seqs], self.pad)
-        logp, _ = self.actor.compute_log_prob(batch)
+        batch = TrainBatch.from_sequences([p for p, _, _ in seqs], [r for _, r, _ in seqs], self.pad)
+        given = [torch.as_tensor(x, dtype=torch.int32) for _, _, x in seqs if x is not None]
+        if given:  # a replica without routing: its routers choose (-1)
+            flat = torch.cat([torch.full((len(r), *given[0].shape[1:]), -1, dtype=torch.int32)
+                              if x is None else torch.as_tensor(x, dtype=torch.int32)
+                              for _, r, x in seqs])
+            lens = torch.tensor([len(r) for _, r, _ in seqs])
+            batch = dataclasses.replace(batch, routed_experts=response_aligned(
+                flat, lens, batch.response_width, fill=-1))
+        logp, _ = self.actor.compute_log_prob(batch, measure_replay=False)
         return [logp[offset + i, :len(r)].cpu() for i, r in enumerate(responses)]
 
 

@@ -128,6 +128,7 @@ def _build(cfg: Config, launch, run, run_dir: str, made: list) -> RunParts:
                                       "checking the validation metrics")
     run.record_start(cfg)  # inputs checked: a refused start leaves the record alone
     info = inputs.info
+    build.declare_token_fields(cfg, info)  # every rank, whichever roles it builds
     loader = build.build_prompt_loader(cfg, inputs.train_data, gen_groups)
     if rank == 0:  # what the data stage kept, before minutes of model building
         log_data_stage(inputs.train_data, inputs.val_data, cfg.data, loader.batches_per_epoch)

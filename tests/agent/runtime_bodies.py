@@ -87,3 +87,38 @@ def runtime_body(rank, world_size, hf_dir: str, tp_gen: int, cases: tuple = ("to
     res["used"] = engine.pool.used
     phase.end()
     return res
+
+
+def routing_body(rank, world_size, hf_dir: str):
+    """The toy loop (turns with observations between them) over a MoE model's native engine
+    recording its routing: each trajectory's routed_experts against a teacher-forced forward
+    (tests/rollout/moe_engine_bodies.routing_errors), observations -1."""
+    from tests.rollout.moe_engine_bodies import routing_errors
+    from verl_mcore.agent.runtime import AgentRuntime
+    from verl_mcore.config import Config
+    from verl_mcore.generation import GenerationPhase
+    from verl_mcore.rollout import token_fields
+    from verl_mcore.rollout.base import SamplingParams
+    from verl_mcore.rollout.native import NativeEngine
+    from verl_mcore.user_code import load_user_object
+
+    groups = setup(1, 1)
+    arch, model = generation_model(hf_dir, groups, 1, 1)
+    engine = NativeEngine(model, vocab_size=arch.vocab_size, block_size=4, max_num_seqs=16,
+                          steps_per_sync=2, record_routing=True)
+    phase = GenerationPhase(engine, None, groups, Config.load(None, []).rollout, (), 32, 0)
+    prompts = _Prompts(LONG_PROMPTS[:3])
+    runtime = AgentRuntime(load_user_object(TOY, "ToyLoop", "rollout.agent_loop"), {"turns": 3},
+                           TOY, "ToyLoop", max_turns=8, tokenizer=None, eos_token_ids=[],
+                           vocab_size=arch.vocab_size)
+    token_fields.declare(token_fields.routing_field(arch.num_layers, arch.moe.topk))
+    try:
+        phase.begin(0)
+        outs = runtime(phase, prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32,
+                                                      seed=5, logprobs=True))
+    finally:
+        token_fields.retract("routed_experts")
+    bad, shapes = routing_errors(model, engine, [(prompts.input_ids[o.prompt_index], o)
+                                                 for o in outs])
+    return {"bad": bad, "shapes": sorted(shapes), "turns": [o.turns for o in outs],
+            "observed": sum(o.loss_mask.count(0) for o in outs)}

@@ -111,3 +111,36 @@ def test_the_numbers_a_loop_reports_become_mean_metrics():
                         {"flag": True, "bad": float("nan")}, {}])
     assert got["agent/info/tool_calls_mean"] == 3.0
     assert len(got) == 2 and any(k.startswith("agent/info/a_b-") for k in got)  # no "/" nesting
+
+
+def test_the_engines_per_token_extras_follow_the_response():
+    """A turn's extras (the routed experts under routing replay) join the response with its
+    tokens; an observation's tokens, which no forward produced, get the field's default (-1:
+    the trainer's routers choose), and so do the tokens before the field first came."""
+    import numpy as np
+    import torch
+
+    from verl_mcore.rollout import token_fields
+
+    routed = [np.full((2, 2, 2), 3, dtype=np.int32), np.full((1, 2, 2), 4, dtype=np.int32)]
+
+    async def engine(ctx, budget):
+        n = min(budget, 2)
+        return Turn((1,) * n, None, "stop", {"routed_experts": routed[ctx.turns][:n]})
+
+    ctx = AgentContext([9], {}, tokenizer=None, eos_token_ids=[0], max_turns=3, max_tokens=10,
+                       request=engine)
+    token_fields.declare(token_fields.routing_field(2, 2))
+    try:
+        async def run():
+            ctx.append_observation([5])  # before any turn
+            await ctx.generate()
+            ctx.append_observation([6, 7])
+            await ctx.generate(max_new_tokens=1)
+
+        asyncio.run(run())
+        got = ctx.response_extras()["routed_experts"]
+    finally:
+        token_fields.retract("routed_experts")
+    assert got.shape == (6, 2, 2) and got.dtype == torch.int32
+    assert got[:, 0, 0].tolist() == [-1, 3, 3, -1, -1, 4]

@@ -118,3 +118,16 @@ def test_tp2_ranks_return_the_same_trajectories(hf_dir, ran):
     assert results[0]["toy"] == results[1]["toy"]
     assert [o[5] for o in results[0]["toy"]] == [o[5] for o in ran["toy"]]
     assert "no such tool" in results[1]["raises"]  # the first rank's error, on the other rank too
+
+
+@pytest.mark.distributed
+def test_routing_replay_records_each_turns_experts_and_none_for_observations(tmp_path):
+    """actor.router_replay=rollout with an agent loop: a trajectory's routed_experts are, for
+    each model token, what the engine's MoE layers routed the position before it to (the
+    prefill of each later turn included) and -1 on observation tokens."""
+    from tests.models.hf_factory import save_tiny_model
+
+    hf_moe = save_tiny_model("qwen2_moe", str(tmp_path / "qwen2_moe"), seed=3)
+    [res] = run_on_ranks(rb.routing_body, 1, args=(hf_moe,), timeout=300)
+    assert res["bad"] == [] and len(res["shapes"]) == 1
+    assert max(res["turns"]) > 1 and res["observed"] > 0

@@ -1,5 +1,6 @@
 """bench/gpu_matrix.py: the cases cover every option value of the schema, every command is a valid
 one-GPU config, and the driver's judging and report work (without a GPU)."""
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -14,6 +15,8 @@ from verl_mcore.config import ModelShape, validate
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ModelShape(num_attention_heads=4, num_key_value_heads=2, num_layers=2, vocab_size=40,
                   hidden_size=64)  # tools/make_tiny_model.py's defaults
+# The matrix's models by path: the tiny model and its --moe variant (4 experts) beside it.
+SHAPES = {"/m": TINY, "/m-moe": dataclasses.replace(TINY, num_experts=4)}
 
 
 def test_every_schema_option_value_is_run_by_a_case_or_exempt():
@@ -60,11 +63,11 @@ def test_every_command_is_a_valid_one_gpu_config():
         for argv in argvs:
             cfg = gm.config_of(argv)
             device = "cpu" if "trainer.device=cpu" in case.overrides else "cuda"
-            assert cfg.trainer.device == device and cfg.model.path == "/m", case.name
+            assert cfg.trainer.device == device and cfg.model.path in SHAPES, case.name
             # Several ranks only on the CPU: the matrix has one GPU.
             assert case.ranks == 1 or device == "cpu", case.name
             assert ("torch.distributed.run" in argv) == (case.ranks > 1), case.name
-            validate(cfg, case.ranks, TINY)  # raises ConfigError naming the fields
+            validate(cfg, case.ranks, SHAPES[cfg.model.path])  # raises ConfigError naming the fields
         assert gm.expected_steps(argvs)[-1] == (4 if case.resume else 3)
     assert gm.expected_steps(gm.commands(next(c for c in gm.CASES if c.name == "validation"),
                                          root=str(ROOT), model="/m", run_dir="/r", device="cuda",

@@ -1,6 +1,8 @@
 """Micro-batch planning and layout (no ranks, no model)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -118,3 +120,34 @@ def test_batch_validation_names_the_row():
     with pytest.raises(ValueError, match="advantages must be"):
         TrainBatch(batch.input_ids, batch.prompt_lens, batch.seq_lens, batch.response_mask,
                    advantages=torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_routing_goes_to_the_positions_whose_logits_predict_each_response_token(packed):
+    """TrainBatch.routed_experts [B, R, layers, k] laid out like input_ids: response token j's
+    routing at the position that predicts it (ForcedRouting forces it there), -1 at every other
+    position, through the growth a pipeline schedule applies; concat pads with -1."""
+    batch = make_batch(seed=3, num=5)
+    b, r = batch.num_samples, batch.response_width
+    routed = torch.arange(b * r * 3 * 2, dtype=torch.int32).view(b, r, 3, 2)
+    routed[~batch.response_field_mask()] = -1
+    batch = dataclasses.replace(batch, routed_experts=routed)
+    rows = [4, 1, 3]
+    mb = build_micro_batch(batch, rows, packed=packed, pad_multiple=4)
+    shape = (mb.input_ids.shape[0] + (0 if packed else 2), mb.input_ids.shape[1] + 8)
+    for grown in (mb, pad_micro_batch(mb, shape)):
+        assert grown.routing.shape == (*grown.input_ids.shape, 3, 2)
+        flat = grown.routing.view(-1, 3, 2)
+        placed = torch.zeros(flat.shape[0], dtype=torch.bool)
+        for i, row in enumerate(rows):
+            n = int(batch.seq_lens[row] - batch.prompt_lens[row])
+            idx = grown.gather_index[i, :n]
+            assert torch.equal(flat[idx], routed[row, :n])
+            placed[idx] = True
+        assert (flat[~placed] == -1).all()
+    both = TrainBatch.concat([batch.select([0]), batch.select([1, 2])], pad_token_id=0)
+    assert torch.equal(both.routed_experts, routed[:3, :both.response_width])
+    with pytest.raises(ValueError, match="routed_experts is set in batches \\[0\\]"):
+        TrainBatch.concat([batch.select([0]), dataclasses.replace(batch.select([1]), routed_experts=None)], 0)
+    with pytest.raises(ValueError, match="routed_experts must be \\[B, R, layers, k\\]"):
+        dataclasses.replace(batch, routed_experts=routed[:, :, 0])

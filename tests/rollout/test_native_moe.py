@@ -87,3 +87,19 @@ def test_repartition_moves_experts_from_ep2_pp2(hf_models, family):
     path, tokens, _ = hf_models[family]
     results = run_on_ranks(meb.repartition_body, 4, args=(path, 2, 2, 1), timeout=300)
     _check_repartition(results, tokens, 4, 2, 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family, fused", [("qwen2_moe", False), ("mixtral", True)])
+def test_engine_records_the_experts_its_forward_chose(hf_models, family, fused):
+    """Routing replay's engine side: every response token's routed_experts are the experts
+    MoEDecodeMLP.route picks on the hidden states that produced it (the prefill's last position
+    for the first token, decode steps after), through generate (shared prompt prefills, queued
+    sequences, several rounds) and a serving session (a kept session's continuation), plain
+    and fused decode steps; -1 on dense layers; recording changes no token."""
+    path = hf_models[family][0]
+    [res] = run_on_ranks(meb.routing_body, 1, args=(path, fused), timeout=240)
+    assert res["bad"] == []
+    assert res["shapes"] == [(res["layers"], res["topk"])]
+    assert res["outputs"] == 2 * 5 + 3
+    assert res["same_tokens"] and res["plain_extras"] == [{}]

@@ -8,7 +8,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from verl_mcore.rollout import token_fields
 from verl_mcore.rollout.base import SampleOutput
 from verl_mcore.rollout.batch import Rollout
 from verl_mcore.rollout.partial import PartialPool
@@ -198,3 +200,42 @@ def test_bad_arguments_name_themselves():
         _add(pool, 0, [1, 2])
     with pytest.raises(ValueError, match="3 groups needed"):
         pool.run(ScriptedServer({}), need=3, version=0)
+
+
+class RoutedServer(ScriptedServer):
+    """A ScriptedServer whose outputs carry each token's routing (as a recording engine's):
+    key * 100 + the token's draw, in every slot."""
+
+    def _out(self, rid: int, finish: str) -> SampleOutput:
+        out, r = super()._out(rid, finish), self.requests[rid]
+        draws = torch.arange(r.draws, r.draws + len(out.token_ids), dtype=torch.int32)
+        out.extras["routed_experts"] = (r.key * 100 + draws).view(-1, 1, 1).expand(-1, 2, 2)
+        return out
+
+
+def test_a_continued_sample_keeps_its_routing_through_a_checkpoint():
+    """Routing replay with partial rollouts: an aborted sample's recorded routing joins its
+    continuation's (draws in order), and a checkpointed pool restores it."""
+    token_fields.declare(token_fields.routing_field(2, 2))
+    try:
+        pool = _pool()
+        for g in range(3):
+            _add(pool, g, [10 * g, 10 * g + 1])
+        pool.run(RoutedServer(LENGTHS), need=2, version=0)  # g1's long sample: aborted at 5
+        Prompts = SimpleNamespace(input_ids=[g.prompt for g in pool.groups],
+                                  rows=[g.row for g in pool.groups])
+        saved = Rollout.from_state(Rollout.from_outputs(Prompts, PartialPool.outputs(pool.groups),
+                                                        1000).state(), Prompts.rows)
+        other = _pool()
+        other.restore([(g.serial, g.prompt, g.row, [s.key for s in g.samples])
+                       for g in pool.groups], saved)
+        for p in (pool, other):
+            for g in (3, 4):
+                _add(p, g, [10 * g, 10 * g + 1])
+            step = p.run(RoutedServer(LENGTHS), need=2, version=1)
+            g1 = step.taken[0]
+            [out] = [o for o in PartialPool.outputs([g1]) if o.sample_index == 0]
+            assert g1.serial == 1 and len(out.token_ids) == 8
+            assert out.extras["routed_experts"][:, 0, 0].tolist() == [1000 + d for d in range(8)]
+    finally:
+        token_fields.retract("routed_experts")

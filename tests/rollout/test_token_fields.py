@@ -26,10 +26,10 @@ class _Declared:
     """EXTRA declared while inside (restored after: the ranks are pooled processes)."""
 
     def __enter__(self):
-        TOKEN_FIELDS[EXTRA.name] = EXTRA
+        token_fields.declare(EXTRA)
 
     def __exit__(self, *exc):
-        TOKEN_FIELDS.pop(EXTRA.name, None)
+        token_fields.retract(EXTRA.name)
 
 
 def _prompts(count: int):
@@ -226,3 +226,25 @@ def test_a_checkpoint_saves_each_field_not_the_wire_buffer_it_was_cut_from():
             # its values, not a whole buffer (3 ints a token, the group ids' 4 per sample)
             assert nbytes(t) < nbytes(t.clone()) + t.nbytes // 2, name
         assert torch.equal(saved["token_fields"]["versions"], part.token_fields["versions"])
+
+
+def test_declare_adds_replaces_and_retracts_only_its_own_fields():
+    """A field shaped by the model (MoE routing) is declared when the run is built: again the
+    same is a no-op, another shape replaces it (a new run in this process), a built-in field
+    is neither replaced nor retracted, and the fields keep their order."""
+    before = list(TOKEN_FIELDS)
+    try:
+        token_fields.declare(token_fields.routing_field(4, 2))
+        token_fields.declare(token_fields.routing_field(4, 2))
+        assert list(TOKEN_FIELDS) == before + ["routed_experts"]
+        token_fields.declare(token_fields.routing_field(6, 8))
+        assert TOKEN_FIELDS["routed_experts"].shape == (6, 8)
+        assert TOKEN_FIELDS["routed_experts"].fill(1).tolist() == [[[-1] * 8] * 6]
+        with pytest.raises(ValueError, match="'loss_mask' is built in"):
+            token_fields.declare(TokenField("loss_mask", torch.int32, 0))
+        with pytest.raises(ValueError, match="'versions' is built in"):
+            token_fields.retract("versions")
+    finally:
+        token_fields.retract("routed_experts")
+    token_fields.retract("routed_experts")  # not declared: nothing
+    assert list(TOKEN_FIELDS) == before

@@ -47,7 +47,10 @@ import numbers
 import time
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+import torch
+
 from verl_mcore.rollout.base import FinishReason
+from verl_mcore.rollout.token_fields import TOKEN_FIELDS
 
 SIGNATURE = "class Loop(AgentLoop) with async def run(self, ctx, row, prompt_ids)"
 
@@ -70,11 +73,13 @@ class TrajectoryEnded(BaseException):
 class Turn:
     """One model turn: the tokens the engine sampled, their log-probs (None unless the engine
     returned them) and why the turn ended ("stop": a stop token, kept last; "length": the turn's
-    or the trajectory's token budget)."""
+    or the trajectory's token budget); extras: the other per-token fields the engine gave
+    (SampleOutput.extras: the routed experts under routing replay)."""
 
     token_ids: tuple[int, ...]
     logprobs: Optional[tuple[float, ...]]
     finish_reason: FinishReason
+    extras: dict = dataclasses.field(default_factory=dict)
 
 
 class AgentContext:
@@ -109,6 +114,8 @@ class AgentContext:
         self.finish_reason: Optional[FinishReason] = None  # set once a limit ended it
         self.tool_wait_s = 0.0  # time between a turn's end and the next request, or the end
         self.has_logprobs = True  # every turn came with the engine's log-probs
+        # per-token field -> chunks [n, *shape] over the response (observations: the default)
+        self.extras: dict[str, list[torch.Tensor]] = {}
         self._turn_ended: Optional[float] = None
         self._last_reason: FinishReason = "stop"
 
@@ -141,6 +148,7 @@ class AgentContext:
         self._turn_ended = time.perf_counter()
         self.turns += 1
         self.sampled += len(turn.token_ids)
+        self._add_extras(turn.extras, len(turn.token_ids))
         self.response += turn.token_ids
         self.loss_mask += [1] * len(turn.token_ids)
         self.has_logprobs &= turn.logprobs is not None
@@ -166,11 +174,24 @@ class AgentContext:
                 self.observations_cut += 1
             ids = ids[:room]
             self.finish_reason = "length"
+        self._add_extras({}, len(ids))
         self.response += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.observation_tokens += len(ids)
         return len(ids)
+
+    def _add_extras(self, extras: dict, n: int) -> None:
+        """The per-token extras of n tokens about to join the response: `extras`' values, the
+        field's default for those it lacks (and for the tokens before a field first came)."""
+        for name in extras.keys() - self.extras.keys():
+            self.extras[name] = [TOKEN_FIELDS[name].fill(len(self.response))]
+        for name, chunks in self.extras.items():
+            chunks.append(torch.as_tensor(extras[name]) if name in extras else TOKEN_FIELDS[name].fill(n))
+
+    def response_extras(self) -> dict[str, torch.Tensor]:
+        """The per-token extras of the whole response, [len(response), *shape] each."""
+        return {name: torch.cat(chunks) for name, chunks in self.extras.items()}
 
     def close(self) -> FinishReason:
         """The trajectory's finish reason, once its loop is over."""

@@ -266,7 +266,7 @@ class _Leader:
             if not future.cancelled():
                 future.set_result(Turn(tuple(out.token_ids),
                                        None if out.logprobs is None else tuple(out.logprobs),
-                                       out.finish_reason))
+                                       out.finish_reason, dict(out.extras)))
 
     async def _turn(self, ctx: AgentContext, budget: int) -> Turn:
         """AgentContext's request: the next round submits it."""
@@ -299,7 +299,7 @@ class _Leader:
         return SampleOutput(prompt_index=t // self.n, sample_index=t % self.n, token_ids=list(ctx.response),
                             logprobs=list(ctx.logprobs) if ctx.has_logprobs and self.sp.logprobs else None,
                             finish_reason=ctx.finish_reason, loss_mask=list(ctx.loss_mask),
-                            turns=ctx.turns, reward=reward, info=info)
+                            turns=ctx.turns, reward=reward, info=info, extras=ctx.response_extras())
 
     def _metrics(self, contexts: list[AgentContext]) -> dict[str, float]:
         tokens = sum(len(c.response) for c in contexts)

@@ -108,6 +108,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin is Literal:
         if value in get_args(tp):
             return value
+        # YAML reads a bare off / on as a bool: the word the user wrote, where it is a choice
+        word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
+        if word in get_args(tp):
+            return word
         close = difflib.get_close_matches(str(value), [str(a) for a in get_args(tp)], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{key}: expected one of {_type_name(tp)}, got {value!r}{hint}")

@@ -587,6 +587,13 @@ class ActorConfig:
     # are left out of the actor's loss and of its normaliser, in every loss_agg_mode. The critic
     # and the advantages (GRPO's group statistics) still see them (algo/overlong.py).
     mask_truncated_samples: bool = False
+    # Routing replay of a mixture-of-experts actor (models/router_replay.py). "rollout": the
+    # native engine records each response token's experts per layer (routed_experts, in the
+    # trajectory), and the old-log-prob, reference and update forward passes route each token
+    # to them; the gates are recomputed from the trainer's router, which keeps its gradients.
+    # Prompt positions route as the trainer's routers choose. actor/router_replay_mismatch: the
+    # share of token-layer decisions where the trainer would have chosen other experts.
+    router_replay: Literal["off", "rollout"] = "off"
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 

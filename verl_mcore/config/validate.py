@@ -294,7 +294,7 @@ def validate(cfg: Config, world_size: int, shape: Optional[ModelShape] = None,
         errors += _rollout_mode_errors(cfg) + _filter_groups_errors(cfg)
         errors += _length_errors(cfg, shape, data_files, lengths) + _optim_errors(cfg)
         errors += _validation_errors(cfg) + _reward_errors(cfg) + _dependency_errors(cfg)
-        errors += _lora_errors(cfg, sets, shape)
+        errors += _lora_errors(cfg, sets, shape) + _router_replay_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -373,7 +373,32 @@ def _expert_errors(cfg: Config, shape: ModelShape) -> list[str]:
     if p.moe_aux_loss_coeff is not None and shape.num_experts is None:
         errs.append(f"parallel.moe_aux_loss_coeff={p.moe_aux_loss_coeff} is for "
                     "mixture-of-experts models; model.path is dense: leave it null")
+    if cfg.actor.router_replay != "off" and shape.num_experts is None:
+        errs.append(f"actor.router_replay={cfg.actor.router_replay} replays a mixture-of-experts "
+                    f"model's routing; model.path {cfg.model.path} is dense: set "
+                    "actor.router_replay=off")
     return errs
+
+
+def _router_replay_errors(cfg: Config) -> list[str]:
+    """actor.router_replay=rollout against what the replay (models/router_replay.py) and the
+    engine's recording (rollout/native.py) handle."""
+    a, r, p = cfg.actor, cfg.rollout, cfg.parallel
+    if a.router_replay == "off":
+        return []
+    why = f"actor.router_replay={a.router_replay} "
+    conflicts = [
+        (a.recompute_activations, "actor.recompute_activations=true (the recomputed forward "
+                                  "would route with the next micro-batch's experts)"),
+        (p.context_parallel_size > 1, f"parallel.context_parallel_size={p.context_parallel_size} "
+                                      "(a router sees a slice of each sequence)"),
+        (p.sequence_parallel, "parallel.sequence_parallel=true (a router sees a slice of the "
+                              "tokens)"),
+        (r.engine != "native", f"rollout.engine={r.engine} (only the native engine records the "
+                               "experts it routed to)"),
+    ]
+    return [why + "cannot run with " + what + ": turn one of them off"
+            for bad, what in conflicts if bad]
 
 
 def rollout_batch_bytes(cfg: Config) -> int:

@@ -146,6 +146,9 @@ class Actor:
         )
         self.mb_kwargs = micro_batching(cfg.max_tokens_per_microbatch, cfg.micro_batch_size_per_gpu)
         self.vocab_size = _model_vocab(engine)
+        # Routing replay's counts from the old-log-prob pass over the batch being trained (the
+        # weights that sampled it); None: that pass did not run, the update's passes count.
+        self._replayed: Optional[tuple[int, int]] = None
 
     def is_on_policy_step(self, num_samples: int) -> bool:
         """Whether updating a batch of `num_samples` is one optimizer step (one epoch, one
@@ -153,9 +156,19 @@ class Actor:
         the old log-probs from its own forward pass (see ActorConfig.recompute_old_log_probs)."""
         return self.cfg.ppo_epochs == 1 and self.mini_batch_size == num_samples
 
-    def compute_log_prob(self, batch: TrainBatch, compute_entropy: bool = False):
-        """Old log-probs `[B, R]` (and entropies) of the current weights, forward only."""
-        return compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, compute_entropy)
+    def compute_log_prob(self, batch: TrainBatch, compute_entropy: bool = False,
+                         measure_replay: bool = True):
+        """Old log-probs `[B, R]` (and entropies) of the current weights, forward only.
+        measure_replay: this pass gives the update's routing-replay metric (`_replay_mismatch`);
+        False for other batches (the weight-sync check's)."""
+        replayed = (measure_replay and self.engine.replay is not None
+                    and batch.routed_experts is not None)
+        if replayed:
+            self.engine.replay.mismatch(reset=True)  # count this pass only
+        out = compute_log_probs(self.engine, batch, self.temperature, self.mb_kwargs, compute_entropy)
+        if replayed:
+            self._replayed = self.engine.replay_mismatch()
+        return out
 
     def _loss(self, denoms: LossDenominators, logits: torch.Tensor, mb) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
@@ -192,13 +205,27 @@ class Actor:
         if not self.is_on_policy_step(batch.num_samples):
             needed.append("old_log_probs")  # several optimizer steps: the policy moves between them
         batch.require(*needed, role="Actor.update")
+        replayed = self.engine.replay is not None and batch.routed_experts is not None
+        if replayed and self._replayed is None:
+            self.engine.replay.mismatch(reset=True)  # the update's passes count
         steps = run_ppo_epochs(
             self.engine, batch, self.mini_batch_size, self.cfg.ppo_epochs, self.mb_kwargs,
             self._loss, self.norm_len,
         )
-        return summarize("actor", steps, self.engine, batch, self.cfg.ppo_epochs, self.vocab_size), [
-            s for s, _ in steps
-        ]
+        summary = summarize("actor", steps, self.engine, batch, self.cfg.ppo_epochs, self.vocab_size)
+        if replayed:
+            summary["actor/router_replay_mismatch"] = self._replay_mismatch()
+        return summary, [s for s, _ in steps]
+
+    def _replay_mismatch(self) -> Optional[float]:
+        """The share of token-layer routing decisions (response tokens, MoE layers) where the
+        actor's router, left to itself, would have chosen other experts than the rollout
+        engine: in the old-log-prob pass when it ran (the weights that sampled), else in the
+        update's passes (one on-policy step: the same weights). None when no decision was
+        replayed (the engine recorded none)."""
+        differed, forced = self._replayed or self.engine.replay_mismatch()
+        self._replayed = None
+        return differed / forced if forced else None
 
 
 def run_ppo_epochs(engine, batch, mini_batch_size, epochs, mb_kwargs, loss, norm_len):

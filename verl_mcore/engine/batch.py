@@ -24,6 +24,13 @@ response are padding (mask 0). Optional fields, needed by the role that reads th
     is_weights     [B, R] float   importance weights of each token's policy loss (rollout.tis_cap:
                                   algo/policy_loss.truncated_is_weights; rollout.correction.
                                   decoupled: algo/off_policy.decoupled_weights)
+    routed_experts [B, R, layers, k] int32   the experts the rollout engine routed the forward
+                                  predicting response token j to, per MoE layer (the logits'
+                                  position prompt_lens[i] + j - 1; the global layer index on
+                                  dim 2); -1: the router's own choice (dense layers, tokens the
+                                  engine did not produce, padding). Routing replay forces them
+                                  in the actor's and reference's forward passes
+                                  (actor.router_replay, models/router_replay.py)
 
 The engine receives the GLOBAL batch, the same on every rank of the data-parallel (DP) group, and
 returns global results ([B, R], original sample order) on every rank; it decides itself which DP
@@ -67,6 +74,7 @@ class TrainBatch:
     values: Optional[Tensor] = None
     token_rewards: Optional[Tensor] = None
     is_weights: Optional[Tensor] = None
+    routed_experts: Optional[Tensor] = None
 
     def __post_init__(self):
         self.validate()
@@ -114,6 +122,10 @@ class TrainBatch:
             t = getattr(self, name)
             if t is not None and t.shape != (b, r):
                 raise ValueError(f"TrainBatch.{name} must be [B, R]=[{b}, {r}], got {tuple(t.shape)}")
+        t = self.routed_experts
+        if t is not None and (t.dim() != 4 or t.shape[:2] != (b, r)):
+            raise ValueError(f"TrainBatch.routed_experts must be [B, R, layers, k] with "
+                             f"[B, R]=[{b}, {r}], got {tuple(t.shape)}")
 
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -213,6 +225,14 @@ class TrainBatch:
                                  f"{[i for i, h in enumerate(have) if h]} but not in the others")
             if all(have):
                 out[name] = torch.cat([widened(getattr(b, name), r, 0) for b in batches])
+        have = [b.routed_experts is not None for b in batches]
+        if any(have) and not all(have):
+            raise ValueError(f"TrainBatch.concat: routed_experts is set in batches "
+                             f"{[i for i, h in enumerate(have) if h]} but not in the others")
+        if all(have):  # padding routes as the router chooses (-1)
+            out["routed_experts"] = torch.cat([
+                torch.nn.functional.pad(b.routed_experts, (0, 0, 0, 0, 0, r - b.response_width),
+                                        value=-1) for b in batches])
         return cls(**out)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
@@ -238,14 +258,15 @@ class TrainBatch:
         return cols[None, :] < self.response_lens.to(cols.device)[:, None]
 
 
-def response_aligned(flat: Tensor, response_lens: Tensor, width: int) -> Tensor:
-    """[B, width] of flat's dtype: row i holds the response_lens[i] values of sample i (flat
-    [sum(response_lens), *] per-token values, sample after sample) left-aligned, then 0."""
+def response_aligned(flat: Tensor, response_lens: Tensor, width: int, fill=0) -> Tensor:
+    """[B, width, *] of flat's dtype: row i holds the response_lens[i] values of sample i (flat
+    [sum(response_lens), *] per-token values, sample after sample) left-aligned, then `fill`."""
     lens = response_lens.long()
     inside = torch.arange(width)[None, :] < lens[:, None]  # [B, width]
-    out = torch.zeros(lens.numel(), width, *flat.shape[1:], dtype=flat.dtype)
+    out = torch.full((lens.numel(), width, *flat.shape[1:]), fill, dtype=flat.dtype)
     out[inside] = flat
     return out
+
 
 
 def flatten_token_ids(seqs: Sequence[Sequence[int]],

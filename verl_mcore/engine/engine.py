@@ -49,6 +49,7 @@ from verl_mcore.engine.moe_metrics import RoutingMetrics
 from verl_mcore.engine.packing import (MicroBatch, build_micro_batch, pad_micro_batch,
                                        plan_micro_batches)
 from verl_mcore.models import grad_accum
+from verl_mcore.models.router_replay import ForcedRouting
 from verl_mcore.utils.device import compute_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,6 +122,7 @@ class MegatronEngine:
         load_weights: Optional[Callable[[torch.nn.Module], None]] = None,
         vocab_size: Optional[int] = None,
         grad_accum_fusion: bool = True,
+        router_replay: bool = False,
     ):
         """
         model_provider(config, pre_process, post_process, vp_stage) builds one model chunk.
@@ -134,6 +136,9 @@ class MegatronEngine:
             straight into DDP's fp32 main_grad in the backward GEMM (megatron's
             gradient_accumulation_fusion, with models/grad_accum.py standing in for apex)
             instead of returning a bf16 gradient that DDP then adds. Off only to compare.
+        router_replay: a MoE model's routers take the experts of each micro-batch's `routing`
+            (the rollout engine's, models/router_replay.py) in every forward; the gates are
+            recomputed from this model's router, which keeps its gradients.
         """
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -176,6 +181,11 @@ class MegatronEngine:
             if dtype != "fp32":
                 module = Float16Module(self.config, module)
             chunks.append(module)
+        if router_replay and recompute_activations:
+            # the recomputed forward would run after the next micro-batch set its targets
+            raise ValueError("routing replay with activation recompute: set "
+                             "actor.recompute_activations=false or actor.router_replay=off")
+        self.replay = ForcedRouting(chunks) if router_replay else None
 
         self.optimizer = None
         self.scheduler = None
@@ -236,6 +246,8 @@ class MegatronEngine:
         # Micro-batches are laid out on the host; fields computed on the GPU (old log-probs,
         # advantages) come over once here, not once per micro-batch.
         batch = batch.cpu()
+        if self.replay is None and batch.routed_experts is not None:  # nothing here replays it
+            batch = dataclasses.replace(batch, routed_experts=None)
         plan = plan_micro_batches(
             batch.seq_lens.tolist(), self.dp_size, max_tokens=max_tokens,
             micro_batch_size=micro_batch_size, pad_multiple=self.pad_multiple,
@@ -270,6 +282,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             kwargs = {"fp32_output": False} if half else {}
+            if self.replay is not None:  # this micro-batch's routing (None: the routers' own)
+                self.replay.force(mb.routing)
             output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **kwargs)
 
             def loss_func(output_tensor):
@@ -311,6 +325,20 @@ class MegatronEngine:
                 **self._schedule_groups(),
             )
         return list(out) if self.is_last_stage else []
+
+    def replay_mismatch(self) -> tuple[int, int]:
+        """Routing replay's counts since the last call: (token-layers where the router's own
+        experts differed from the replayed ones, token-layers replayed), summed over this role's
+        ranks (collective over PP, each stage counting its layers, and DP, each rank its tokens;
+        TP ranks route the same tokens). (0, 0) without routing replay."""
+        if self.replay is None:
+            return 0, 0
+        counts = torch.tensor(self.replay.mismatch(reset=True), dtype=torch.int64,
+                              device=compute_device())
+        for group in (self.pg.pp, self.pg.dp):
+            if group.size() > 1:
+                dist.all_reduce(counts, group=group)
+        return int(counts[0]), int(counts[1])
 
     def moe_metrics(self) -> dict[str, float]:
         """The last training pass's routing metrics (engine/moe_metrics.py; {} for a dense

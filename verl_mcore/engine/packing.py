@@ -18,7 +18,9 @@ from the same global batch without communication:
    sits after each sequence's last token, so under causal attention it changes no real token.
    padded: input_ids [n, s], s = the longest sequence rounded up to `pad_multiple`.
    Either way `gather_index [n, R]` points each response token at the flat position of the logit
-   that predicts it, so outputs come back response-aligned whatever the layout.
+   that predicts it, so outputs come back response-aligned whatever the layout. The engine's
+   routing (TrainBatch.routed_experts) goes the other way: scattered to those positions, laid
+   out like input_ids (`MicroBatch.routing`), -1 everywhere else.
 """
 from __future__ import annotations
 
@@ -116,6 +118,8 @@ class MicroBatch:
     fields: [n, R] response-aligned tensors: response_mask and the batch's optional fields.
     num_tokens: T or n*s, the tokens the model processes (padding included).
     seq_lens: [n] real sequence lengths (for FLOP counting).
+    routing: [*input_ids.shape, layers, k] int32, the experts to force at each position
+        (models/router_replay.py ForcedRouting.force; -1: the router's own choice), or None.
     """
 
     input_ids: Tensor
@@ -128,6 +132,7 @@ class MicroBatch:
     fields: dict[str, Tensor] = field(default_factory=dict)
     num_tokens: int = 0
     seq_lens: Tensor = None
+    routing: Optional[Tensor] = None
 
     @property
     def num_samples(self) -> int:
@@ -170,6 +175,7 @@ class MicroBatch:
             fields={k: move(v) for k, v in self.fields.items()},
             num_tokens=self.num_tokens,
             seq_lens=self.seq_lens,
+            routing=None if self.routing is None else move(self.routing),
         )
 
 
@@ -203,9 +209,13 @@ def pad_micro_batch(mb: MicroBatch, shape: tuple[int, int]) -> MicroBatch:
         # Flat indices are row * s + column: re-base them on the new row length.
         gather_index = (gather_index // old[1]) * shape[1] + gather_index % old[1]
     targets = torch.roll(input_ids.view(-1), -1).view(shape)
+    routing = mb.routing
+    if routing is not None:  # the new positions route as their routers choose
+        routing = torch.full((*shape, *routing.shape[2:]), -1, dtype=routing.dtype)
+        routing[: old[0], : old[1]] = mb.routing
     return dataclasses.replace(
         mb, input_ids=input_ids, position_ids=position_ids, targets=targets, packed_seq_params=params,
-        gather_index=gather_index, num_tokens=input_ids.numel(),
+        gather_index=gather_index, num_tokens=input_ids.numel(), routing=routing,
     )
 
 
@@ -267,10 +277,16 @@ def build_micro_batch(batch: TrainBatch, rows: Sequence[int], packed: bool, pad_
         t = getattr(batch, name)
         if t is not None:
             fields[name] = t.cpu()[rows_t]
+    routing = None
+    if batch.routed_experts is not None:
+        routed = batch.routed_experts.cpu()[rows_t]  # [n, R, layers, k]
+        routing = torch.full((*input_ids.shape, *routed.shape[2:]), -1, dtype=torch.int32)
+        routing.view(-1, *routed.shape[2:])[gather_index[gather_valid]] = \
+            routed[gather_valid].to(torch.int32)
     return MicroBatch(
         input_ids=input_ids, position_ids=position_ids, targets=targets, packed_seq_params=params,
         rows=rows_t, gather_index=gather_index, gather_valid=gather_valid, fields=fields,
-        num_tokens=num_tokens, seq_lens=seq_lens,
+        num_tokens=num_tokens, seq_lens=seq_lens, routing=routing,
     )
 
 

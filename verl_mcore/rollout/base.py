@@ -107,19 +107,19 @@ class SampleOutput:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        own = sorted(set(self.extras) & set(_OWN_TOKEN_FIELDS))
+        own = sorted(set(self.extras) & set(OWN_TOKEN_FIELDS))
         if own:
             raise ValueError(f"SampleOutput.extras {own}: set them as SampleOutput.{own[0]}")
 
     def token_values(self, name: str) -> Optional[Any]:
         """The values of per-token field `name` (an attribute above, or one of the extras), or
         None when this sample does not carry it."""
-        if name in _OWN_TOKEN_FIELDS:
+        if name in OWN_TOKEN_FIELDS:
             return getattr(self, name)
         return self.extras.get(name)
 
 
-_OWN_TOKEN_FIELDS = ("logprobs", "loss_mask", "versions")
+OWN_TOKEN_FIELDS = ("logprobs", "loss_mask", "versions")
 
 
 class RolloutEngine(abc.ABC):

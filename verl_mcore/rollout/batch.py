@@ -232,7 +232,7 @@ class Rollout:
 
     def for_learner(self, info) -> "Rollout":
         """This batch with the learner's view laid out (on the host): `train` (its response mask
-        the loss mask), `engine_log_probs` [B, R] response-aligned like the trainer's own, the
+        the loss mask, the engine's routing when it was recorded), `engine_log_probs` [B, R] response-aligned like the trainer's own, the
         decoded `responses`; `info`: the actor's ModelInfo (pad token, tokenizer)."""
         if self.train is not None:
             return self
@@ -243,6 +243,10 @@ class Rollout:
         engine = None
         if self.logprobs is not None:
             engine = response_aligned(self.logprobs, self.response_lens, train.response_width)
+        routed = self.token_fields.get(token_fields.ROUTED_EXPERTS)
+        if routed is not None:  # the engine's routing, replayed by the actor (-1 past the end)
+            train = dataclasses.replace(train, routed_experts=response_aligned(
+                routed, self.response_lens, train.response_width, fill=-1))
         return dataclasses.replace(self, train=train, engine_log_probs=engine,
                                    responses=decode_responses(info.tokenizer, self))
 

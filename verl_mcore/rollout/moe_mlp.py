@@ -24,9 +24,10 @@ in fp32, strides that are not multiples of 16 bytes), the experts run one GEMM e
 sorted rows, with the counts read on the host: correct, not graph-capturable (the engine's graph
 capture then falls back to eager decoding, as for any op that syncs).
 
-The chosen experts of the last call's tokens are kept (`last_experts`, [T, k]); the engine does
-not yet record them per sequence (routing replay's engine side: models/router_replay.py says
-what the trainer does with them).
+The chosen experts of the last call's tokens are kept (`last_experts`, [T, k]); an engine that
+records routing (NativeEngine(record_routing=True), routing replay's engine side) reads them after
+each forward into its samples' `routed_experts` (models/router_replay.py says what the trainer does
+with them).
 """
 from __future__ import annotations
 

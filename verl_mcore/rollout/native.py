@@ -116,6 +116,7 @@ class _CachedGPT:
         # Each layer's MLP as the engine calls it: a MoE layer through rollout/moe_mlp.py.
         self.mlps = [MoEDecodeMLP(layer.mlp, f"layer {i}") if is_moe_layer(layer.mlp) else layer.mlp
                      for i, layer in enumerate(self.layers)]
+        self.moe_layers = [i for i, m in enumerate(self.mlps) if isinstance(m, MoEDecodeMLP)]
         attn = self.layers[0].self_attention
         self.tp_size = attn.world_size if hasattr(attn, "world_size") else 1
         if cfg.num_query_groups is not None and cfg.num_query_groups < self.tp_size:
@@ -228,6 +229,26 @@ class _CachedGPT:
             h = self._add(h, self._linear(layer.self_attention.linear_proj, attend(i, q, k, v)))
             h = self._add(h, self._mlp_out(self.mlps[i], layer.pre_mlp_layernorm(h)))
         return self.final_norm(h)
+
+    def routing_shape(self) -> tuple[int, int]:
+        """(layers, top-k) of one token's routing (`routing`); ValueError for a dense model."""
+        if not self.moe_layers:
+            raise ValueError("native rollout engine: routing is recorded for mixture-of-experts "
+                             "models only; this model has no MoE layer")
+        return len(self.layers), self.mlps[self.moe_layers[0]].topk
+
+    def routing(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, layers, k] int32: the experts each MoE layer chose in the last forward for its
+        tokens (flat over [s, b], s-major, as the layers see them) at `index` [T] (None: every
+        token); -1 on dense layers. The generation model holds every layer: layer i is global
+        layer i, the index the trainer's ForcedRouting takes (models/router_replay.py)."""
+        first = self.mlps[self.moe_layers[0]].last_experts
+        rows = first.shape[0] if index is None else index.shape[0]
+        out = torch.full((rows, *self.routing_shape()), -1, dtype=torch.int32, device=first.device)
+        for i in self.moe_layers:
+            experts = self.mlps[i].last_experts
+            out[:, i] = experts if index is None else experts[index]
+        return out
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.decoder.final_layernorm(h)
@@ -371,7 +392,7 @@ class NativeEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  max_prefill_tokens: int = 16384, fused_decode: bool = True,
                  block_size: Optional[int] = None, steps_per_sync: int = 16, min_compact_slots: int = 16,
-                 fp8_weights: Optional[Fp8LinearWeights] = None):
+                 fp8_weights: Optional[Fp8LinearWeights] = None, record_routing: bool = False):
         while not hasattr(model, "decoder") and hasattr(model, "module"):
             model = model.module  # DDP / Float16Module wrappers of the training model
         if fp8_weights is not None:
@@ -383,6 +404,9 @@ class NativeEngine(RolloutEngine):
         self.fp8_weights = fp8_weights
         self.net = _CachedGPT(model, fp8_weights)
         self.model = model
+        # Routing replay's engine side (actor.router_replay=rollout): each response token's
+        # experts per layer, from the forward that produced it, in SampleOutput.extras.
+        self.routing_shape = self.net.routing_shape() if record_routing else None
         self.vocab_size = vocab_size
         padded = model.vocab_size if hasattr(model, "vocab_size") else None
         if padded is not None and vocab_size > padded:
@@ -592,9 +616,10 @@ class NativeEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- forward passes
 
-    def _prefill(self, contexts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+    def _prefill(self, contexts: list[list[int]], tables: list[list[int]]
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run `contexts` (right-padded, causal) into their blocks `tables`; logits of each
-        context's last token [n, V_local]."""
+        context's last token [n, V_local] and its routing (`_last_logits`)."""
         net, bs = self.net, self.block_size
         lengths = [len(c) for c in contexts]
         s = max(lengths)
@@ -622,13 +647,13 @@ class NativeEngine(RolloutEngine):
 
         h = net.forward(tokens, positions, attend)  # [s, n, H]
         last = torch.as_tensor(lengths, device=h.device) - 1
-        h = h[last, torch.arange(len(contexts), device=h.device)].unsqueeze(0)  # [1, n, H]
-        return net.logits(h)[0]
+        return self._last_logits(h, last)
 
     def _prefill_cached(self, contexts: list[list[int]], starts: list[int],
-                        tables: list[list[int]]) -> torch.Tensor:
+                        tables: list[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Run the tokens of `contexts` from `starts` on (their prefixes' KV already in the
-        blocks `tables`) into the cache; logits of each context's last token [n, V_local]. The
+        blocks `tables`) into the cache; logits of each context's last token [n, V_local] and
+        its routing (`_last_logits`). The
         queries attend to the cached prefix and, causally, to each other."""
         net, bs = self.net, self.block_size
         n = len(contexts)
@@ -666,8 +691,17 @@ class NativeEngine(RolloutEngine):
 
         h = net.forward(tokens, positions, attend)  # [sq, n, H]
         last = torch.as_tensor([len(x) for x in news], device=h.device) - 1
-        h = h[last, torch.arange(n, device=h.device)].unsqueeze(0)  # [1, n, H]
-        return net.logits(h)[0]
+        return self._last_logits(h, last)
+
+    def _last_logits(self, h: torch.Tensor, last: torch.Tensor
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A prefill's (logits [n, V_local], routing [n, layers, k] or None) at each context's
+        last position `last` [n] of its final hidden states h [s, n, H]: what its first sampled
+        token comes from."""
+        n = h.shape[1]
+        rows = torch.arange(n, device=h.device)
+        routing = self.net.routing(last * n + rows) if self.routing_shape else None
+        return self.net.logits(h[last, rows].unsqueeze(0))[0], routing
 
     def _decode_forward(self, ds: "_DecodeState") -> torch.Tensor:
         """One token per slot, from the decode state's inputs (last token at position pos, block
@@ -682,15 +716,17 @@ class NativeEngine(RolloutEngine):
                                               net.scale, flash=self.attention, cascade=ds.cascade)
 
         if self.fused:
-            return net.logits(net.fused_decode(ds.last, ds.pos, rows, paged))[0]
+            h = net.fused_decode(ds.last, ds.pos, rows, paged)
+        else:
+            def attend(i, q, k, v):
+                kc, vc = net.cache_rows(i)
+                kc[rows] = k[0]
+                vc[rows] = v[0]
+                return paged(i, q[0].contiguous()).reshape(1, b, -1)
 
-        def attend(i, q, k, v):
-            kc, vc = net.cache_rows(i)
-            kc[rows] = k[0]
-            vc[rows] = v[0]
-            return paged(i, q[0].contiguous()).reshape(1, b, -1)
-
-        h = net.forward(ds.last.unsqueeze(1), ds.pos.unsqueeze(1), attend)
+            h = net.forward(ds.last.unsqueeze(1), ds.pos.unsqueeze(1), attend)
+        if ds.out_routing is not None:  # before `advance` moves the column on
+            ds.record_routing(net.routing())
         return net.logits(h)[0]
 
     def _step(self, ds: "_DecodeState") -> None:
@@ -824,7 +860,7 @@ class NativeEngine(RolloutEngine):
         seed = sp.seed
         if seed is None and not sp.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
-        st = _Schedule(prompts, sp, slots, width, self.pool, seed or 0)
+        st = _Schedule(prompts, sp, slots, width, self.pool, seed or 0, self.routing_shape)
         while st.waiting or st.live:
             self._round(st)
         self.last_stats = self._stats(st, time.perf_counter() - start)
@@ -908,7 +944,7 @@ class NativeEngine(RolloutEngine):
         ds = self._graphs.get(key)
         if ds is None:
             ds = self._graphs[key] = _DecodeState(slots, width, self.steps_per_sync, sp, self.net.device,
-                                                  cascade, stop_cap)
+                                                  cascade, stop_cap, self.routing_shape)
         ds.sp = sp
         return ds
 
@@ -959,7 +995,7 @@ class NativeEngine(RolloutEngine):
             kept = st.take_kept(head)
             st.place(head, free.pop(0), kept + pool.take(pool.blocks_for(len(st.context(head))) - len(kept)))
             heads.append(head)
-        logits = self._prefill_heads(st, heads)
+        logits, routing = self._prefill_heads(st, heads)
         copies = []  # (source block, destination block): each sample's own partial prompt block
         for group in groups:
             head_blocks = st.blocks[st.slot_of[group[0]]]
@@ -980,12 +1016,15 @@ class NativeEngine(RolloutEngine):
             st.keys_of(admitted, logits.device), torch.as_tensor(
                 [st.draws[s] + len(st.tokens[s]) for s in admitted], dtype=torch.long, device=logits.device))
         toks, lps = self._pick(logits[rows], st.sp, u)
-        st.record_first(admitted, toks.tolist(), None if lps is None else lps.tolist())
+        st.record_first(admitted, toks.tolist(), None if lps is None else lps.tolist(),
+                        None if routing is None else routing[rows].cpu().numpy())
 
-    def _prefill_heads(self, st: "_Schedule", heads: list[int]) -> torch.Tensor:
-        """Logits [len(heads), V_local] of each head's last context token, its context written
-        into its blocks: whole contexts in one forward, continuations of a cached prefix (their
-        `cached` tokens already in the blocks) in another."""
+    def _prefill_heads(self, st: "_Schedule", heads: list[int]
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits [len(heads), V_local] of each head's last context token (and its routing
+        [len(heads), layers, k] when recorded), its context written into its blocks: whole
+        contexts in one forward, continuations of a cached prefix (their `cached` tokens already
+        in the blocks) in another."""
         starts = [st.cached.pop(s, 0) for s in heads]
         st.prefill_tokens += sum(len(st.context(s)) - c for s, c in zip(heads, starts))
         st.reused_tokens += sum(starts)
@@ -999,7 +1038,10 @@ class NativeEngine(RolloutEngine):
             parts.append((whole, self._prefill([st.context(heads[i]) for i in whole],
                                                [st.blocks[st.slot_of[heads[i]]] for i in whole])))
         order = torch.as_tensor([i for idx, _ in parts for i in idx]).argsort()
-        return torch.cat([lg for _, lg in parts])[order.to(parts[0][1].device)]
+        logits = torch.cat([lg for _, (lg, _) in parts])[order.to(parts[0][1][0].device)]
+        if not self.routing_shape:
+            return logits, None
+        return logits, torch.cat([r for _, (_, r) in parts])[order.to(logits.device)]
 
     def _grow(self, st: "_Schedule") -> int:
         """Decoding steps for the next round, with KV blocks for every live sequence's tokens in
@@ -1026,6 +1068,7 @@ class NativeEngine(RolloutEngine):
         """The host's look after `steps` decoding steps: new tokens, finished sequences."""
         toks = ds.out_tokens[:, :steps].cpu().numpy()
         lps = ds.out_logprobs[:, :steps].cpu().numpy() if st.sp.logprobs else None
+        routing = ds.out_routing[:, :steps].cpu().numpy() if ds.out_routing is not None else None
         st.syncs += 1
         st.decode_steps += steps
         st.stepped_slot_steps += steps * ds.slots
@@ -1033,7 +1076,8 @@ class NativeEngine(RolloutEngine):
             row = toks[slot]
             n = int(np.argmax(row < 0)) if (row < 0).any() else steps
             st.live_slot_steps += n
-            st.extend(slot, row[:n].tolist(), None if lps is None else lps[slot, :n].tolist())
+            st.extend(slot, row[:n].tolist(), None if lps is None else lps[slot, :n].tolist(),
+                      None if routing is None else routing[slot, :n])
 
 
 class NativeServer(serving.Server):
@@ -1047,7 +1091,7 @@ class NativeServer(serving.Server):
         self.engine, self.sp, self.max_len = engine, sampling, max_len
         slots = min(engine.max_num_seqs, sessions)
         width = engine._open(max_len, max(slots, sessions), "NativeEngine.serving: max_len")
-        self.st = _Schedule([], sampling, slots, width, engine.pool, 0)
+        self.st = _Schedule([], sampling, slots, width, engine.pool, 0, engine.routing_shape)
         self.start = time.perf_counter()
 
     def submit(self, request: serving.Request) -> int:
@@ -1105,11 +1149,13 @@ class _DecodeState:
     whether the slot decodes a live sequence, its random stream's counter (`gen`: the draws of
     its request before it and the tokens it has) and the counter's limit (`limit`: where its
     max_new_tokens run out), its random key, stop ids and block table row; the round's sampled
-    tokens and log-probs (column `col`, one per step) until the host collects them. The CUDA graph
+    tokens and log-probs (column `col`, one per step) until the host collects them, and with
+    `routing_shape` (layers, k) the experts each step's forward chose per slot. The CUDA graph
     of the decode step reads and writes these tensors in place."""
 
     def __init__(self, slots: int, width: int, steps: int, sp: SamplingParams, device: torch.device,
-                 cascade_members: int = 0, stop_cap: int = 0):
+                 cascade_members: int = 0, stop_cap: int = 0,
+                 routing_shape: Optional[tuple[int, int]] = None):
         z = dict(device=device, dtype=torch.long)
         self.slots = slots
         self.last, self.pos, self.gen, self.keys, self.limit = (torch.zeros(slots, **z) for _ in range(5))
@@ -1117,6 +1163,9 @@ class _DecodeState:
         self.table = torch.zeros(slots, width, dtype=torch.int32, device=device)
         self.out_tokens = torch.full((slots, steps), -1, **z)
         self.out_logprobs = torch.zeros(slots, steps, dtype=torch.float32, device=device)
+        # [slots, steps, layers, k]: the routing of the forward that produced each step's token
+        self.out_routing = None if routing_shape is None else torch.full(
+            (slots, steps, *routing_shape), -1, dtype=torch.int32, device=device)
         self.col = torch.zeros(1, **z)
         # each row sorted and padded with its largest id (-1 throughout for a slot without any)
         self.stop_ids = torch.full((slots, stop_cap), -1, **z) if stop_cap else None
@@ -1152,6 +1201,10 @@ class _DecodeState:
         for t, s in zip(self._state(), saved):
             t.copy_(s)
 
+    def record_routing(self, routing: torch.Tensor) -> None:
+        """This step's routing [slots, layers, k] into column `col` (on the device: no sync)."""
+        self.out_routing.index_copy_(1, self.col, routing.unsqueeze(1))
+
     def advance(self, tokens: torch.Tensor, logprobs: Optional[torch.Tensor]) -> None:
         """A step's sampled tokens: record them for live slots, then end the sequences that
         sampled a stop token or reached max_new_tokens; the rest feed their token next."""
@@ -1179,8 +1232,10 @@ class _Schedule:
     prompt s // n."""
 
     def __init__(self, prompts: list[list[int]], sp: SamplingParams, slots: int, width: int,
-                 pool: kv_blocks.BlockPool, seed: int):
+                 pool: kv_blocks.BlockPool, seed: int,
+                 routing_shape: Optional[tuple[int, int]] = None):
         self.sp, self.pool, self.slots, self.width = sp, pool, slots, width
+        self.routing_shape = routing_shape  # (layers, k) when the engine records routing
         self.n_seq = 0
         # Per sequence.
         self.contexts: list[list[int]] = []  # what its prefill reads before its own tokens
@@ -1194,6 +1249,7 @@ class _Schedule:
         self.index: list[tuple[int, int]] = []  # (prompt_index, sample_index) of its output
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
+        self.routing: list[list[np.ndarray]] = []  # per token run: [n, layers, k] int32
         self.finish: list[Optional[str]] = []
         self.waiting: deque = deque()
         self.cached: dict[int, int] = {}  # sequence -> prefix tokens its admission found cached
@@ -1249,6 +1305,7 @@ class _Schedule:
         self.index.append(index)
         self.tokens.append([])
         self.logprobs.append([])
+        self.routing.append([])
         self.finish.append(None)
         self.waiting.append(s)
         if share is not None:
@@ -1264,9 +1321,13 @@ class _Schedule:
 
     def output(self, s: int) -> SampleOutput:
         p, j = self.index[s]
+        extras = {}
+        if self.routing_shape is not None:
+            extras["routed_experts"] = np.concatenate(
+                [np.zeros((0, *self.routing_shape), dtype=np.int32), *self.routing[s]])
         return SampleOutput(prompt_index=p, sample_index=j, token_ids=self.tokens[s],
                             logprobs=self.logprobs[s] if self.sp.logprobs else None,
-                            finish_reason=self.finish[s])
+                            finish_reason=self.finish[s], extras=extras)
 
     def context(self, s: int) -> list[int]:
         """What sequence s's prefill reads: its context and the tokens it already has (those of a
@@ -1374,8 +1435,10 @@ class _Schedule:
         ids = self.stop_sorted[self.slot_seq[slot]]
         self.stop_rows[slot] = (ids + ids[-1:] * (self.stop_cap - len(ids))) if ids else -1
 
-    def record_first(self, seqs: list[int], toks: list[int], lps: Optional[list[float]]) -> None:
-        """Admitted sequences' first sampled tokens (from their prefill's last logits)."""
+    def record_first(self, seqs: list[int], toks: list[int], lps: Optional[list[float]],
+                     routing: Optional[np.ndarray] = None) -> None:
+        """Admitted sequences' first sampled tokens (from their prefill's last logits), with
+        that position's routing [len(seqs), layers, k] when recorded."""
         for j, s in enumerate(seqs):
             slot = self.slot_of[s]
             self.live.append(slot)
@@ -1384,16 +1447,21 @@ class _Schedule:
             if self.stop_cap:
                 self._stop_row(slot)
             self.pos[slot] = len(self.context(s))  # the position of the token fed next
-            self.extend(slot, [toks[j]], None if lps is None else [lps[j]])
+            self.extend(slot, [toks[j]], None if lps is None else [lps[j]],
+                        None if routing is None else routing[j:j + 1])
         self.peak_live = max(self.peak_live, len(self.live))
 
-    def extend(self, slot: int, toks: list[int], lps: Optional[list[float]]) -> None:
-        """Append a slot's new tokens (the device stopped recording after a final one); retire
-        a finished sequence, or mirror where the device state stands."""
+    def extend(self, slot: int, toks: list[int], lps: Optional[list[float]],
+               routing: Optional[np.ndarray] = None) -> None:
+        """Append a slot's new tokens (the device stopped recording after a final one), their
+        log-probs and routing [n, layers, k]; retire a finished sequence, or mirror where the
+        device state stands."""
         s = self.slot_seq[slot]
         self.tokens[s] += toks
         if lps is not None:
             self.logprobs[s] += lps
+        if routing is not None:
+            self.routing[s].append(routing.copy())
         t = self.tokens[s][-1]
         if t in self.stops[s]:
             self.finish[s] = "stop"

@@ -33,23 +33,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from verl_mcore.rollout.base import SampleOutput
+import torch
+
+from verl_mcore.rollout.base import OWN_TOKEN_FIELDS, SampleOutput
 from verl_mcore.rollout.serving import Request, Server
 
 
 @dataclasses.dataclass
 class PartialSample:
     """One sample of a group: its random stream's key, the tokens it has (their engine log-probs
-    when asked for, the policy version of each), and why it finished (None: not yet)."""
+    when asked for, the policy version of each, the engine's other per-token fields: extras,
+    chunks [n, *shape] by name), and why it finished (None: not yet)."""
 
     key: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: Optional[list[float]] = None
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
+    extras: dict = dataclasses.field(default_factory=dict)
 
     def reset(self, logprobs: bool) -> None:
-        self.tokens, self.versions, self.finish = [], [], None
+        self.tokens, self.versions, self.finish, self.extras = [], [], None, {}
         self.logprobs = [] if logprobs else None
 
 
@@ -167,6 +171,8 @@ class PartialPool:
         """A request's new tokens, sampled with the weights of `version`."""
         sample.tokens += list(out.token_ids)
         sample.versions += [version] * len(out.token_ids)
+        for name, values in out.extras.items():  # every request of an engine gives the same ones
+            sample.extras.setdefault(name, []).append(torch.as_tensor(values))
         if self.logprobs:
             if out.logprobs is None or len(out.logprobs) != len(out.token_ids):
                 raise RuntimeError("PartialPool: the engine returned no log-probs for a request "
@@ -182,7 +188,8 @@ class PartialPool:
         `groups`), each token with its version; an unfinished sample's finish is "aborted"."""
         return [SampleOutput(prompt_index=p, sample_index=j, token_ids=list(s.tokens),
                              logprobs=None if s.logprobs is None else list(s.logprobs),
-                             finish_reason=s.finish or "aborted", versions=list(s.versions))
+                             finish_reason=s.finish or "aborted", versions=list(s.versions),
+                             extras={k: torch.cat(v) for k, v in s.extras.items()})
                 for p, g in enumerate(groups) for j, s in enumerate(g.samples)]
 
     def restore(self, groups: Sequence[tuple[int, list[int], Any, list[int]]], rollout) -> None:
@@ -195,6 +202,7 @@ class PartialPool:
         versions = rollout.token_field("versions").tolist()
         logprobs = rollout.logprobs.tolist() if rollout.logprobs is not None else None
         tokens = rollout.response_ids.tolist()
+        extras = {k: v for k, v in rollout.token_fields.items() if k not in OWN_TOKEN_FIELDS}
         if rollout.num_samples != len(groups) * self.n:
             raise ValueError(f"a checkpoint's partial rollouts hold {rollout.num_samples} samples "
                              f"for {len(groups)} prompts of rollout.n={self.n}")
@@ -204,6 +212,7 @@ class PartialPool:
             for s in self.groups[-1].samples:
                 a, b = starts[i], ends[i]
                 s.tokens, s.versions = tokens[a:b], versions[a:b]
+                s.extras = {k: [v[a:b]] for k, v in extras.items()} if b > a else {}
                 if self.logprobs:
                     if logprobs is None:
                         raise ValueError("a checkpoint's partial rollouts carry no engine "

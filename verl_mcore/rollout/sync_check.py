@@ -10,7 +10,10 @@ before any rank trains on the batch, so a broken repartition or weight push stop
 of silently training on samples from another model.
 
 The trainer side is a callable `(prompts, responses, temperature) -> per-sequence log-probs`;
-`model_logprobs_fn` makes one from a training model with no pipeline parallelism.
+`model_logprobs_fn` makes one from a training model with no pipeline parallelism. Where the engine
+recorded its routing (actor.router_replay=rollout) the callable also takes `routing=` (per
+sequence [tokens, layers, k] or None) and the actor replays it, as its training passes do: the
+check then compares the weights, not the routers' near-ties.
 """
 from __future__ import annotations
 
@@ -22,13 +25,14 @@ import torch
 import torch.distributed as dist
 
 from verl_mcore.distributed.groups import collective_device
-from verl_mcore.engine.batch import TrainBatch
+from verl_mcore.engine.batch import TrainBatch, response_aligned
 from verl_mcore.engine.logprobs import mask_padded_vocab
 from verl_mcore.errors import WeightSyncError
 from verl_mcore.ops import logprob_entropy
 from verl_mcore.rollout.base import RolloutEngine, SampleOutput, SamplingParams
 from verl_mcore.rollout.batch import Rollout
 from verl_mcore.rollout.gather import agreed_failure, broadcast_part, gather_rollout
+from verl_mcore.rollout.token_fields import ROUTED_EXPERTS
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,9 @@ def checked_outputs(outputs: Sequence[SampleOutput], count: int, max_tokens: int
     chosen = (firsts + rest)[:count]
     if max_tokens:
         chosen = [dataclasses.replace(o, token_ids=list(o.token_ids)[:max_tokens],
-                                      logprobs=list(o.logprobs)[:max_tokens]) for o in chosen]
+                                      logprobs=list(o.logprobs)[:max_tokens],
+                                      extras={k: v[:max_tokens] for k, v in o.extras.items()})
+                  for o in chosen]
     return chosen
 
 
@@ -115,8 +121,10 @@ def check_weight_sync(outputs: Sequence[SampleOutput], prompts: Sequence[Sequenc
     """
     if any(o.logprobs is None for o in outputs):
         raise ValueError("check_weight_sync: the outputs were sampled without logprobs=True")
+    routing = [o.extras.get(ROUTED_EXPERTS) for o in outputs]
+    replay = {"routing": routing} if any(r is not None for r in routing) else {}
     theirs = trainer([prompts[o.prompt_index] for o in outputs], [o.token_ids for o in outputs],
-                     temperature)
+                     temperature, **replay)
     diffs = [torch.as_tensor(o.logprobs, dtype=torch.float64)
              - torch.as_tensor(t, dtype=torch.float64).detach().cpu().reshape(-1)
              for o, t in zip(outputs, theirs)]
@@ -186,7 +194,11 @@ def check_across_sets(engine: Optional[RolloutEngine], actor, prompts, sampling:
             batch = TrainBatch.from_flat(part.prompt_ids, part.prompt_lens, part.response_ids,
                                          part.response_lens, pad_token_id,
                                          prompt_of=part.prompt_of)
-            logp, _ = actor.compute_log_prob(batch)
+            routed = part.token_fields.get(ROUTED_EXPERTS)
+            if routed is not None:  # replayed, as in training
+                batch = dataclasses.replace(batch, routed_experts=response_aligned(
+                    routed, part.response_lens, batch.response_width, fill=-1))
+            logp, _ = actor.compute_log_prob(batch, measure_replay=False)
             # The response tokens in order, as the engine's flat log-probs have them.
             trainer = logp.detach().cpu().double()[batch.response_mask.cpu().bool()]
             diff = (part.logprobs.double() - trainer).abs()

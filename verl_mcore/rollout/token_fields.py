@@ -18,8 +18,11 @@ broadcast (rollout/gather.py) send them as one flat buffer per dtype, the checkp
 sampled ahead (Rollout.state) saves them by name. The learner reads them [B, R]
 (Rollout.for_learner: the loss mask becomes the batch's response_mask, the log-probs its
 engine_log_probs). A field no sample carries costs nothing on the wire or in a checkpoint.
-A new field (MoE routing: the experts each token was routed to, shape (layers, top_k)) is one
-more line in TOKEN_FIELDS; an engine or generate function fills it through SampleOutput.extras.
+A new field is one more line in TOKEN_FIELDS; an engine or generate function fills it through
+SampleOutput.extras. A field whose shape depends on the model is declared when the run is built
+(`declare`): MoE routing, `routing_field` (actor.router_replay=rollout, build.py). Every rank
+of a run declares the same fields in the same order (the gather names fields by their place in
+TOKEN_FIELDS).
 
 A part either carries a field or not. Not carried means every token has the default (or, for a
 field without one, that nobody has the values). Samples or replicas that differ are merged by
@@ -90,8 +93,39 @@ TOKEN_FIELDS: dict[str, TokenField] = {f.name: f for f in (
     TokenField("logprobs", torch.float32, None),
     TokenField("loss_mask", torch.uint8, 1),
     TokenField("versions", torch.int32, BATCH_VERSION),
-    # Extras: one line each, e.g. TokenField("routed_experts", torch.int32, None, (48, 8)).
 )}
+# The declarations above; `declare` adds to them, `retract` removes only what it added.
+_BUILT_IN = frozenset(TOKEN_FIELDS)
+
+ROUTED_EXPERTS = "routed_experts"
+
+
+def routing_field(layers: int, topk: int) -> TokenField:
+    """routed_experts  int32 [layers, top_k]: the experts each MoE layer routed the forward that
+    produced the token to (the last prompt position's for the first token), as the engine chose
+    them (routing replay, models/router_replay.py). Dense layers, and tokens no forward of the
+    engine produced (observations), hold -1: the trainer's router then chooses itself."""
+    return TokenField(ROUTED_EXPERTS, torch.int32, -1, (layers, topk))
+
+
+def declare(field: TokenField) -> None:
+    """Add a per-token field to TOKEN_FIELDS (after the others). Declaring the same field again
+    is a no-op; one of the same name with another dtype, default or shape replaces an earlier
+    `declare`'s (a new run in the same process, another model), never a built-in field."""
+    if field.name in _BUILT_IN:
+        raise ValueError(f"per-token field {field.name!r} is built in (rollout/token_fields.py); "
+                         "declare a field of another name")
+    if TOKEN_FIELDS.get(field.name) == field:
+        return
+    TOKEN_FIELDS.pop(field.name, None)
+    TOKEN_FIELDS[field.name] = field
+
+
+def retract(name: str) -> None:
+    """Remove a field `declare` added (nothing when it is not declared)."""
+    if name in _BUILT_IN:
+        raise ValueError(f"per-token field {name!r} is built in and cannot be retracted")
+    TOKEN_FIELDS.pop(name, None)
 
 
 def merged(name: str, carried: Sequence[bool], what: str = "samples",
