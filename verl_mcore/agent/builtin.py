@@ -54,15 +54,19 @@ def _tools_of(ctx: AgentContext, loop: str):
     return ctx.tools
 
 
-class ToolLoop(AgentLoop):
-    """rollout.agent_loop.name: tools (module docstring). kwargs: max_tokens_per_turn, a model
-    turn's tokens at most (None: what is left of the response's budget). A call the model
-    completed in a turn that then ran out of tokens still runs."""
+class _TurnLimited(AgentLoop):
+    """kwargs of the built-in loops: max_tokens_per_turn, a model turn's tokens at most (None:
+    what is left of the response's budget)."""
 
     def __init__(self, max_tokens_per_turn: Optional[int] = None):
         if max_tokens_per_turn is not None and max_tokens_per_turn < 1:
             raise ValueError(f"max_tokens_per_turn={max_tokens_per_turn}: at least 1")
         self.max_tokens_per_turn = max_tokens_per_turn
+
+
+class ToolLoop(_TurnLimited):
+    """rollout.agent_loop.name: tools (module docstring). A call the model completed in a turn
+    that then ran out of tokens still runs."""
 
     async def run(self, ctx: AgentContext, row: dict, prompt_ids: list[int]):
         tools = _tools_of(ctx, "tools")
@@ -81,14 +85,8 @@ class ToolLoop(AgentLoop):
                 return {"tool_calls": calls}
 
 
-class EnvironmentLoop(AgentLoop):
-    """rollout.agent_loop.name: environment (module docstring). kwargs: max_tokens_per_turn,
-    as for `tools`."""
-
-    def __init__(self, max_tokens_per_turn: Optional[int] = None):
-        if max_tokens_per_turn is not None and max_tokens_per_turn < 1:
-            raise ValueError(f"max_tokens_per_turn={max_tokens_per_turn}: at least 1")
-        self.max_tokens_per_turn = max_tokens_per_turn
+class EnvironmentLoop(_TurnLimited):
+    """rollout.agent_loop.name: environment (module docstring)."""
 
     async def run(self, ctx: AgentContext, row: dict, prompt_ids: list[int]):
         tools = _tools_of(ctx, "environment")
