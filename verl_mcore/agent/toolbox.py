@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from verl_mcore.agent.environment import load_environment
 from verl_mcore.agent.metrics import ToolMetrics
-from verl_mcore.agent.observation import ObservationTokens, prompt_messages
+from verl_mcore.agent.observation import ObservationTokens
 from verl_mcore.agent.parsers import ParsedTurn, load_parser, parse_error_result
 from verl_mcore.agent.sandbox import EnvSession, ToolSandbox
 from verl_mcore.agent.tools import ToolResult, load_tools
@@ -59,12 +59,6 @@ class AgentTools:
     def schemas(self) -> list[dict]:
         """The tools' OpenAI-style schemas (what the prompt shows the model)."""
         return [spec.schema for spec in self.specs]
-
-    def prompt_messages(self, tokenizer, messages: list[dict]) -> tuple[list[dict], dict]:
-        """(messages, apply_chat_template kwargs) of a prompt that shows the model its tools:
-        the template's own `tools=` where it renders them, else a system message describing
-        them in the format the hermes parser reads (observation.prompt_messages)."""
-        return prompt_messages(tokenizer, messages, self.schemas)
 
     # ------------------------------------------------------------------ per trajectory
 
